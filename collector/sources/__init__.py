@@ -1,0 +1,1 @@
+"""Kernel and telemetry sources for the collector."""

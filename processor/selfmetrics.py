@@ -1,0 +1,102 @@
+"""The processor's own health: counters and gauges every stage updates.
+
+Names are fixed here so dashboards and alert rules (deploy/prometheus/) can
+rely on them; each becomes ``trainscope_processor_<name>`` at exposition
+(counters get ``_total``). Label values are bounded sets (signal, sink,
+reason), never ranks or kernels.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Iterable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+COUNTERS = {
+    "events_in": ("Records received, by signal", ("signal",)),
+    "bytes_in": ("Serialized bytes received, by signal", ("signal",)),
+    "batches_in": ("Batches accepted, by signal", ("signal",)),
+    "batches_rejected": ("Batches rejected whole, by reason", ("reason",)),
+    "records_rejected": ("Single records rejected, by reason", ("reason",)),
+    "records_out": ("Records delivered, by sink and signal", ("sink", "signal")),
+    "bytes_out": ("Serialized bytes delivered, by sink and signal", ("sink", "signal")),
+    "drops": ("Records dropped, by where they were dropped", ("where",)),
+    "sink_errors": ("Delivery errors, by sink", ("sink",)),
+    "windows_closed": ("Windows closed, by how they were closed", ("trigger",)),
+    "window_close_seconds_sum": ("Total time spent closing and summarising windows", ()),
+    "streams": ("Ingest streams opened", ()),
+}
+GAUGES = {
+    "lag_seconds": ("Now minus the send time of the newest batch, by signal", ("signal",)),
+    "window_close_seconds_max": ("Longest time to close and summarise one window", ()),
+    "open_windows": ("Windows open now", ()),
+    "spool_bytes": ("Bytes held in a sink's on-disk spool", ("sink",)),
+    "ranks": ("Ranks seen", ()),
+}
+
+
+class SelfMetrics:
+    """Thread-safe counters and gauges, exported by a scrape-time collector."""
+
+    def __init__(self, prefix: str = "trainscope_processor") -> None:
+        self.prefix = prefix
+        self._lock = threading.Lock()
+        self._values: dict[tuple[str, tuple[str, ...]], float] = {}
+
+    def _key(self, name: str, labels: dict[str, str], table: dict) -> tuple[str, tuple[str, ...]]:
+        spec = table.get(name)
+        if spec is None:
+            raise KeyError(f"unknown self-metric {name!r}")
+        names = spec[1]
+        if set(labels) != set(names):
+            raise KeyError(f"{name} takes labels {names}, got {tuple(labels)}")
+        return name, tuple(str(labels[n]) for n in names)
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        key = self._key(name, labels, COUNTERS)
+        with self._lock:
+            self._values[key] = self._values.get(key, 0.0) + value
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        key = self._key(name, labels, GAUGES)
+        with self._lock:
+            self._values[key] = float(value)
+
+    def set_max(self, name: str, value: float, **labels: str) -> None:
+        key = self._key(name, labels, GAUGES)
+        with self._lock:
+            self._values[key] = max(self._values.get(key, 0.0), float(value))
+
+    def get(self, name: str, **labels: str) -> float:
+        """Current value (0 if never set). With no labels, the sum over all label sets."""
+        with self._lock:
+            if not labels and (COUNTERS.get(name) or GAUGES.get(name, ("", ())))[1]:
+                return sum(v for (n, _), v in self._values.items() if n == name)
+            table = COUNTERS if name in COUNTERS else GAUGES
+            return self._values.get(self._key(name, labels, table), 0.0)
+
+    def snapshot(self) -> dict[str, float]:
+        """Flat ``name{label=value}`` -> value, for logs and tests."""
+        with self._lock:
+            items = list(self._values.items())
+        out = {}
+        for (name, vals), v in items:
+            spec = COUNTERS.get(name) or GAUGES[name]
+            labels = ",".join(f"{k}={val}" for k, val in zip(spec[1], vals))
+            out[f"{name}{{{labels}}}" if labels else name] = v
+        return out
+
+    # prometheus_client custom-collector protocol: built at scrape time.
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            items = list(self._values.items())
+        for table, family in ((COUNTERS, CounterMetricFamily), (GAUGES, GaugeMetricFamily)):
+            for name, (doc, label_names) in table.items():
+                fam = family(f"{self.prefix}_{name}", doc, labels=list(label_names))
+                for (n, vals), v in items:
+                    if n == name:
+                        fam.add_metric(list(vals), v)
+                yield fam
+
+    def describe(self) -> Iterable[Metric]:
+        return []

@@ -1,0 +1,66 @@
+"""Regenerate the checked-in protobuf/gRPC modules from ``proto/v1/*.proto``.
+
+Run from the repository root (needs the ``test`` extra, which has
+grpcio-tools)::
+
+    python proto/generate.py
+
+The ``.proto`` files import each other as ``trainscope/proto/v1/<file>.proto``
+so that the generated code imports ``trainscope.proto.v1.<file>_pb2``, the
+name under which the package installs; protoc needs the sources laid out at
+that path, so they are staged in a temporary tree first. The installed package
+only needs ``protobuf`` and ``grpcio`` at run time, never grpcio-tools.
+"""
+from __future__ import annotations
+
+import pathlib
+import shutil
+import sys
+import tempfile
+
+HERE = pathlib.Path(__file__).resolve().parent
+SRC = HERE / "v1"
+
+
+def main() -> int:
+    from grpc_tools import protoc  # imported here: a build-time dependency only
+    import grpc_tools
+
+    well_known = pathlib.Path(grpc_tools.__file__).parent / "_proto"
+    with tempfile.TemporaryDirectory() as tmp:
+        root = pathlib.Path(tmp)
+        staged = root / "in" / "trainscope" / "proto" / "v1"
+        staged.mkdir(parents=True)
+        out = root / "out"
+        out.mkdir()
+        protos = sorted(SRC.glob("*.proto"))
+        for p in protos:
+            shutil.copy(p, staged / p.name)
+        args = [
+            "protoc",
+            f"-I{root / 'in'}",
+            f"-I{well_known}",
+            f"--python_out={out}",
+            f"--pyi_out={out}",
+            f"--grpc_python_out={out}",
+            *[str(staged / p.name) for p in protos],
+        ]
+        rc = protoc.main(args)
+        if rc != 0:
+            print(f"protoc failed with exit code {rc}", file=sys.stderr)
+            return rc
+        gen = out / "trainscope" / "proto" / "v1"
+        for old in SRC.glob("*_pb2*.py*"):
+            old.unlink()
+        for f in sorted(gen.iterdir()):
+            # protoc writes an empty *_grpc.py for files without a service.
+            if f.name.endswith("_grpc.py") and "Stub" not in f.read_text():
+                continue
+            if f.suffix in (".py", ".pyi"):
+                shutil.copy(f, SRC / f.name)
+                print(f"wrote {SRC / f.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,135 @@
+from trainscope.proto.v1 import common_pb2 as _common_pb2
+from trainscope.proto.v1 import telemetry_pb2 as _telemetry_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WindowKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WINDOW_KIND_TIME: _ClassVar[WindowKind]
+    WINDOW_KIND_ITERATIONS: _ClassVar[WindowKind]
+WINDOW_KIND_TIME: WindowKind
+WINDOW_KIND_ITERATIONS: WindowKind
+
+class Window(_message.Message):
+    __slots__ = ("kind", "index", "start_ns", "end_ns", "first_iteration", "last_iteration")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    START_NS_FIELD_NUMBER: _ClassVar[int]
+    END_NS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    LAST_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    kind: WindowKind
+    index: int
+    start_ns: int
+    end_ns: int
+    first_iteration: int
+    last_iteration: int
+    def __init__(self, kind: _Optional[_Union[WindowKind, str]] = ..., index: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., first_iteration: _Optional[int] = ..., last_iteration: _Optional[int] = ...) -> None: ...
+
+class KernelCluster(_message.Message):
+    __slots__ = ("count", "p50_ns", "p99_ns", "min_ns", "max_ns")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    P50_NS_FIELD_NUMBER: _ClassVar[int]
+    P99_NS_FIELD_NUMBER: _ClassVar[int]
+    MIN_NS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NS_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    p50_ns: float
+    p99_ns: float
+    min_ns: float
+    max_ns: float
+    def __init__(self, count: _Optional[int] = ..., p50_ns: _Optional[float] = ..., p99_ns: _Optional[float] = ..., min_ns: _Optional[float] = ..., max_ns: _Optional[float] = ...) -> None: ...
+
+class KernelStats(_message.Message):
+    __slots__ = ("kernel", "stream", "kind", "clusters", "count", "total_ns")
+    KERNEL_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CLUSTERS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    kernel: str
+    stream: int
+    kind: _telemetry_pb2.KernelKind
+    clusters: _containers.RepeatedCompositeFieldContainer[KernelCluster]
+    count: int
+    total_ns: float
+    def __init__(self, kernel: _Optional[str] = ..., stream: _Optional[int] = ..., kind: _Optional[_Union[_telemetry_pb2.KernelKind, str]] = ..., clusters: _Optional[_Iterable[_Union[KernelCluster, _Mapping]]] = ..., count: _Optional[int] = ..., total_ns: _Optional[float] = ...) -> None: ...
+
+class KernelWindow(_message.Message):
+    __slots__ = ("resource", "window", "kernels", "events")
+    RESOURCE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    resource: _common_pb2.Resource
+    window: Window
+    kernels: _containers.RepeatedCompositeFieldContainer[KernelStats]
+    events: int
+    def __init__(self, resource: _Optional[_Union[_common_pb2.Resource, _Mapping]] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., kernels: _Optional[_Iterable[_Union[KernelStats, _Mapping]]] = ..., events: _Optional[int] = ...) -> None: ...
+
+class PhaseStats(_message.Message):
+    __slots__ = ("phase", "count", "mean_ns", "p50_ns", "p99_ns", "max_ns", "total_ns", "clock")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    MEAN_NS_FIELD_NUMBER: _ClassVar[int]
+    P50_NS_FIELD_NUMBER: _ClassVar[int]
+    P99_NS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    count: int
+    mean_ns: float
+    p50_ns: float
+    p99_ns: float
+    max_ns: float
+    total_ns: float
+    clock: _telemetry_pb2.PhaseClock
+    def __init__(self, phase: _Optional[str] = ..., count: _Optional[int] = ..., mean_ns: _Optional[float] = ..., p50_ns: _Optional[float] = ..., p99_ns: _Optional[float] = ..., max_ns: _Optional[float] = ..., total_ns: _Optional[float] = ..., clock: _Optional[_Union[_telemetry_pb2.PhaseClock, str]] = ...) -> None: ...
+
+class PhaseWindow(_message.Message):
+    __slots__ = ("resource", "window", "phases")
+    RESOURCE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    resource: _common_pb2.Resource
+    window: Window
+    phases: _containers.RepeatedCompositeFieldContainer[PhaseStats]
+    def __init__(self, resource: _Optional[_Union[_common_pb2.Resource, _Mapping]] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., phases: _Optional[_Iterable[_Union[PhaseStats, _Mapping]]] = ...) -> None: ...
+
+class IterationWindow(_message.Message):
+    __slots__ = ("resource", "window", "marks", "mean_ns", "p50_ns", "max_ns")
+    RESOURCE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    MARKS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_NS_FIELD_NUMBER: _ClassVar[int]
+    P50_NS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NS_FIELD_NUMBER: _ClassVar[int]
+    resource: _common_pb2.Resource
+    window: Window
+    marks: _containers.RepeatedCompositeFieldContainer[_telemetry_pb2.IterationMark]
+    mean_ns: float
+    p50_ns: float
+    max_ns: float
+    def __init__(self, resource: _Optional[_Union[_common_pb2.Resource, _Mapping]] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., marks: _Optional[_Iterable[_Union[_telemetry_pb2.IterationMark, _Mapping]]] = ..., mean_ns: _Optional[float] = ..., p50_ns: _Optional[float] = ..., max_ns: _Optional[float] = ...) -> None: ...
+
+class StackWindow(_message.Message):
+    __slots__ = ("resource", "window", "samples", "idle_samples", "stacks")
+    RESOURCE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
+    resource: _common_pb2.Resource
+    window: Window
+    samples: int
+    idle_samples: int
+    stacks: _containers.RepeatedCompositeFieldContainer[_telemetry_pb2.FoldedStack]
+    def __init__(self, resource: _Optional[_Union[_common_pb2.Resource, _Mapping]] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., samples: _Optional[int] = ..., idle_samples: _Optional[int] = ..., stacks: _Optional[_Iterable[_Union[_telemetry_pb2.FoldedStack, _Mapping]]] = ...) -> None: ...

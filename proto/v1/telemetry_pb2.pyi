@@ -1,0 +1,154 @@
+from trainscope.proto.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KernelKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KERNEL_KIND_KERNEL: _ClassVar[KernelKind]
+    KERNEL_KIND_MEMCPY: _ClassVar[KernelKind]
+    KERNEL_KIND_MEMSET: _ClassVar[KernelKind]
+
+class PhaseClock(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PHASE_CLOCK_UNSPECIFIED: _ClassVar[PhaseClock]
+    PHASE_CLOCK_CUDA_EVENT: _ClassVar[PhaseClock]
+    PHASE_CLOCK_CPU: _ClassVar[PhaseClock]
+KERNEL_KIND_KERNEL: KernelKind
+KERNEL_KIND_MEMCPY: KernelKind
+KERNEL_KIND_MEMSET: KernelKind
+PHASE_CLOCK_UNSPECIFIED: PhaseClock
+PHASE_CLOCK_CUDA_EVENT: PhaseClock
+PHASE_CLOCK_CPU: PhaseClock
+
+class KernelBatch(_message.Message):
+    __slots__ = ("names", "start_ns", "duration_ns", "name_id", "stream", "kind", "device")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    START_NS_FIELD_NUMBER: _ClassVar[int]
+    DURATION_NS_FIELD_NUMBER: _ClassVar[int]
+    NAME_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    start_ns: bytes
+    duration_ns: bytes
+    name_id: bytes
+    stream: bytes
+    kind: bytes
+    device: int
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., start_ns: _Optional[bytes] = ..., duration_ns: _Optional[bytes] = ..., name_id: _Optional[bytes] = ..., stream: _Optional[bytes] = ..., kind: _Optional[bytes] = ..., device: _Optional[int] = ...) -> None: ...
+
+class PhaseTiming(_message.Message):
+    __slots__ = ("name", "start_ns", "duration_ns", "iteration", "stream", "clock", "micro_batch")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    START_NS_FIELD_NUMBER: _ClassVar[int]
+    DURATION_NS_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    start_ns: int
+    duration_ns: int
+    iteration: int
+    stream: int
+    clock: PhaseClock
+    micro_batch: int
+    def __init__(self, name: _Optional[str] = ..., start_ns: _Optional[int] = ..., duration_ns: _Optional[int] = ..., iteration: _Optional[int] = ..., stream: _Optional[int] = ..., clock: _Optional[_Union[PhaseClock, str]] = ..., micro_batch: _Optional[int] = ...) -> None: ...
+
+class PhaseBatch(_message.Message):
+    __slots__ = ("phases",)
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    phases: _containers.RepeatedCompositeFieldContainer[PhaseTiming]
+    def __init__(self, phases: _Optional[_Iterable[_Union[PhaseTiming, _Mapping]]] = ...) -> None: ...
+
+class IterationMark(_message.Message):
+    __slots__ = ("iteration", "start_ns", "end_ns")
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    START_NS_FIELD_NUMBER: _ClassVar[int]
+    END_NS_FIELD_NUMBER: _ClassVar[int]
+    iteration: int
+    start_ns: int
+    end_ns: int
+    def __init__(self, iteration: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ...) -> None: ...
+
+class IterationBatch(_message.Message):
+    __slots__ = ("marks",)
+    MARKS_FIELD_NUMBER: _ClassVar[int]
+    marks: _containers.RepeatedCompositeFieldContainer[IterationMark]
+    def __init__(self, marks: _Optional[_Iterable[_Union[IterationMark, _Mapping]]] = ...) -> None: ...
+
+class FoldedStack(_message.Message):
+    __slots__ = ("stack", "count", "thread_id", "idle")
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    IDLE_FIELD_NUMBER: _ClassVar[int]
+    stack: str
+    count: int
+    thread_id: int
+    idle: bool
+    def __init__(self, stack: _Optional[str] = ..., count: _Optional[int] = ..., thread_id: _Optional[int] = ..., idle: _Optional[bool] = ...) -> None: ...
+
+class StackSnapshot(_message.Message):
+    __slots__ = ("window_start_ns", "window_end_ns", "samples", "stacks")
+    WINDOW_START_NS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_END_NS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
+    window_start_ns: int
+    window_end_ns: int
+    samples: int
+    stacks: _containers.RepeatedCompositeFieldContainer[FoldedStack]
+    def __init__(self, window_start_ns: _Optional[int] = ..., window_end_ns: _Optional[int] = ..., samples: _Optional[int] = ..., stacks: _Optional[_Iterable[_Union[FoldedStack, _Mapping]]] = ...) -> None: ...
+
+class StackBatch(_message.Message):
+    __slots__ = ("snapshots",)
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    snapshots: _containers.RepeatedCompositeFieldContainer[StackSnapshot]
+    def __init__(self, snapshots: _Optional[_Iterable[_Union[StackSnapshot, _Mapping]]] = ...) -> None: ...
+
+class TelemetryBatch(_message.Message):
+    __slots__ = ("resource", "seq", "sent_unix_ns", "kernels", "phases", "iterations", "stacks")
+    RESOURCE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
+    resource: _common_pb2.Resource
+    seq: int
+    sent_unix_ns: int
+    kernels: KernelBatch
+    phases: PhaseBatch
+    iterations: IterationBatch
+    stacks: StackBatch
+    def __init__(self, resource: _Optional[_Union[_common_pb2.Resource, _Mapping]] = ..., seq: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., kernels: _Optional[_Union[KernelBatch, _Mapping]] = ..., phases: _Optional[_Union[PhaseBatch, _Mapping]] = ..., iterations: _Optional[_Union[IterationBatch, _Mapping]] = ..., stacks: _Optional[_Union[StackBatch, _Mapping]] = ...) -> None: ...
+
+class IngestSummary(_message.Message):
+    __slots__ = ("batches_accepted", "batches_rejected", "records_accepted", "records_rejected", "rejected_by_reason")
+    class RejectedByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    BATCHES_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    batches_accepted: int
+    batches_rejected: int
+    records_accepted: int
+    records_rejected: int
+    rejected_by_reason: _containers.ScalarMap[str, int]
+    def __init__(self, batches_accepted: _Optional[int] = ..., batches_rejected: _Optional[int] = ..., records_accepted: _Optional[int] = ..., records_rejected: _Optional[int] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""Placeholder: fixtures for a real Kafka-protocol broker (being written)."""

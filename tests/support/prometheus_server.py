@@ -1,0 +1,1 @@
+"""Placeholder: fixtures for a real Prometheus server (being written)."""
