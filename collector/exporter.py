@@ -1,0 +1,370 @@
+"""Streams telemetry batches from a training process to the host's processor.
+
+Design rule (ARCHITECTURE.md, torchtitan): never hurt the training job.
+
+* ``submit`` is the only call made on the training thread. It appends to a
+  bounded deque under a lock and sets an Event: no I/O, no serialisation, no
+  allocation proportional to the batch. When the deque is full the oldest
+  batch is dropped and counted (``drop_policy="newest"`` drops the incoming
+  one instead). It never raises.
+* A daemon worker thread owns the gRPC channel. It keeps one client stream
+  (``trainscope.v1.Ingest/Stream``) open and writes serialised batches to it.
+  Client streaming has no per-message acknowledgement, so the worker closes
+  the stream every ``confirm_interval_s`` and reads the processor's
+  ``IngestSummary``: batches written since the last confirmation are kept in
+  memory (inside the same byte bound) and re-sent on the next stream if the
+  old one broke. The processor drops re-sent duplicates by (pid, seq).
+* Reconnects use exponential backoff with full jitter; ``shutdown`` cuts the
+  backoff short (after opentelemetry-python's OTLP exporter).
+* After ``fork()`` the child gets an empty queue and a fresh worker on first
+  use; the parent's channel is never touched from the child.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from typing import Callable, Deque, Iterator
+
+import grpc
+
+from trainscope.proto.errors import ConfigError
+from trainscope.proto.model import Resource
+from trainscope.proto.v1 import telemetry_pb2
+
+log = logging.getLogger(__name__)
+
+INGEST_METHOD = "/trainscope.v1.Ingest/Stream"
+#: Codes after which reconnecting can help (otel-python's retryable set, plus
+#: RESOURCE_EXHAUSTED, which the processor uses for an oversize batch: that
+#: batch is dropped, the rest go on).
+RETRYABLE = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+})
+_PAYLOAD_FIELD = {
+    telemetry_pb2.KernelBatch: "kernels",
+    telemetry_pb2.PhaseBatch: "phases",
+    telemetry_pb2.IterationBatch: "iterations",
+    telemetry_pb2.StackBatch: "stacks",
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ExporterConfig:
+    target: str = "unix:///tmp/trainscope/processor.sock"
+    """gRPC target of the host's processor: ``unix:///path`` (default) or ``host:port``."""
+    max_queue_bytes: int = 64 << 20
+    """Bound on the bytes held (queued plus sent-but-unconfirmed) before drops."""
+    max_queue_batches: int = 4096
+    """Bound on the number of batches held."""
+    max_batch_bytes: int = 4 << 20
+    """A serialised batch above this is dropped (counted ``oversize``) instead of sent."""
+    drop_policy: str = "oldest"
+    """Which batch to drop when full: ``oldest`` (keeps the newest data) or ``newest``."""
+    confirm_interval_s: float = 2.0
+    """How often the stream is closed and re-opened to learn what the processor received."""
+    backoff_initial_s: float = 0.05
+    """First reconnect delay; doubles per failure, with full jitter."""
+    backoff_max_s: float = 5.0
+    """Cap on the reconnect delay."""
+    shutdown_timeout_s: float = 5.0
+    """How long ``shutdown`` waits to deliver what is queued."""
+
+    def __post_init__(self) -> None:
+        if not self.target:
+            raise ConfigError("exporter.target", self.target, "must name a processor address")
+        for name in ("max_queue_bytes", "max_queue_batches", "max_batch_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"exporter.{name}", getattr(self, name), "must be > 0")
+        if self.drop_policy not in ("oldest", "newest"):
+            raise ConfigError("exporter.drop_policy", self.drop_policy, "must be 'oldest' or 'newest'")
+        for name in ("confirm_interval_s", "backoff_initial_s", "backoff_max_s", "shutdown_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"exporter.{name}", getattr(self, name), "must be > 0")
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    seq: int
+    payload: object  # a *Batch message, or serialised bytes once written
+    nbytes: int
+    data: bytes | None = None
+
+
+class ExporterStats:
+    """Counters of one exporter; read with ``snapshot()``."""
+
+    def __init__(self) -> None:
+        self.submitted = 0
+        self.sent = 0
+        self.confirmed = 0
+        self.resent = 0
+        self.rejected_by_processor = 0
+        self.reconnects = 0
+        self.dropped: collections.Counter[str] = collections.Counter()
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(self.dropped.values())
+
+    def snapshot(self) -> dict:
+        return {
+            "submitted": self.submitted, "sent": self.sent, "confirmed": self.confirmed,
+            "resent": self.resent, "rejected_by_processor": self.rejected_by_processor,
+            "reconnects": self.reconnects, "dropped_total": self.dropped_total,
+            "dropped": dict(self.dropped),
+        }
+
+
+class _StreamBroken(Exception):
+    pass
+
+
+class BatchExporter:
+    """Bounded, non-blocking, reconnecting client of the processor's ingest stream."""
+
+    def __init__(
+        self,
+        resource: Resource,
+        config: ExporterConfig = ExporterConfig(),
+        *,
+        channel_factory: Callable[[str], grpc.Channel] | None = None,
+    ) -> None:
+        self.config = config
+        self._resource_pb = resource.to_pb()
+        self._channel_factory = channel_factory or (lambda target: grpc.insecure_channel(target))
+        self.stats = ExporterStats()
+        self._init_state()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._after_fork_in_child)
+
+    def _init_state(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._queue: Deque[_Pending] = collections.deque()
+        self._unconfirmed: Deque[_Pending] = collections.deque()
+        self._held_bytes = 0
+        self._seq = 0
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def _after_fork_in_child(self) -> None:
+        # The child must not reuse the parent's channel, thread or data.
+        self.stats = ExporterStats()
+        self._init_state()
+
+    # ------------------------------------------------------------------ API
+    def submit(self, payload, nbytes: int) -> bool:
+        """Queue one payload (a ``KernelBatch``/``PhaseBatch``/... message, or a
+        zero-argument callable that builds one on the worker thread).
+
+        ``nbytes`` is the caller's estimate of its serialised size (exact for
+        kernel columns). Returns False when the payload was dropped. Called on
+        the training thread: O(1), never blocks on I/O, never raises.
+        """
+        try:
+            cfg = self.config
+            with self._lock:
+                if self._closed:
+                    self.stats.dropped["closed"] += 1
+                    return False
+                self.stats.submitted += 1
+                if nbytes > cfg.max_batch_bytes:
+                    self.stats.dropped["oversize"] += 1
+                    return False
+                while (len(self._queue) + len(self._unconfirmed) >= cfg.max_queue_batches
+                       or self._held_bytes + nbytes > cfg.max_queue_bytes):
+                    if cfg.drop_policy == "newest" or not self._queue:
+                        self.stats.dropped["queue_full"] += 1
+                        return False
+                    old = self._queue.popleft()
+                    self._held_bytes -= old.nbytes
+                    self.stats.dropped["queue_full"] += 1
+                self._seq += 1
+                self._queue.append(_Pending(self._seq, payload, nbytes))
+                self._held_bytes += nbytes
+                if self._thread is None:
+                    self._start_worker()
+            self._wake.set()
+            return True
+        except Exception:  # never raise into user code
+            log.debug("trainscope exporter submit failed", exc_info=True)
+            self.stats.dropped["internal_error"] += 1
+            return False
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until everything queued was confirmed by the processor."""
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.shutdown_timeout_s)
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._queue and not self._unconfirmed:
+                    return True
+                self._idle.clear()
+            self._wake.set()
+            self._idle.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+        with self._lock:
+            return not self._queue and not self._unconfirmed
+
+    def shutdown(self, timeout_s: float | None = None) -> bool:
+        """Flush (bounded), stop the worker, count whatever is left as dropped."""
+        ok = self.flush(timeout_s)
+        with self._lock:
+            self._closed = True
+            left = len(self._queue) + len(self._unconfirmed)
+            if left:
+                self.stats.dropped["shutdown"] += left
+            self._queue.clear()
+            self._unconfirmed.clear()
+            self._held_bytes = 0
+        self._stop.set()
+        self._wake.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=2.0)
+        return ok
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._queue) + len(self._unconfirmed)
+
+    # --------------------------------------------------------------- worker
+    def _start_worker(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="trainscope-exporter", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        backoff = self.config.backoff_initial_s
+        channel = None
+        while not self._stop.is_set():
+            try:
+                if channel is None:
+                    channel = self._channel_factory(self.config.target)
+                self._stream_once(channel)
+                backoff = self.config.backoff_initial_s
+            except _StreamBroken as e:
+                log.debug("trainscope exporter stream broken: %s", e)
+                self._requeue_unconfirmed()
+                self.stats.reconnects += 1
+                if channel is not None:
+                    channel.close()
+                    channel = None
+                # full jitter; the stop event cuts the wait short
+                self._stop.wait(random.uniform(0, backoff))
+                backoff = min(backoff * 2, self.config.backoff_max_s)
+            except Exception:  # pragma: no cover - defensive: the worker must survive
+                log.exception("trainscope exporter worker error")
+                self._requeue_unconfirmed()
+                self._stop.wait(backoff)
+        if channel is not None:
+            channel.close()
+
+    def _requeue_unconfirmed(self) -> None:
+        with self._lock:
+            if self._unconfirmed:
+                self.stats.resent += len(self._unconfirmed)
+                self._queue.extendleft(reversed(self._unconfirmed))
+                self._unconfirmed.clear()
+
+    def _next_batch(self) -> _Pending | None:
+        with self._lock:
+            if not self._queue:
+                self._idle.set()
+                return None
+            p = self._queue.popleft()
+            self._unconfirmed.append(p)
+        if p.data is None:
+            p.data = self._serialise(p)
+        return p
+
+    def _serialise(self, p: _Pending) -> bytes:
+        b = telemetry_pb2.TelemetryBatch(
+            resource=self._resource_pb, seq=p.seq, sent_unix_ns=time.time_ns(),
+            dropped_total=self.stats.dropped_total, submitted_total=self.stats.submitted,
+        )
+        msg = p.payload() if callable(p.payload) else p.payload
+        getattr(b, _PAYLOAD_FIELD[type(msg)]).CopyFrom(msg)
+        p.payload = None  # the bytes are kept instead
+        return b.SerializeToString()
+
+    def _stream_once(self, channel: grpc.Channel) -> None:
+        """Open one stream, feed it until the confirm interval, close it, read the summary."""
+        call = channel.stream_unary(
+            INGEST_METHOD,
+            request_serializer=None,  # we hand over bytes we serialised ourselves
+            response_deserializer=telemetry_pb2.IngestSummary.FromString,
+        )
+        outbox: "queue.SimpleQueue[bytes | None]" = queue.SimpleQueue()
+
+        def requests() -> Iterator[bytes]:
+            while True:
+                item = outbox.get()
+                if item is None:
+                    return
+                yield item
+
+        future = call.future(requests(), wait_for_ready=False)
+        deadline = time.monotonic() + self.config.confirm_interval_s
+        try:
+            while time.monotonic() < deadline and not self._stop.is_set():
+                if future.done():
+                    break
+                p = self._next_batch()
+                if p is None:
+                    self._wake.wait(max(0.0, min(0.05, deadline - time.monotonic())))
+                    self._wake.clear()
+                    continue
+                if len(p.data) > self.config.max_batch_bytes:
+                    with self._lock:
+                        self._unconfirmed.remove(p)
+                        self._held_bytes -= p.nbytes
+                        self.stats.dropped["oversize"] += 1
+                    continue
+                outbox.put(p.data)
+                self.stats.sent += 1
+        finally:
+            outbox.put(None)
+        try:
+            summary = future.result(timeout=max(5.0, self.config.confirm_interval_s))
+        except grpc.FutureTimeoutError:
+            future.cancel()
+            raise _StreamBroken("processor did not answer the stream summary")
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            details = e.details() if hasattr(e, "details") else ""
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (details or ""):
+                self._drop_oversize_head()
+            raise _StreamBroken(f"{code}: {e.details() if hasattr(e, 'details') else e}")
+        with self._lock:
+            n = len(self._unconfirmed)
+            for p in self._unconfirmed:
+                self._held_bytes -= p.nbytes
+            self._unconfirmed.clear()
+            self.stats.confirmed += n
+            self.stats.rejected_by_processor += summary.batches_rejected
+            if not self._queue:
+                self._idle.set()
+
+    def _drop_oversize_head(self) -> None:
+        """The processor refused a message as too large: drop the largest unconfirmed one.
+
+        gRPC does not say which message it was; everything before it was
+        received, so the largest in-flight batch is the one over the limit.
+        """
+        with self._lock:
+            if not self._unconfirmed:
+                return
+            big = max(self._unconfirmed, key=lambda p: len(p.data or b""))
+            self._unconfirmed.remove(big)
+            self._held_bytes -= big.nbytes
+            self.stats.dropped["rejected_oversize"] += 1

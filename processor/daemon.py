@@ -1,0 +1,163 @@
+"""The per-host processor: gRPC ingest → windows → summaries → sinks.
+
+``Processor`` is the facade the CLI, ``trainscope replay`` and the tests use:
+build it from a ``ProcessorConfig``, ``start()``, point collectors at
+``address``, ``drain()`` to close every window and flush the sinks, ``stop()``.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+from typing import Any, Sequence
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from trainscope.processor.bus import EmbeddedBus, BusSink
+from trainscope.processor.ingest import IngestServicer
+from trainscope.processor.pipeline import Pipeline
+from trainscope.processor.selfmetrics import SelfMetrics
+from trainscope.processor.sink import Sink
+from trainscope.processor.store import SqliteStore, StoreSink
+from trainscope.processor.summarize import SummaryConfig, Summarizer
+from trainscope.processor.windows import WindowConfig
+from trainscope.proto.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ProcessorConfig:
+    listen: str = "unix:///tmp/trainscope/processor.sock"
+    """gRPC listen address: ``unix:///path`` (default, ARGUS §5.1) or ``host:port`` (port 0 = any)."""
+    max_message_bytes: int = 16 << 20
+    """Largest accepted message; larger ones get RESOURCE_EXHAUSTED."""
+    grpc_workers: int = 64
+    """gRPC handler threads; each open collector stream holds one while it is open."""
+    queue_max_batches: int = 10_000
+    """Bound on validated batches waiting for the processing thread."""
+    window: WindowConfig = dataclasses.field(default_factory=WindowConfig)
+    """How telemetry is cut into windows."""
+    summary: SummaryConfig = dataclasses.field(default_factory=SummaryConfig)
+    """Kernel clustering and stack summary settings."""
+    store_path: str | None = None
+    """SQLite file for the local store (embedded default); None disables it."""
+    embedded_bus: bool = True
+    """Publish records on the in-process bus (the analyzer's source when there is no broker)."""
+    kafka: Any = None
+    """``KafkaSinkConfig`` or None (no Kafka)."""
+    prometheus: Any = None
+    """``PrometheusConfig`` or None (no /metrics endpoint)."""
+    perfetto: Any = None
+    """``PerfettoConfig`` or None (no trace files)."""
+
+    def __post_init__(self) -> None:
+        if not self.listen:
+            raise ConfigError("processor.listen", self.listen, "must be an address")
+        if self.max_message_bytes < 1024:
+            raise ConfigError("processor.max_message_bytes", self.max_message_bytes, "must be >= 1024")
+        if self.grpc_workers < 1:
+            raise ConfigError("processor.grpc_workers", self.grpc_workers, "must be >= 1")
+        if self.queue_max_batches < 1:
+            raise ConfigError("processor.queue_max_batches", self.queue_max_batches, "must be >= 1")
+
+
+class Processor:
+    def __init__(
+        self,
+        config: ProcessorConfig = ProcessorConfig(),
+        *,
+        sinks: Sequence[Sink] = (),
+        metrics: SelfMetrics | None = None,
+        bus: EmbeddedBus | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or SelfMetrics()
+        self.registry = CollectorRegistry()
+        self.registry.register(self.metrics)
+        self.bus = bus if bus is not None else (EmbeddedBus(metrics=self.metrics) if config.embedded_bus else None)
+        self.store = SqliteStore(config.store_path) if config.store_path else None
+        self.metrics_server = None
+        self.sinks: list[Sink] = list(sinks) + self._build_sinks()
+        self.pipeline = Pipeline(
+            config.window, Summarizer(config.summary), self.sinks, self.metrics,
+            queue_max=config.queue_max_batches,
+        )
+        self.servicer = IngestServicer(self.pipeline.accept, self.metrics)
+        self._server: grpc.Server | None = None
+        self.address = ""
+
+    def _build_sinks(self) -> list[Sink]:
+        cfg = self.config
+        sinks: list[Sink] = []
+        if self.bus is not None:
+            sinks.append(BusSink(self.bus, self.metrics))
+        if self.store is not None:
+            sinks.append(StoreSink(self.store, self.metrics))
+        if cfg.kafka is not None:
+            from trainscope.processor.kafka_sink import KafkaSink
+            sinks.append(KafkaSink(cfg.kafka, self.metrics))
+        if cfg.prometheus is not None:
+            from trainscope.processor.prom_exporter import PrometheusSink
+            prom = PrometheusSink(cfg.prometheus, self.metrics)
+            self.registry.register(prom)
+            sinks.append(prom)
+        if cfg.perfetto is not None:
+            from trainscope.processor.perfetto_sink import PerfettoSink
+            sinks.append(PerfettoSink(cfg.perfetto, self.metrics))
+        return sinks
+
+    def start(self) -> "Processor":
+        cfg = self.config
+        listen = cfg.listen
+        if listen.startswith("unix://"):
+            path = listen[len("unix://"):]
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            if os.path.exists(path):
+                os.unlink(path)  # a stale socket from a previous run
+        self._server = grpc.server(
+            concurrent.futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="ingest"),
+            handlers=[self.servicer.handler()],
+            options=[
+                ("grpc.max_receive_message_length", cfg.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        port = self._server.add_insecure_port(listen)
+        if not listen.startswith("unix:") and port == 0:
+            raise ConfigError("processor.listen", listen, "could not bind")
+        if listen.startswith("unix:"):
+            self.address = listen
+        else:
+            host = listen.rsplit(":", 1)[0]
+            self.address = f"{host}:{port}"
+        self.pipeline.start()
+        self._server.start()
+        if cfg.prometheus is not None:
+            from trainscope.processor.prom_exporter import start_metrics_server
+            self.metrics_server = start_metrics_server(self.registry, cfg.prometheus.host, cfg.prometheus.port)
+        log.info("processor listening on %s", self.address)
+        return self
+
+    def drain(self, timeout_s: float = 60.0) -> bool:
+        """Process everything received, close all windows, flush the sinks."""
+        return self.pipeline.drain(timeout_s)
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        if self._server is not None:
+            self._server.stop(grace_s).wait(grace_s + 1)
+            self._server = None
+        self.pipeline.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
+        if self.store is not None:
+            self.store.close()
+
+    def __enter__(self) -> "Processor":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

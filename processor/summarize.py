@@ -1,0 +1,121 @@
+"""Turn a closed window into the compact records that leave the processor.
+
+Kernels: one ``KernelStats`` per (kernel, stream) holding its duration
+clusters (count, p50, p99, min, max) from KDE valley clustering (ARGUS §5.2),
+computed for all keys of the window in one vectorised call. Phases and
+iterations: plain order statistics per name. Stacks: folded stacks merged over
+the window's snapshots, most frequent first, bounded.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from trainscope.processor import kde
+from trainscope.processor.model import ClosedWindow, WindowOutput
+from trainscope.proto.errors import ConfigError
+from trainscope.proto.v1 import records_pb2, telemetry_pb2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SummaryConfig:
+    kde: kde.KdeConfig = dataclasses.field(default_factory=kde.KdeConfig)
+    """Clustering parameters (ARGUS §5.2 filters)."""
+    max_stacks: int = 50
+    """Folded stacks kept per window and rank, most frequent first."""
+
+    def __post_init__(self) -> None:
+        if self.max_stacks < 0:
+            raise ConfigError("summary.max_stacks", self.max_stacks, "must be >= 0")
+
+
+class Summarizer:
+    def __init__(self, config: SummaryConfig = SummaryConfig()) -> None:
+        self.config = config
+
+    def __call__(self, cw: ClosedWindow) -> WindowOutput:
+        res = cw.resource.to_pb()
+        return WindowOutput(
+            raw=cw,
+            kernels=self.kernels(cw, res),
+            phases=self.phases(cw, res),
+            iterations=self.iterations(cw, res),
+            stacks=self.stacks(cw, res),
+        )
+
+    def kernels(self, cw: ClosedWindow, res) -> records_pb2.KernelWindow | None:
+        """1. key = (name id, stream); 2. cluster every key at once; 3. one KernelStats per key."""
+        k = cw.kernels
+        n = len(k)
+        if not n:
+            return None
+        composite = (k.name_id.astype(np.uint64) << np.uint64(32)) | k.stream.astype(np.uint64)
+        uniq, inv = np.unique(composite, return_inverse=True)
+        dur = k.duration_ns.astype(np.float64)
+        table = kde.cluster_keys(dur, inv, len(uniq), self.config.kde)
+        total = np.bincount(inv, weights=dur, minlength=len(uniq))
+        first = np.full(len(uniq), n, dtype=np.int64)
+        np.minimum.at(first, inv, np.arange(n))
+        kinds = k.kind[first]
+        # rows are grouped by key: offsets of each key's first cluster row
+        offsets = np.searchsorted(table.key, np.arange(len(uniq) + 1))
+        out = records_pb2.KernelWindow(resource=res, window=cw.window, events=n)
+        names = k.names
+        cnt, p50, p99, lo, hi = (table.count.tolist(), table.p50.tolist(), table.p99.tolist(),
+                                 table.min.tolist(), table.max.tolist())
+        for j, key in enumerate(uniq.tolist()):
+            a, b = int(offsets[j]), int(offsets[j + 1])
+            ks = out.kernels.add(
+                kernel=names[key >> 32], stream=key & 0xFFFFFFFF, kind=int(kinds[j]),
+                count=int(sum(cnt[a:b])), total_ns=float(total[j]),
+            )
+            for r in range(a, b):
+                ks.clusters.add(count=cnt[r], p50_ns=p50[r], p99_ns=p99[r], min_ns=lo[r], max_ns=hi[r])
+        return out
+
+    def phases(self, cw: ClosedWindow, res) -> records_pb2.PhaseWindow | None:
+        if not cw.phases:
+            return None
+        by_name: dict[str, list[float]] = collections.defaultdict(list)
+        clock: dict[str, int] = {}
+        for ph in cw.phases:
+            by_name[ph.name].append(float(ph.duration_ns))
+            clock.setdefault(ph.name, ph.clock)
+        out = records_pb2.PhaseWindow(resource=res, window=cw.window)
+        for name in sorted(by_name):
+            d = np.asarray(by_name[name])
+            p50, p99 = np.percentile(d, [50, 99])
+            out.phases.add(
+                phase=name, count=len(d), mean_ns=float(d.mean()), p50_ns=float(p50),
+                p99_ns=float(p99), max_ns=float(d.max()), total_ns=float(d.sum()),
+                clock=clock[name],
+            )
+        return out
+
+    def iterations(self, cw: ClosedWindow, res) -> records_pb2.IterationWindow | None:
+        if not cw.iterations:
+            return None
+        marks = sorted(cw.iterations, key=lambda m: m.iteration)
+        d = np.asarray([m.end_ns - m.start_ns for m in marks], dtype=np.float64)
+        return records_pb2.IterationWindow(
+            resource=res, window=cw.window, marks=marks,
+            mean_ns=float(d.mean()), p50_ns=float(np.median(d)), max_ns=float(d.max()),
+        )
+
+    def stacks(self, cw: ClosedWindow, res) -> records_pb2.StackWindow | None:
+        if not cw.stacks:
+            return None
+        counts: collections.Counter[tuple[str, bool]] = collections.Counter()
+        samples = idle = 0
+        for snap in cw.stacks:
+            samples += snap.samples
+            for fs in snap.stacks:
+                counts[(fs.stack, fs.idle)] += fs.count
+                if fs.idle:
+                    idle += fs.count
+        out = records_pb2.StackWindow(resource=res, window=cw.window, samples=samples, idle_samples=idle)
+        for (stack, is_idle), c in counts.most_common(self.config.max_stacks):
+            out.stacks.append(telemetry_pb2.FoldedStack(stack=stack, count=c, idle=is_idle))
+        return out

@@ -1,0 +1,407 @@
+"""Cut each rank's telemetry into windows and decide when a window is closed.
+
+Two ways to cut (``WindowConfig.mode``):
+
+* ``time``: fixed-length windows aligned to multiples of ``length_ns`` on the
+  rank's own clock (ARGUS §5.2 summarises "each time window"). Ranks are never
+  compared by absolute timestamps; aligned boundaries only make windows of
+  different ranks roughly cover the same period.
+* ``iterations``: windows of ``iterations`` consecutive training iterations,
+  taken from the rank's iteration marks. Clock-free, so the same window index
+  means the same iterations on every rank: the natural choice for replayed
+  traces, whose clocks are unrelated.
+
+Closing rule (both modes): a window closes once the rank's *watermark* (the
+latest end time seen in any signal of that rank) passes the window's end by
+``lateness_ns`` — GPU activity is reported after the CPU has moved on — or
+once the rank has been silent for ``idle_close_s`` of wall time, or on
+``flush``. Records for a window that is already closed are dropped and
+counted (``drops{where="late"}``).
+
+Per-record work is numpy over whole batches; Python work is per batch, per
+window and per string-table entry, never per kernel.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import time
+from typing import Callable, Iterator
+
+import numpy as np
+
+from trainscope.processor.model import ClosedWindow
+from trainscope.processor.selfmetrics import SelfMetrics
+from trainscope.proto.columnar import KernelColumns
+from trainscope.proto.errors import ConfigError
+from trainscope.proto.model import Resource
+from trainscope.proto.v1 import records_pb2, telemetry_pb2
+
+RankKey = tuple[str, int]  # (job_id, rank)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class WindowConfig:
+    mode: str = "time"
+    """``time`` (fixed length on the rank's clock) or ``iterations``."""
+    length_s: float = 10.0
+    """Window length in seconds, for ``time`` mode."""
+    iterations: int = 10
+    """Iterations per window, for ``iterations`` mode."""
+    lateness_s: float = 2.0
+    """How far (rank clock) the watermark must pass a window's end before it closes."""
+    idle_close_s: float = 30.0
+    """Close a rank's open windows after this much wall time without data from it."""
+    max_open_windows_per_rank: int = 64
+    """Bound on open windows per rank; the oldest is force-closed beyond it."""
+    max_pending_events: int = 1_000_000
+    """Iterations mode: bound on kernel events waiting for an iteration mark."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("time", "iterations"):
+            raise ConfigError("window.mode", self.mode, "must be 'time' or 'iterations'")
+        if not self.length_s > 0:
+            raise ConfigError("window.length_s", self.length_s, "must be > 0")
+        if self.iterations < 1:
+            raise ConfigError("window.iterations", self.iterations, "must be >= 1")
+        if self.lateness_s < 0:
+            raise ConfigError("window.lateness_s", self.lateness_s, "must be >= 0")
+        if not self.idle_close_s > 0:
+            raise ConfigError("window.idle_close_s", self.idle_close_s, "must be > 0")
+        if self.max_open_windows_per_rank < 1:
+            raise ConfigError("window.max_open_windows_per_rank", self.max_open_windows_per_rank, "must be >= 1")
+        if self.max_pending_events < 1:
+            raise ConfigError("window.max_pending_events", self.max_pending_events, "must be >= 1")
+
+    @property
+    def length_ns(self) -> int:
+        return int(self.length_s * 1e9)
+
+    @property
+    def lateness_ns(self) -> int:
+        return int(self.lateness_s * 1e9)
+
+
+class _KernelChunks:
+    """Kernel columns appended batch by batch; names already mapped to rank-global ids."""
+
+    __slots__ = ("start", "dur", "gid", "stream", "kind", "n")
+
+    def __init__(self) -> None:
+        self.start: list[np.ndarray] = []
+        self.dur: list[np.ndarray] = []
+        self.gid: list[np.ndarray] = []
+        self.stream: list[np.ndarray] = []
+        self.kind: list[np.ndarray] = []
+        self.n = 0
+
+    def append(self, start, dur, gid, stream, kind) -> None:
+        self.start.append(start)
+        self.dur.append(dur)
+        self.gid.append(gid)
+        self.stream.append(stream)
+        self.kind.append(kind)
+        self.n += len(start)
+
+    def columns(self, names: tuple[str, ...], device: int) -> KernelColumns:
+        if not self.n:
+            return KernelColumns.empty()
+        cat = np.concatenate
+        return KernelColumns(
+            names=names, start_ns=cat(self.start), duration_ns=cat(self.dur),
+            name_id=cat(self.gid), stream=cat(self.stream), kind=cat(self.kind), device=device,
+        )
+
+
+@dataclasses.dataclass(slots=True)
+class _Open:
+    index: int
+    kernels: _KernelChunks = dataclasses.field(default_factory=_KernelChunks)
+    phases: list = dataclasses.field(default_factory=list)
+    iterations: list = dataclasses.field(default_factory=list)
+    stacks: list = dataclasses.field(default_factory=list)
+    lo: int = 2**63  # earliest start seen (rank clock)
+    hi: int = 0      # latest end seen
+
+
+class _RankState:
+    def __init__(self, resource: Resource) -> None:
+        self.resource = resource
+        self.name_ids: dict[str, int] = {}
+        self.names: list[str] = []
+        self.device = 0
+        self.open: dict[int, _Open] = {}
+        self.closed_upto = -1          # highest window index closed
+        self.watermark = 0
+        self.last_seen = time.monotonic()
+        # iterations mode
+        self.mark_iters: list[int] = []   # sorted iteration numbers
+        self.mark_starts: list[int] = []  # their start_ns, same order
+        self.mark_ends: list[int] = []
+        self.pending = _KernelChunks()
+
+    def lut(self, names) -> np.ndarray:
+        """Map a batch's string table to this rank's global name ids."""
+        out = np.empty(len(names), dtype=np.uint32)
+        for i, n in enumerate(names):
+            gid = self.name_ids.get(n)
+            if gid is None:
+                gid = self.name_ids[n] = len(self.names)
+                self.names.append(n)
+            out[i] = gid
+        return out
+
+
+class Windower:
+    """Per-(job, rank) windows. Not thread-safe: one processing thread owns it."""
+
+    def __init__(
+        self,
+        config: WindowConfig,
+        emit: Callable[[ClosedWindow], None],
+        metrics: SelfMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self._emit = emit
+        self.metrics = metrics or SelfMetrics()
+        self._clock = clock
+        self._ranks: dict[RankKey, _RankState] = {}
+
+    # ---------------------------------------------------------------- input
+    def _state(self, resource: Resource) -> _RankState:
+        key = (resource.job_id, resource.rank)
+        st = self._ranks.get(key)
+        if st is None:
+            st = self._ranks[key] = _RankState(resource)
+            self.metrics.set("ranks", len(self._ranks))
+        elif st.resource != resource:
+            st.resource = resource  # a restarted process of the same rank
+        st.last_seen = self._clock()
+        return st
+
+    def _window(self, st: _RankState, index: int) -> _Open | None:
+        if index <= st.closed_upto:
+            return None
+        w = st.open.get(index)
+        if w is None:
+            w = st.open[index] = _Open(index)
+            if len(st.open) > self.config.max_open_windows_per_rank:
+                self._close(st, min(st.open), "bound")
+        return w
+
+    def add_kernels(self, resource: Resource, cols: KernelColumns) -> None:
+        if not len(cols):
+            return
+        st = self._state(resource)
+        st.device = cols.device
+        gid = st.lut(cols.names)[cols.name_id]
+        end_max = int((cols.start_ns + cols.duration_ns).max())
+        if self.config.mode == "time":
+            self._route(st, cols.start_ns // np.uint64(self.config.length_ns),
+                        cols.start_ns, cols.duration_ns, gid, cols.stream, cols.kind)
+        else:
+            st.pending.append(cols.start_ns, cols.duration_ns, gid, cols.stream, cols.kind)
+            self._assign_pending(st, final=False)
+        self._advance(st, end_max)
+
+    def _route(self, st: _RankState, widx: np.ndarray, start, dur, gid, stream, kind) -> None:
+        """Append records to their windows; one slice per distinct window index."""
+        if widx.shape[0] == 0:
+            return
+        first, last = int(widx[0]), int(widx[-1])
+        if first == last and (widx == first).all():
+            groups: Iterator = iter([(first, slice(None))])
+        else:
+            order = np.argsort(widx, kind="stable")
+            sw = widx[order]
+            uniq, at = np.unique(sw, return_index=True)
+            bounds = list(at[1:]) + [len(sw)]
+            groups = ((int(u), order[a:b]) for u, a, b in zip(uniq, at, bounds))
+        for index, sel in groups:
+            w = self._window(st, index)
+            if w is None:
+                n = len(start) if isinstance(sel, slice) else len(sel)
+                self.metrics.inc("drops", n, where="late")
+                continue
+            s = start[sel]
+            w.kernels.append(s, dur[sel], gid[sel], stream[sel], kind[sel])
+            w.lo = min(w.lo, int(s.min()))
+            w.hi = max(w.hi, int((s + dur[sel]).max()))
+
+    def _assign_pending(self, st: _RankState, final: bool) -> None:
+        """Iterations mode: give waiting kernel events to the iteration that holds them.
+
+        An event at t belongs to the last iteration whose start <= t. It is
+        only certain once t < that iteration's end, or once a later iteration
+        is known; events past the last known end wait (bounded) unless final.
+        """
+        p = st.pending
+        if not p.n or not st.mark_starts:
+            if p.n > self.config.max_pending_events:
+                self.metrics.inc("drops", p.n, where="pending")
+                st.pending = _KernelChunks()
+            return
+        cols = p.columns(tuple(st.names), st.device)
+        starts = np.asarray(st.mark_starts, dtype=np.uint64)
+        pos = np.searchsorted(starts, cols.start_ns, side="right") - 1
+        pos = np.maximum(pos, 0)  # events before the first mark: pre-roll of the first window
+        if final:
+            ready = np.ones(len(cols), dtype=bool)
+        else:
+            ready = (pos < len(starts) - 1) | (cols.start_ns < np.uint64(st.mark_ends[-1]))
+        iters = np.asarray(st.mark_iters, dtype=np.int64)[pos[ready]]
+        widx = iters // self.config.iterations
+        r = cols.take(ready)
+        self._route(st, widx, r.start_ns, r.duration_ns, r.name_id, r.stream, r.kind)
+        st.pending = _KernelChunks()
+        if not ready.all():
+            rest = cols.take(~ready)
+            st.pending.append(rest.start_ns, rest.duration_ns, rest.name_id, rest.stream, rest.kind)
+            if st.pending.n > self.config.max_pending_events:
+                self.metrics.inc("drops", st.pending.n, where="pending")
+                st.pending = _KernelChunks()
+
+    def _index_for_time(self, st: _RankState, t: int) -> int | None:
+        if self.config.mode == "time":
+            return t // self.config.length_ns
+        if not st.mark_starts:
+            return None
+        i = max(bisect.bisect_right(st.mark_starts, t) - 1, 0)
+        return st.mark_iters[i] // self.config.iterations
+
+    def add_phases(self, resource: Resource, phases) -> None:
+        st = self._state(resource)
+        hi = 0
+        for ph in phases:
+            if self.config.mode == "iterations":
+                index = ph.iteration // self.config.iterations
+            else:
+                index = ph.start_ns // self.config.length_ns
+            w = self._window(st, index)
+            end = ph.start_ns + ph.duration_ns
+            if w is None:
+                self.metrics.inc("drops", 1, where="late")
+                continue
+            w.phases.append(ph)
+            w.lo, w.hi = min(w.lo, ph.start_ns), max(w.hi, end)
+            hi = max(hi, end)
+        self._advance(st, hi)
+
+    def add_iterations(self, resource: Resource, marks) -> None:
+        st = self._state(resource)
+        hi = 0
+        for m in marks:
+            if self.config.mode == "iterations":
+                index = m.iteration // self.config.iterations
+                j = bisect.bisect_left(st.mark_iters, m.iteration)
+                if j < len(st.mark_iters) and st.mark_iters[j] == m.iteration:
+                    self.metrics.inc("records_rejected", 1, reason="duplicate_iteration")
+                    continue
+                st.mark_iters.insert(j, m.iteration)
+                st.mark_starts.insert(j, m.start_ns)
+                st.mark_ends.insert(j, m.end_ns)
+            else:
+                index = m.start_ns // self.config.length_ns
+            w = self._window(st, index)
+            if w is None:
+                self.metrics.inc("drops", 1, where="late")
+                continue
+            w.iterations.append(m)
+            w.lo, w.hi = min(w.lo, m.start_ns), max(w.hi, m.end_ns)
+            hi = max(hi, m.end_ns)
+        if self.config.mode == "iterations":
+            self._assign_pending(st, final=False)
+        self._advance(st, hi)
+
+    def add_stacks(self, resource: Resource, snapshots) -> None:
+        st = self._state(resource)
+        for s in snapshots:
+            index = self._index_for_time(st, s.window_start_ns)
+            if index is None:
+                index = st.closed_upto + 1 if not st.open else max(st.open)
+            w = self._window(st, index)
+            if w is None:
+                self.metrics.inc("drops", 1, where="late")
+                continue
+            w.stacks.append(s)
+
+    # -------------------------------------------------------------- closing
+    def _advance(self, st: _RankState, t: int) -> None:
+        if t > st.watermark:
+            st.watermark = t
+        horizon = st.watermark - self.config.lateness_ns
+        if self.config.mode == "time":
+            for index in sorted(st.open):
+                if (index + 1) * self.config.length_ns <= horizon:
+                    self._close(st, index, "watermark")
+                else:
+                    break
+        elif st.mark_iters:
+            # window k is over once an iteration of a later window started before the horizon
+            for index in sorted(st.open):
+                nxt = bisect.bisect_left(st.mark_iters, (index + 1) * self.config.iterations)
+                if nxt < len(st.mark_iters) and st.mark_starts[nxt] <= horizon:
+                    self._close(st, index, "watermark")
+                else:
+                    break
+
+    def _close(self, st: _RankState, index: int, trigger: str) -> None:
+        t0 = time.perf_counter()
+        w = st.open.pop(index)
+        st.closed_upto = max(st.closed_upto, index)
+        window = records_pb2.Window(index=index)
+        if self.config.mode == "time":
+            window.kind = records_pb2.WINDOW_KIND_TIME
+            window.start_ns = index * self.config.length_ns
+            window.end_ns = (index + 1) * self.config.length_ns
+        else:
+            window.kind = records_pb2.WINDOW_KIND_ITERATIONS
+            window.start_ns = w.lo if w.lo < 2**63 else 0
+            window.end_ns = w.hi
+            window.first_iteration = index * self.config.iterations
+            window.last_iteration = (index + 1) * self.config.iterations - 1
+        cw = ClosedWindow(
+            resource=st.resource, window=window,
+            kernels=w.kernels.columns(tuple(st.names), st.device),
+            phases=tuple(w.phases), iterations=tuple(w.iterations), stacks=tuple(w.stacks),
+        )
+        self.metrics.inc("windows_closed", 1, trigger=trigger)
+        self._emit(cw)
+        self.metrics.inc("window_close_seconds_sum", time.perf_counter() - t0)
+        self.metrics.set_max("window_close_seconds_max", time.perf_counter() - t0)
+
+    def close_idle(self) -> None:
+        """Close every window of ranks silent for ``idle_close_s`` (call periodically)."""
+        now = self._clock()
+        for st in list(self._ranks.values()):
+            if (st.open or st.pending.n) and now - st.last_seen >= self.config.idle_close_s:
+                self._flush_rank(st, "idle")
+        self.metrics.set("open_windows", self.open_windows)
+
+    def flush(self) -> None:
+        """Close everything that is open (shutdown, end of a replay)."""
+        for st in list(self._ranks.values()):
+            self._flush_rank(st, "flush")
+        self.metrics.set("open_windows", 0)
+
+    def _flush_rank(self, st: _RankState, trigger: str) -> None:
+        if self.config.mode == "iterations" and st.pending.n:
+            if st.mark_starts:
+                self._assign_pending(st, final=True)
+            else:
+                # never saw an iteration: nothing to cut by; keep the data in one window
+                w = self._window(st, st.closed_upto + 1)
+                if w is not None:
+                    p = st.pending
+                    for parts in zip(p.start, p.dur, p.gid, p.stream, p.kind):
+                        w.kernels.append(*parts)
+                        w.lo = min(w.lo, int(parts[0].min()))
+                        w.hi = max(w.hi, int((parts[0] + parts[1]).max()))
+                st.pending = _KernelChunks()
+        for index in sorted(st.open):
+            self._close(st, index, trigger)
+
+    @property
+    def open_windows(self) -> int:
+        return sum(len(st.open) for st in self._ranks.values())
