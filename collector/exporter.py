@@ -151,6 +151,7 @@ class BatchExporter:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._idle = threading.Event()
+        self._flush_requested = threading.Event()
         self._queue: Deque[_Pending] = collections.deque()
         self._unconfirmed: Deque[_Pending] = collections.deque()
         self._held_bytes = 0
@@ -205,6 +206,7 @@ class BatchExporter:
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until everything queued was confirmed by the processor."""
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.shutdown_timeout_s)
+        self._flush_requested.set()  # confirm as soon as the queue is empty, not at the interval
         while time.monotonic() < deadline:
             with self._lock:
                 if not self._queue and not self._unconfirmed:
@@ -321,6 +323,9 @@ class BatchExporter:
                     break
                 p = self._next_batch()
                 if p is None:
+                    if self._flush_requested.is_set() and self._unconfirmed:
+                        self._flush_requested.clear()
+                        break
                     self._wake.wait(max(0.0, min(0.05, deadline - time.monotonic())))
                     self._wake.clear()
                     continue

@@ -1,0 +1,56 @@
+"""Write telemetry as a PyTorch-profiler (Kineto) Chrome trace: ``rank-<N>.json.gz``.
+
+The inverse of ``replay.load_rank_trace`` for the fields trainscope reads
+(ARCHITECTURE.md "Replay contract"): kernel/memcpy/memset events with
+``ts``/``dur`` in microseconds and ``args.stream``, ``ProfilerStep#N`` spans,
+``gpu_user_annotation`` phases and a ``distributedInfo`` block. Used by the
+demo job and by the simulator to hand its runs to ``trainscope replay``.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from typing import Iterable
+
+from trainscope.proto.columnar import KIND_MEMCPY, KIND_MEMSET, KernelColumns
+
+_CAT = {KIND_MEMCPY: "gpu_memcpy", KIND_MEMSET: "gpu_memset"}
+
+
+def write_kineto_trace(
+    path: str,
+    *,
+    rank: int,
+    world_size: int,
+    kernels: KernelColumns,
+    iterations: Iterable = (),
+    phases: Iterable = (),
+    pid: int = 1000,
+) -> str:
+    """Write one rank's trace (gzip if ``path`` ends in .gz); returns the path."""
+    ev: list[dict] = []
+    start = (kernels.start_ns / 1000.0).tolist()
+    dur = (kernels.duration_ns / 1000.0).tolist()
+    names = kernels.names
+    for s, d, nid, st, k in zip(start, dur, kernels.name_id.tolist(), kernels.stream.tolist(),
+                                kernels.kind.tolist()):
+        ev.append({"ph": "X", "cat": _CAT.get(k, "kernel"), "name": names[nid], "pid": rank,
+                   "tid": st, "ts": s, "dur": d,
+                   "args": {"device": rank, "stream": st}})
+    for m in iterations:
+        ev.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{m.iteration}",
+                   "pid": pid, "tid": pid, "ts": m.start_ns / 1000.0,
+                   "dur": (m.end_ns - m.start_ns) / 1000.0, "args": {}})
+    for p in phases:
+        ev.append({"ph": "X", "cat": "gpu_user_annotation", "name": p.name, "pid": rank,
+                   "tid": p.stream, "ts": p.start_ns / 1000.0, "dur": p.duration_ns / 1000.0,
+                   "args": {}})
+    doc = {"schemaVersion": 1,
+           "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": world_size},
+           "traceEvents": ev}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "wt") as f:
+        json.dump(doc, f)
+    return path

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Install everything the test suite needs, then run it.
+# The README's test command and .ci/run both call this script, so they cannot drift.
+#   bash tests/run.sh                 # unit + integration tiers
+#   bash tests/run.sh -m benchmark    # extra pytest arguments pass through
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+"$PY" -m pip install --disable-pip-version-check -q -e '.[test]'
+
+# Prometheus + promtool (Debian) for the real-Prometheus integration tests and
+# `promtool test rules`. Installed when we can; the tests say loudly when not.
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing prometheus and prometheus-alertmanager from Debian..." >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends prometheus prometheus-alertmanager >/dev/null; } \
+      || echo "WARNING: could not install Prometheus; its tests will be skipped" >&2
+  else
+    echo "WARNING: prometheus/promtool not found and cannot apt-get install them;" \
+         "the Prometheus tests will be skipped (apt-get install -y prometheus)" >&2
+  fi
+fi
+
+exec "$PY" -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,63 @@
+"""Helpers shared by tests that run a real processor in-process on 127.0.0.1:0."""
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from trainscope.collector.exporter import INGEST_METHOD
+from trainscope.processor.bus import topic_for
+from trainscope.processor.daemon import Processor, ProcessorConfig
+from trainscope.processor.windows import WindowConfig
+from trainscope.proto.columnar import KernelColumns
+from trainscope.proto.model import Resource
+from trainscope.proto.v1 import records_pb2, telemetry_pb2
+
+RECORD = {"kernels": records_pb2.KernelWindow, "phases": records_pb2.PhaseWindow,
+          "iterations": records_pb2.IterationWindow, "stacks": records_pb2.StackWindow}
+
+
+def start_processor(listen: str = "127.0.0.1:0", **kw) -> Processor:
+    kw.setdefault("window", WindowConfig(length_s=10, lateness_s=1))
+    return Processor(ProcessorConfig(listen=listen, **kw)).start()
+
+
+def bus_records(proc: Processor, signal: str) -> list:
+    out, off = [], 0
+    topic = topic_for(signal)
+    while True:
+        recs = proc.bus.poll(topic, off)
+        if not recs:
+            return out
+        out += [RECORD[signal].FromString(r.value) for r in recs]
+        off = recs[-1].offset + 1
+
+
+def kernel_count(proc: Processor) -> int:
+    return sum(kw.events for kw in bus_records(proc, "kernels"))
+
+
+def batch(resource: Resource, seq: int, kernels: KernelColumns | None = None, **payload) -> bytes:
+    b = telemetry_pb2.TelemetryBatch(resource=resource.to_pb(), seq=seq)
+    if kernels is not None:
+        b.kernels.CopyFrom(kernels.to_pb())
+    for k, v in payload.items():
+        getattr(b, k).CopyFrom(v)
+    return b.SerializeToString()
+
+
+def raw_stream(address: str, messages: list[bytes], timeout: float = 10.0):
+    """Send raw byte messages on one ingest stream; returns the summary or raises RpcError."""
+    with grpc.insecure_channel(address) as ch:
+        call = ch.stream_unary(INGEST_METHOD, request_serializer=None,
+                               response_deserializer=telemetry_pb2.IngestSummary.FromString)
+        return call(iter(messages), timeout=timeout)
+
+
+def wait_for(pred, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()

@@ -1,0 +1,159 @@
+"""The collector's exporter against a real in-process processor on 127.0.0.1."""
+import multiprocessing
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from support.pipeline import kernel_count, start_processor, wait_for
+from trainscope.collector.exporter import BatchExporter, ExporterConfig
+from trainscope.proto.columnar import KernelColumns
+from trainscope.proto.errors import ConfigError
+from trainscope.proto.model import Resource
+
+RES = Resource(job_id="job", rank=0, world_size=2)
+S = 10**9
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kb(i, n=100):
+    return KernelColumns.build(["gemm"], np.arange(n) * 1000 + i * S // 100, [500] * n, [0] * n, [7] * n).to_pb()
+
+
+def fast_config(target, **kw):
+    kw.setdefault("confirm_interval_s", 0.2)
+    kw.setdefault("backoff_initial_s", 0.01)
+    kw.setdefault("backoff_max_s", 0.1)
+    return ExporterConfig(target=target, **kw)
+
+
+def test_batches_arrive_and_are_confirmed():
+    proc = start_processor()
+    exp = BatchExporter(RES, fast_config(proc.address))
+    try:
+        for i in range(50):
+            assert exp.submit(kb(i), 2500)
+        assert exp.flush(10)
+        assert exp.stats.confirmed == 50 and exp.stats.dropped_total == 0
+        proc.drain(10)
+        assert kernel_count(proc) == 5000
+    finally:
+        exp.shutdown(1)
+        proc.stop()
+
+
+def test_processor_down_submit_never_blocks_and_drops_are_counted():
+    port = free_port()
+    exp = BatchExporter(RES, fast_config(f"127.0.0.1:{port}", max_queue_batches=100))
+    try:
+        t0 = time.perf_counter()
+        results = [exp.submit(kb(i, 10), 250) for i in range(1000)]
+        elapsed = time.perf_counter() - t0
+        assert all(results[:100])
+        assert exp.pending <= 100
+        assert exp.stats.dropped["queue_full"] == 900     # drop-oldest: newest 100 kept
+        print(f"1000 submits with the processor down: {elapsed * 1e3:.1f} ms")
+        # the processor comes up later on that address: the kept batches are delivered
+        proc = start_processor(listen=f"127.0.0.1:{port}")
+        try:
+            assert exp.flush(15)
+            proc.drain(10)
+            assert kernel_count(proc) == 100 * 10
+        finally:
+            proc.stop()
+    finally:
+        exp.shutdown(1)
+
+
+def test_drop_newest_policy_keeps_the_oldest():
+    exp = BatchExporter(RES, fast_config(f"127.0.0.1:{free_port()}", max_queue_batches=5,
+                                          drop_policy="newest"))
+    try:
+        assert [exp.submit(kb(i, 1), 25) for i in range(8)] == [True] * 5 + [False] * 3
+    finally:
+        exp.shutdown(0.2)
+
+
+def test_processor_killed_mid_run_then_restarted_loses_nothing_queued():
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    proc = start_processor(listen=addr)
+    exp = BatchExporter(RES, fast_config(addr))
+    try:
+        for i in range(20):
+            exp.submit(kb(i), 2500)
+        assert exp.flush(10)
+        proc.drain(10)
+        first = kernel_count(proc)
+        proc.stop(grace_s=0)
+        for i in range(20, 40):
+            exp.submit(kb(i), 2500)        # returns at once while nothing listens
+        assert not exp.flush(0.5)
+        proc = start_processor(listen=addr)
+        assert exp.flush(15)
+        proc.drain(10)
+        assert first == 2000 and kernel_count(proc) == 2000
+        assert exp.stats.dropped_total == 0 and exp.stats.reconnects >= 1
+    finally:
+        exp.shutdown(1)
+        proc.stop()
+
+
+def test_shutdown_with_processor_down_is_bounded_and_counts_losses():
+    exp = BatchExporter(RES, fast_config(f"127.0.0.1:{free_port()}"))
+    for i in range(10):
+        exp.submit(kb(i), 2500)
+    t0 = time.monotonic()
+    assert exp.shutdown(0.5) is False
+    assert time.monotonic() - t0 < 5
+    assert exp.stats.dropped["shutdown"] == 10
+    assert exp.submit(kb(0), 10) is False and exp.stats.dropped["closed"] == 1
+
+
+def test_oversize_batches_are_dropped_before_sending():
+    exp = BatchExporter(RES, fast_config(f"127.0.0.1:{free_port()}", max_batch_bytes=1000))
+    try:
+        assert exp.submit(kb(0, 1000), 25_000) is False
+        assert exp.stats.dropped["oversize"] == 1
+    finally:
+        exp.shutdown(0.2)
+
+
+def _child(target, q):
+    exp = BatchExporter(Resource(job_id="job", rank=1, world_size=2), fast_config(target))
+    exp.submit(kb(1, 7), 200)
+    q.put(exp.flush(10))
+
+
+def test_exporter_survives_fork():
+    proc = start_processor()
+    exp = BatchExporter(RES, fast_config(proc.address))
+    try:
+        exp.submit(kb(0, 5), 200)
+        assert exp.flush(10)
+        ctx = multiprocessing.get_context("fork")
+        q = ctx.Queue()
+        child = ctx.Process(target=_child, args=(proc.address, q))
+        child.start()
+        assert q.get(timeout=30) is True
+        child.join(10)
+        exp.submit(kb(2, 3), 100)          # the parent's exporter still works after the fork
+        assert exp.flush(10)
+        proc.drain(10)
+        assert kernel_count(proc) == 5 + 7 + 3
+    finally:
+        exp.shutdown(1)
+        proc.stop()
+
+
+def test_bad_config_names_the_setting():
+    with pytest.raises(ConfigError, match="exporter.drop_policy"):
+        ExporterConfig(drop_policy="random")
+    with pytest.raises(ConfigError, match="exporter.max_queue_bytes"):
+        ExporterConfig(max_queue_bytes=0)

@@ -1,0 +1,151 @@
+"""Windowing edges: boundaries, lateness, idle close, iteration windows, bounds."""
+import numpy as np
+import pytest
+
+from trainscope.processor.selfmetrics import SelfMetrics
+from trainscope.processor.windows import WindowConfig, Windower
+from trainscope.proto.columnar import KernelColumns
+from trainscope.proto.errors import ConfigError
+from trainscope.proto.model import Resource
+from trainscope.proto.v1 import records_pb2, telemetry_pb2
+
+S = 1_000_000_000
+RES = Resource(job_id="j", rank=0, world_size=2)
+
+
+def kernels(starts, dur=1000, name="k"):
+    n = len(starts)
+    return KernelColumns.build([name], starts, [dur] * n, [0] * n, [7] * n)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def make(**kw):
+    closed, metrics, clock = [], SelfMetrics(), Clock()
+    w = Windower(WindowConfig(**kw), closed.append, metrics, clock=clock)
+    return w, closed, metrics, clock
+
+
+def test_boundary_event_belongs_to_next_window():
+    w, closed, _, _ = make(length_s=10, lateness_s=0)
+    w.add_kernels(RES, kernels([10 * S - 1, 10 * S, 10 * S + 1]))
+    w.flush()
+    by_index = {c.window.index: len(c.kernels) for c in closed}
+    assert by_index == {0: 1, 1: 2}
+    assert closed[0].window.start_ns == 0 and closed[0].window.end_ns == 10 * S
+
+
+def test_window_closes_when_watermark_passes_end_plus_lateness():
+    w, closed, _, _ = make(length_s=10, lateness_s=2)
+    w.add_kernels(RES, kernels([1 * S, 9 * S]))
+    w.add_kernels(RES, kernels([11 * S]))          # watermark 11 s < 10 + 2: still open
+    assert closed == []
+    w.add_kernels(RES, kernels([12 * S + 1]))      # past 12 s: window 0 closes
+    assert [c.window.index for c in closed] == [0]
+    assert len(closed[0].kernels) == 2
+    assert closed[0].window.kind == records_pb2.WINDOW_KIND_TIME
+
+
+def test_late_events_are_dropped_and_counted_without_losing_others():
+    w, closed, m, _ = make(length_s=10, lateness_s=0)
+    w.add_kernels(RES, kernels([1 * S]))
+    w.add_kernels(RES, kernels([25 * S]))          # closes windows 0 and 1
+    w.add_kernels(RES, kernels([2 * S, 26 * S]))   # 2 s is late, 26 s is fine
+    w.flush()
+    assert m.get("drops", where="late") == 1
+    assert sum(len(c.kernels) for c in closed) == 3
+
+
+def test_idle_rank_is_closed_after_idle_timeout():
+    w, closed, m, clock = make(length_s=10, idle_close_s=30)
+    w.add_kernels(RES, kernels([1 * S]))
+    clock.t = 29
+    w.close_idle()
+    assert closed == []
+    clock.t = 31
+    w.close_idle()
+    assert len(closed) == 1 and m.get("windows_closed", trigger="idle") == 1
+
+
+def test_ranks_are_windowed_independently():
+    w, closed, _, _ = make(length_s=10, lateness_s=0)
+    other = Resource(job_id="j", rank=1, world_size=2)
+    w.add_kernels(RES, kernels([1 * S]))
+    w.add_kernels(other, kernels([1 * S, 2 * S]))
+    w.flush()
+    assert sorted((c.resource.rank, len(c.kernels)) for c in closed) == [(0, 1), (1, 2)]
+
+
+def test_string_tables_of_different_batches_are_merged():
+    w, closed, _, _ = make(length_s=10)
+    w.add_kernels(RES, KernelColumns.build(["a", "b"], [1, 2], [5, 5], [0, 1], [7, 7]))
+    w.add_kernels(RES, KernelColumns.build(["b", "c"], [3, 4], [5, 5], [0, 1], [7, 7]))
+    w.flush()
+    k = closed[0].kernels
+    assert [k.names[i] for i in k.name_id] == ["a", "b", "b", "c"]
+
+
+def marks(iters, period=100 * S // 1000):
+    return [telemetry_pb2.IterationMark(iteration=i, start_ns=i * period, end_ns=(i + 1) * period - 1000)
+            for i in iters]
+
+
+def test_iteration_windows_assign_kernels_by_marks():
+    w, closed, _, _ = make(mode="iterations", iterations=2, lateness_s=0)
+    p = 100 * S // 1000
+    # kernels of iterations 0..5, incl. one in the gap after iteration 1's end
+    w.add_kernels(RES, kernels([5, p + 5, 2 * p - 500, 2 * p + 5, 3 * p + 5, 4 * p + 5, 5 * p + 5]))
+    w.add_iterations(RES, marks(range(6)))
+    w.flush()
+    got = {c.window.index: len(c.kernels) for c in closed}
+    assert got == {0: 3, 1: 2, 2: 2}
+    c0 = [c for c in closed if c.window.index == 0][0]
+    assert (c0.window.first_iteration, c0.window.last_iteration) == (0, 1)
+    assert c0.window.kind == records_pb2.WINDOW_KIND_ITERATIONS
+    assert len(c0.iterations) == 2
+
+
+def test_iteration_window_waits_for_the_next_window_to_start():
+    w, closed, _, _ = make(mode="iterations", iterations=2, lateness_s=0)
+    p = 100 * S // 1000
+    w.add_iterations(RES, marks([0, 1]))
+    w.add_kernels(RES, kernels([5, p + 5]))
+    assert closed == []                              # iteration 2 not seen yet
+    w.add_iterations(RES, marks([2]))
+    w.add_kernels(RES, kernels([2 * p + 10]))        # watermark passes iteration 2's start
+    assert [c.window.index for c in closed] == [0]
+    assert len(closed[0].kernels) == 2
+
+
+def test_events_before_first_mark_are_kept_in_first_window():
+    w, closed, _, _ = make(mode="iterations", iterations=10)
+    w.add_kernels(RES, kernels([1, 2]))
+    w.add_iterations(RES, [telemetry_pb2.IterationMark(iteration=1009, start_ns=100, end_ns=200)])
+    w.flush()
+    assert len(closed) == 1 and len(closed[0].kernels) == 2 and closed[0].window.index == 100
+
+
+def test_open_window_bound_force_closes_oldest():
+    w, closed, m, _ = make(length_s=1, lateness_s=1000, max_open_windows_per_rank=3)
+    w.add_kernels(RES, kernels(np.arange(5) * S))
+    assert [c.window.index for c in closed] == [0, 1]
+    assert m.get("windows_closed", trigger="bound") == 2
+
+
+def test_pending_bound_drops_and_counts():
+    w, closed, m, _ = make(mode="iterations", max_pending_events=3)
+    w.add_kernels(RES, kernels([1, 2, 3, 4]))
+    assert m.get("drops", where="pending") == 4
+
+
+@pytest.mark.parametrize("field,value", [("mode", "daily"), ("length_s", 0), ("iterations", 0),
+                                         ("lateness_s", -1), ("idle_close_s", 0)])
+def test_bad_config_names_the_setting(field, value):
+    with pytest.raises(ConfigError, match=f"window.{field}"):
+        WindowConfig(**{field: value})
