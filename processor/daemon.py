@@ -80,6 +80,7 @@ class Processor:
         self.bus = bus if bus is not None else (EmbeddedBus(metrics=self.metrics) if config.embedded_bus else None)
         self.store = SqliteStore(config.store_path) if config.store_path else None
         self.metrics_server = None
+        self.remote_writer = None
         self.sinks: list[Sink] = list(sinks) + self._build_sinks()
         self.pipeline = Pipeline(
             config.window, Summarizer(config.summary), self.sinks, self.metrics,
@@ -138,6 +139,10 @@ class Processor:
         if cfg.prometheus is not None:
             from trainscope.processor.prom_exporter import start_metrics_server
             self.metrics_server = start_metrics_server(self.registry, cfg.prometheus.host, cfg.prometheus.port)
+            if cfg.prometheus.remote_write_url:
+                from trainscope.processor.remote_write import RemoteWriter
+                self.remote_writer = RemoteWriter.from_config(cfg.prometheus, self.registry, metrics=self.metrics)
+                self.remote_writer.start()
         log.info("processor listening on %s", self.address)
         return self
 
@@ -150,6 +155,10 @@ class Processor:
             self._server.stop(grace_s).wait(grace_s + 1)
             self._server = None
         self.pipeline.stop()
+        if self.remote_writer is not None:
+            self.remote_writer.write_once()  # push the final values before going away
+            self.remote_writer.close()
+            self.remote_writer = None
         if self.metrics_server is not None:
             self.metrics_server.close()
             self.metrics_server = None

@@ -1,4 +1,5 @@
-"""Regenerate the checked-in protobuf/gRPC modules from ``proto/v1/*.proto``.
+"""Regenerate the checked-in protobuf/gRPC modules from ``proto/v1/*.proto``
+and ``proto/prompb/*.proto``.
 
 Run from the repository root (needs the ``test`` extra, which has
 grpcio-tools)::
@@ -8,7 +9,9 @@ grpcio-tools)::
 The ``.proto`` files import each other as ``trainscope/proto/v1/<file>.proto``
 so that the generated code imports ``trainscope.proto.v1.<file>_pb2``, the
 name under which the package installs; protoc needs the sources laid out at
-that path, so they are staged in a temporary tree first. The installed package
+that path, so they are staged in a temporary tree first. ``prompb/`` (the
+Prometheus remote write messages) is staged the same way and imports as
+``trainscope.proto.prompb.remote_pb2``. The installed package
 only needs ``protobuf`` and ``grpcio`` at run time, never grpcio-tools.
 """
 from __future__ import annotations
@@ -19,7 +22,8 @@ import sys
 import tempfile
 
 HERE = pathlib.Path(__file__).resolve().parent
-SRC = HERE / "v1"
+#: Source folders under proto/, each generated in place.
+PACKAGES = ("v1", "prompb")
 
 
 def main() -> int:
@@ -29,13 +33,15 @@ def main() -> int:
     well_known = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(tmp)
-        staged = root / "in" / "trainscope" / "proto" / "v1"
-        staged.mkdir(parents=True)
         out = root / "out"
         out.mkdir()
-        protos = sorted(SRC.glob("*.proto"))
-        for p in protos:
-            shutil.copy(p, staged / p.name)
+        staged_files = []
+        for pkg in PACKAGES:
+            staged = root / "in" / "trainscope" / "proto" / pkg
+            staged.mkdir(parents=True)
+            for p in sorted((HERE / pkg).glob("*.proto")):
+                shutil.copy(p, staged / p.name)
+                staged_files.append(str(staged / p.name))
         args = [
             "protoc",
             f"-I{root / 'in'}",
@@ -43,22 +49,24 @@ def main() -> int:
             f"--python_out={out}",
             f"--pyi_out={out}",
             f"--grpc_python_out={out}",
-            *[str(staged / p.name) for p in protos],
+            *staged_files,
         ]
         rc = protoc.main(args)
         if rc != 0:
             print(f"protoc failed with exit code {rc}", file=sys.stderr)
             return rc
-        gen = out / "trainscope" / "proto" / "v1"
-        for old in SRC.glob("*_pb2*.py*"):
-            old.unlink()
-        for f in sorted(gen.iterdir()):
-            # protoc writes an empty *_grpc.py for files without a service.
-            if f.name.endswith("_grpc.py") and "Stub" not in f.read_text():
-                continue
-            if f.suffix in (".py", ".pyi"):
-                shutil.copy(f, SRC / f.name)
-                print(f"wrote {SRC / f.name}")
+        for pkg in PACKAGES:
+            src = HERE / pkg
+            gen = out / "trainscope" / "proto" / pkg
+            for old in src.glob("*_pb2*.py*"):
+                old.unlink()
+            for f in sorted(gen.iterdir()):
+                # protoc writes an empty *_grpc.py for files without a service.
+                if f.name.endswith("_grpc.py") and "Stub" not in f.read_text():
+                    continue
+                if f.suffix in (".py", ".pyi"):
+                    shutil.copy(f, src / f.name)
+                    print(f"wrote {src / f.name}")
     return 0
 
 
