@@ -25,7 +25,7 @@ def make_demo_job(directory: str, ranks: int = 8, iterations: int = 20, slow_ran
     keys, modes = 12, 3
     for r in range(ranks):
         spec = SyntheticSpec(
-            n_events=iterations * keys * modes, n_keys=keys, modes_per_key=modes, seed=1000 + r,
+            n_events=iterations * keys * modes, n_keys=keys, modes_per_key=modes, seed=1000, noise_seed=r,
             start_ns=1_700_000_000_000_000_000 + r * 7_919_000,  # unrelated clocks per rank
             slow_factor=1.5 if r == slow_rank else 1.0, slow_keys=(0, 1, 2),
         )

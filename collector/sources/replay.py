@@ -1,0 +1,550 @@
+"""Replay source: PyTorch profiler (Kineto) Chrome-trace JSON, one file per rank.
+
+Implements the reading half of the replay contract (ARCHITECTURE.md, "Replay
+contract"): a directory of ``rank-<N>.json`` / ``rank-<N>.json.gz`` files plus an
+optional ``topology.json`` becomes a :class:`ReplayJob`; each file becomes a
+:class:`RankTrace` of kernel columns, phase timings and iteration marks.
+
+Event time stays trace time (microseconds in the file, nanoseconds here): never
+compare absolute timestamps across ranks, their clocks are not synchronised.
+
+Bad records never abort a load; ``RankTrace.skipped`` counts them by
+``"<signal>:<reason>"``: signal ``kernel``, ``phase``, ``iteration`` or ``event``;
+reason ``not_complete_event`` (ph != "X"), ``missing_|bad_|negative_timestamp``,
+``missing_|bad_|nan_|negative_|zero_duration`` (nan: NaN or infinite; zero:
+after rounding to ns), ``missing_name``, ``bad_name`` (``ProfilerStep#N`` with no
+N), ``duplicate`` (a repeated N), ``not_an_object``. A file that cannot be read
+at all raises ``TraceFileError``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import gzip
+import json
+import math
+import os
+import re
+import zlib
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from trainscope.proto.columnar import KIND_KERNEL, KIND_MEMCPY, KIND_MEMSET, KernelColumns
+from trainscope.proto.errors import ConfigError, TraceFileError
+from trainscope.proto.model import DEFAULT_ORDER, DIMS, ParallelCoords, Resource, coords_for_rank
+from trainscope.proto.v1.telemetry_pb2 import (
+    PHASE_CLOCK_CPU,
+    PHASE_CLOCK_CUDA_EVENT,
+    IterationMark,
+    PhaseTiming,
+)
+
+try:  # optional: about as fast as json here, but cheaper on memory
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - depends on the environment
+    _orjson = None
+
+KERNEL_CATS = {"kernel": KIND_KERNEL, "gpu_memcpy": KIND_MEMCPY, "gpu_memset": KIND_MEMSET}
+STEP_PREFIX = "ProfilerStep#"
+RANK_FILE_RE = re.compile(r"^rank-(\d+)\.json(\.gz)?$")
+TOPOLOGY_FILE = "topology.json"
+_MAX_NS = 2**63 - 1  # start_ns must fit an int64 (and so the <u8 column)
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+# --------------------------------------------------------------------- one file
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankTrace:
+    """Everything the replay source takes from one rank's trace file."""
+
+    rank: int
+    #: ``distributedInfo.world_size`` of the file; None when the file has none.
+    world_size: int | None
+    path: str
+    #: Kernel, memcpy and memset activity sorted by start; empty (len 0) when the
+    #: file holds no GPU activity, which is valid but worth telling the user.
+    kernels: KernelColumns
+    #: ``gpu_user_annotation`` ranges (CUDA-event clock), or failing those the
+    #: ``user_annotation`` ranges other than ``ProfilerStep#N`` (CPU clock).
+    phases: tuple[PhaseTiming, ...]
+    #: One mark per ``ProfilerStep#N`` span, sorted by start.
+    iterations: tuple[IterationMark, ...]
+    #: Dropped events by ``"<signal>:<reason>"`` (module docstring).
+    skipped: dict[str, int]
+    job_id: str
+    #: Where ``rank`` came from: ``distributedInfo``, ``filename`` or ``argument``.
+    rank_source: str = "distributedInfo"
+
+
+def load_rank_trace(path: str | os.PathLike, rank: int | None = None, *, job_id: str | None = None) -> RankTrace:
+    """Load one Kineto trace (``.json`` or ``.json.gz``, detected by content).
+
+    1. Read and parse the whole file at once (the fastest path in CPython).
+    2. One pass over ``traceEvents`` collects kernels, annotations and
+       ``ProfilerStep#N`` spans as plain Python lists, counting bad records.
+    3. Convert the columns to numpy and sort kernels by start.
+    4. Give each phase the N of the step containing its start, else of the
+       nearest step (GPU ranges may run after their CPU step span ends).
+
+    The rank comes from ``distributedInfo.rank``, else from a ``rank-<N>``
+    file name, else from ``rank``; ``TraceFileError`` when none gives one.
+    ``job_id`` defaults to the name of the file's directory.
+    """
+    path = str(path)
+    # A trace parses into millions of containers, none of them garbage: the
+    # cyclic collector would make repeated full passes over them (about half
+    # the load time), so it is held off until the document is released.
+    with _gc_paused():
+        events, info = _events_and_info(path, _read_json(path))
+        rank, rank_source, world_size = _rank_of(path, info, rank)
+        kern_raw, phases, iterations, skipped = _scan_events(events)
+        del events
+    kernels = _kernel_columns(*kern_raw)
+    phases = _assign_iterations(phases, iterations)
+    return RankTrace(
+        rank=rank, world_size=world_size, path=path, kernels=kernels, phases=phases,
+        iterations=iterations, skipped=dict(skipped), rank_source=rank_source,
+        job_id=job_id or Path(path).resolve().parent.name or "replay")
+
+
+def _read_json(path: str):
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise TraceFileError(path, f"cannot read: {e.strerror or e}") from e
+    if raw[:2] == _GZIP_MAGIC:
+        try:
+            raw = gzip.decompress(raw)
+        except EOFError as e:
+            raise TraceFileError(path, "truncated gzip stream (file ends before the end-of-stream marker)") from e
+        except (OSError, zlib.error) as e:
+            raise TraceFileError(path, f"corrupt gzip data: {e}") from e
+    if not raw.strip():
+        raise TraceFileError(path, "empty file, expected Chrome-trace JSON")
+    try:
+        if _orjson is not None:
+            try:
+                return _orjson.loads(raw)
+            except _orjson.JSONDecodeError:
+                pass  # e.g. NaN literals, which only the stdlib accepts; retry there
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TraceFileError(path, f"not valid JSON: {e}") from e
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _events_and_info(path: str, doc) -> tuple[list, dict]:
+    if isinstance(doc, list):  # the Chrome-trace "JSON array" form
+        return doc, {}
+    if not isinstance(doc, dict):
+        raise TraceFileError(path, f"top-level JSON is a {type(doc).__name__}, expected an object with traceEvents")
+    events = doc.get("traceEvents")
+    if events is None:
+        raise TraceFileError(path, "JSON object has no 'traceEvents' (not a Chrome/Kineto trace)")
+    if not isinstance(events, list):
+        raise TraceFileError(path, f"'traceEvents' is a {type(events).__name__}, expected a list")
+    info = doc.get("distributedInfo")
+    return events, info if isinstance(info, dict) else {}
+
+
+def _as_count(v) -> int | None:
+    """A non-negative int from JSON (ints or digit strings; never bools)."""
+    if type(v) is int:
+        return v if v >= 0 else None
+    if type(v) is str and v.isdecimal():
+        return int(v)
+    return None
+
+
+def _rank_of(path: str, info: dict, rank: int | None) -> tuple[int, str, int | None]:
+    world = _as_count(info.get("world_size"))
+    world = world if world else None
+    r = _as_count(info.get("rank"))
+    source = "distributedInfo"
+    if r is None:
+        m = RANK_FILE_RE.match(os.path.basename(path))
+        r, source = (int(m.group(1)), "filename") if m else (rank, "argument")
+    if r is None or type(r) is not int or r < 0:
+        raise TraceFileError(
+            path, "cannot determine the rank: no distributedInfo.rank, the file name is not "
+            "rank-<N>.json[.gz], and no rank was given")
+    if world is not None and r >= world:
+        raise TraceFileError(path, f"rank {r} is outside distributedInfo.world_size {world}")
+    return r, source, world
+
+
+def _to_ns(v, what: str) -> int | str:
+    """Microseconds (int, float or numeric string) to integer ns, or a reason code."""
+    t = type(v)
+    if t is str:
+        try:
+            v, t = float(v), float
+        except ValueError:
+            return f"bad_{what}"
+    if t is not int and t is not float:
+        return f"bad_{what}"
+    if v != v or v in (math.inf, -math.inf):
+        return "nan_duration" if what == "duration" else "bad_timestamp"
+    if v < 0:  # before rounding: -0.0001 us is negative, not zero
+        return f"negative_{what}"
+    if t is int:
+        return v * 1000
+    # Split so large epoch-based timestamps keep every digit the float holds.
+    whole = math.floor(v)
+    return int(whole) * 1000 + round((v - whole) * 1000)
+
+
+def _span(ev: dict) -> tuple[int, int] | str:
+    """(start_ns, duration_ns) of a complete event, or why it is dropped."""
+    if ev.get("ph") != "X":
+        return "not_complete_event"
+    ts, dur = ev.get("ts"), ev.get("dur")
+    if ts is None:
+        return "missing_timestamp"
+    if dur is None:
+        return "missing_duration"
+    start = _to_ns(ts, "timestamp")
+    if type(start) is str:
+        return start
+    if start > _MAX_NS:
+        return "bad_timestamp"
+    d = _to_ns(dur, "duration")
+    if type(d) is str:
+        return d
+    return (start, d) if d else "zero_duration"
+
+
+def _stream_of(args, fallback) -> int:
+    s = args.get("stream") if type(args) is dict else None
+    if s is None:
+        s = fallback
+    return s if type(s) is int and 0 <= s < 2**32 else 0
+
+
+def _scan_events(events: list):
+    """One pass over the events (step 2 of ``load_rank_trace``)."""
+    skipped: Counter = Counter()
+    k_start, k_dur, k_name, k_stream, k_kind = [], [], [], [], []  # one entry per kernel
+    devices: Counter = Counter()
+    names: dict[str, int] = {}
+    gpu_phases, cpu_phases = [], []  # (name, start_ns, duration_ns, stream)
+    steps: dict[int, tuple[int, int]] = {}
+    for ev in events:
+        if type(ev) is not dict:
+            skipped["event:not_an_object"] += 1
+            continue
+        cat = ev.get("cat")
+        if type(cat) is not str:
+            continue
+        kind = KERNEL_CATS.get(cat)
+        if kind is not None:
+            span = _span(ev)
+            if type(span) is str:
+                skipped["kernel:" + span] += 1
+                continue
+            name = ev.get("name")
+            if name is None:
+                skipped["kernel:missing_name"] += 1
+                continue
+            if type(name) is not str:
+                name = str(name)
+            args = ev.get("args")
+            k_start.append(span[0])
+            k_dur.append(span[1])
+            k_name.append(names.setdefault(name, len(names)))
+            k_stream.append(_stream_of(args, None))
+            k_kind.append(kind)
+            dev = args.get("device") if type(args) is dict else None
+            if type(dev) is int and dev >= 0:
+                devices[dev] += 1
+            continue
+        if cat not in ("user_annotation", "gpu_user_annotation", "cpu_op"):
+            continue
+        name = ev.get("name")
+        if type(name) is str and name.startswith(STEP_PREFIX):
+            if cat == "gpu_user_annotation":
+                continue  # GPU-side copies of the step span: not a phase
+            span = _span(ev)
+            if type(span) is str:
+                skipped["iteration:" + span] += 1
+                continue
+            digits = name[len(STEP_PREFIX):]
+            if not digits.isdecimal() or int(digits) in steps:
+                skipped["iteration:duplicate" if digits.isdecimal() else "iteration:bad_name"] += 1
+                continue
+            steps[int(digits)] = span
+            continue
+        if cat == "cpu_op":
+            continue
+        span = _span(ev)
+        if type(span) is str:
+            skipped["phase:" + span] += 1
+            continue
+        if type(name) is not str:
+            skipped["phase:missing_name"] += 1
+            continue
+        if cat == "gpu_user_annotation":
+            gpu_phases.append((name, span[0], span[1], _stream_of(ev.get("args"), ev.get("tid"))))
+        else:
+            cpu_phases.append((name, span[0], span[1], 0))
+    iterations = tuple(
+        IterationMark(iteration=n, start_ns=s, end_ns=s + d)
+        for n, (s, d) in sorted(steps.items(), key=lambda kv: (kv[1][0], kv[0]))
+    )
+    clock, raw_phases = (PHASE_CLOCK_CUDA_EVENT, gpu_phases) if gpu_phases else (PHASE_CLOCK_CPU, cpu_phases)
+    phases = sorted(raw_phases, key=lambda p: (p[1], p[0]))
+    device = devices.most_common(1)[0][0] if devices else 0
+    kern_raw = (tuple(names), k_start, k_dur, k_name, k_stream, k_kind, device)
+    return kern_raw, (clock, phases), iterations, skipped
+
+
+def _kernel_columns(names, start, dur, name_id, stream, kind, device) -> KernelColumns:
+    """Step 3: Python lists to numpy, sorted by start (stable, so ties keep file order)."""
+    if not start:
+        return dataclasses.replace(KernelColumns.empty(), device=device)
+    cols = KernelColumns.build(names, start, dur, name_id, stream, kind, device=device)
+    order = np.argsort(cols.start_ns, kind="stable")
+    if np.all(order[1:] > order[:-1]):
+        return cols
+    return cols.take(order)
+
+
+def _assign_iterations(phases, iterations: tuple[IterationMark, ...]) -> tuple[PhaseTiming, ...]:
+    """Step 4: the step containing each phase's start, else the nearest one."""
+    clock, rows = phases
+    if not rows:
+        return ()
+    starts = np.fromiter((p[1] for p in rows), dtype=np.int64, count=len(rows))
+    if iterations:
+        it_start = np.array([m.start_ns for m in iterations], dtype=np.int64)
+        it_end = np.array([m.end_ns for m in iterations], dtype=np.int64)
+        it_n = np.array([m.iteration for m in iterations], dtype=np.int64)
+        before = np.clip(np.searchsorted(it_start, starts, side="right") - 1, 0, None)
+        after = np.clip(before + 1, None, len(it_start) - 1)
+        # Distance to a span is 0 inside it; pick the closer of the two neighbours.
+        d_before = np.maximum(0, np.maximum(it_start[before] - starts, starts - it_end[before]))
+        d_after = np.maximum(0, it_start[after] - starts)
+        which = np.where(d_after < d_before, after, before)
+        numbers = it_n[which].tolist()
+    else:
+        numbers = [0] * len(rows)
+    return tuple(
+        PhaseTiming(name=name, start_ns=s, duration_ns=d, iteration=n, stream=stream, clock=clock)
+        for (name, s, d, stream), n in zip(rows, numbers)
+    )
+
+
+# --------------------------------------------------------------- job directory
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Topology:
+    """Parallel layout of a replayed job, as in ``topology.json``."""
+
+    #: Number of ranks in the job.
+    world_size: int
+    #: Tensor-, pipeline-, expert- and context-parallel degrees; dp is the rest.
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    #: Rank order, fastest-varying dimension first (Megatron-LM).
+    order: str = DEFAULT_ORDER
+
+    def __post_init__(self) -> None:
+        for f in ("world_size", "tp", "pp", "ep", "cp"):
+            v = getattr(self, f)
+            if type(v) is not int or v < 1:
+                raise ConfigError(f"topology.{f}", v, "must be a positive integer")
+        if type(self.order) is not str or sorted(self.order.split("-")) != sorted(DIMS):
+            raise ConfigError("topology.order", self.order, f"must be a permutation of {'-'.join(DIMS)}")
+        model = self.tp * self.pp * self.ep * self.cp
+        if self.world_size % model:
+            raise ConfigError(
+                "topology.world_size", self.world_size,
+                f"must be a multiple of tp*pp*ep*cp = {model}")
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp * self.ep * self.cp)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike, *, world_size: int | None = None) -> "Topology":
+        """Read and validate ``topology.json``; ``world_size`` fills a missing field.
+
+        An extra ``dp`` field is accepted when it agrees with the others; any
+        other unknown field is rejected, so a typo cannot silently be ignored.
+        """
+        path = str(path)
+        try:
+            with open(path, "rb") as f:
+                doc = json.loads(f.read())
+        except OSError as e:
+            raise ConfigError("topology.json", path, f"cannot read: {e.strerror or e}") from e
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConfigError("topology.json", path, f"not valid JSON: {e}") from e
+        if not isinstance(doc, dict):
+            raise ConfigError("topology.json", path, "must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key, value in doc.items():
+            if key not in known and key != "dp":
+                raise ConfigError(f"topology.{key}", value, f"unknown field; expected some of {sorted(known)}")
+        fields = {k: v for k, v in doc.items() if k in known}
+        if "world_size" not in fields:
+            if world_size is None:
+                raise ConfigError("topology.world_size", None, "missing, and no rank files to infer it from")
+            fields["world_size"] = world_size
+        topo = cls(**fields)
+        if "dp" in doc and doc["dp"] != topo.dp:
+            raise ConfigError("topology.dp", doc["dp"], f"world_size/(tp*pp*ep*cp) is {topo.dp}")
+        return topo
+
+    def coords(self, rank: int) -> ParallelCoords:
+        return coords_for_rank(
+            rank, self.world_size, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp, order=self.order)
+
+
+@dataclasses.dataclass
+class ReplayJob:
+    """A replay directory: where each rank's file is, and the job's topology."""
+
+    root: str
+    job_id: str
+    topology: Topology
+    #: Rank -> trace file path.
+    files: dict[int, str]
+    #: ``distributedInfo`` when the files' own ranks are used, ``filename`` when
+    #: they were missing or collided (e.g. copies of one rank's trace).
+    rank_source: str = "distributedInfo"
+    #: ``topology.json``, ``distributedInfo`` or ``file_count``.
+    world_size_source: str = TOPOLOGY_FILE
+    #: Decisions taken while scanning that a user may want to see.
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def load(self, rank: int) -> RankTrace:
+        """Load one rank's trace, with the rank this job assigned to it."""
+        trace = load_rank_trace(self.files[rank], rank=rank, job_id=self.job_id)
+        if trace.rank != rank:
+            trace = dataclasses.replace(trace, rank=rank, rank_source="filename")
+        return trace
+
+    def load_all(self) -> list[RankTrace]:
+        return [self.load(r) for r in sorted(self.files)]
+
+
+def scan_replay_dir(path: str | os.PathLike) -> ReplayJob:
+    """Find the rank files of a replay directory without parsing them.
+
+    1. List ``rank-<N>.json[.gz]``; a rank named twice is an error.
+    2. Peek at each file's head for ``distributedInfo`` (Kineto writes it before
+       ``traceEvents``), so no big file is parsed twice.
+    3. Ranks are the files' ``distributedInfo.rank`` when every file has one and
+       they are distinct, else the file names' (copies of one trace share one
+       ``distributedInfo.rank``).
+    4. World size: ``topology.json``, else the larger of the peeked
+       ``distributedInfo.world_size`` and the number of files.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise TraceFileError(str(path), "not a directory (expected a folder of rank-<N>.json[.gz] files)")
+    by_name: dict[int, str] = {}
+    for entry in sorted(root.iterdir()):
+        m = RANK_FILE_RE.match(entry.name)
+        if not m or not entry.is_file():
+            continue
+        r = int(m.group(1))
+        if r in by_name:
+            raise TraceFileError(str(entry), f"rank {r} already comes from {by_name[r]}")
+        by_name[r] = str(entry)
+    if not by_name:
+        raise TraceFileError(str(root), "no rank-<N>.json or rank-<N>.json.gz files")
+    notes: list[str] = []
+    peeks = {r: _peek_distributed_info(p) for r, p in by_name.items()}
+    info_ranks = [pk[0] for pk in peeks.values()]
+    if None not in info_ranks and len(set(info_ranks)) == len(info_ranks):
+        files = {pk[0]: by_name[r] for r, pk in peeks.items()}
+        rank_source = "distributedInfo"
+    else:
+        files = dict(by_name)
+        rank_source = "filename"
+        if any(x is not None for x in info_ranks):
+            notes.append("distributedInfo ranks missing or repeated across files; using file-name ranks")
+    worlds = [pk[1] for pk in peeks.values() if pk[1]]
+    inferred = max(worlds + [len(files)])
+    topo_path = root / TOPOLOGY_FILE
+    if topo_path.exists():
+        topology = Topology.from_json(topo_path, world_size=inferred)
+        world_source = TOPOLOGY_FILE
+        if worlds and max(worlds) != topology.world_size:
+            notes.append(f"topology.json world_size {topology.world_size} overrides "
+                         f"distributedInfo.world_size {max(worlds)}")
+    else:
+        topology = Topology(world_size=inferred)
+        world_source = "distributedInfo" if worlds and max(worlds) >= len(files) else "file_count"
+    bad = sorted(r for r in files if r >= topology.world_size)
+    if bad:
+        msg = f"rank {bad[0]} ({files[bad[0]]}) is not below world_size {topology.world_size}"
+        if world_source == TOPOLOGY_FILE:
+            raise ConfigError("topology.world_size", topology.world_size, msg)
+        raise TraceFileError(str(root), msg + f" (from {world_source}); add a topology.json")
+    job_id = root.resolve().name or "replay"
+    return ReplayJob(root=str(root), job_id=job_id, topology=topology, files=files,
+                     rank_source=rank_source, world_size_source=world_source, notes=notes)
+
+
+_INFO_RE = re.compile(rb'"distributedInfo"\s*:\s*\{')
+_INFO_FIELD_RE = re.compile(rb'"(rank|world_size)"\s*:\s*(\d+)')
+
+
+def _peek_distributed_info(path: str, head: int = 1 << 16) -> tuple[int | None, int | None]:
+    """(rank, world_size) from the first ``head`` bytes of a trace, or Nones.
+
+    Reads only the scalar fields before any nested value of the block
+    (Kineto writes ``rank`` and ``world_size`` first); never raises: the full
+    load reports unreadable files properly.
+    """
+    try:
+        with open(path, "rb") as f:
+            text = f.read(head)
+            if text[:2] == _GZIP_MAGIC:
+                f.seek(0)
+                with gzip.open(f) as g:
+                    text = g.read(head)
+    except (OSError, EOFError, zlib.error):
+        return None, None
+    m = _INFO_RE.search(text)
+    if not m:
+        return None, None
+    block = text[m.end():]
+    cut = min((i for i in (block.find(b"}"), block.find(b"["), block.find(b"{")) if i >= 0), default=len(block))
+    found = {k.decode(): int(v) for k, v in _INFO_FIELD_RE.findall(block[:cut])}
+    return found.get("rank"), found.get("world_size") or None
+
+
+def resource_for(trace: RankTrace, job: ReplayJob, host: str = "replay") -> Resource:
+    """The ``Resource`` that replayed batches of ``trace`` carry.
+
+    ``local_rank`` and ``device`` come from the kernels' ``args.device`` (the
+    GPU index on its host); coordinates from the job's topology.
+    """
+    dev = trace.kernels.device
+    return Resource(
+        job_id=job.job_id, rank=trace.rank, world_size=job.topology.world_size, host=host,
+        pid=0, local_rank=dev, device=f"cuda:{dev}", coords=job.topology.coords(trace.rank),
+        attributes={"source": "replay", "trace_path": trace.path, "rank_source": trace.rank_source})
