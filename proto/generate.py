@@ -26,7 +26,9 @@ HERE = pathlib.Path(__file__).resolve().parent
 PACKAGES = ("v1", "prompb")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Regenerate in place; with ``--check``, only report files that differ (exit 1)."""
+    check = "--check" in (sys.argv[1:] if argv is None else argv)
     from grpc_tools import protoc  # imported here: a build-time dependency only
     import grpc_tools
 
@@ -55,9 +57,17 @@ def main() -> int:
         if rc != 0:
             print(f"protoc failed with exit code {rc}", file=sys.stderr)
             return rc
+        stale = []
         for pkg in PACKAGES:
             src = HERE / pkg
             gen = out / "trainscope" / "proto" / pkg
+            if check:
+                want = {f.name: f.read_bytes() for f in gen.iterdir()
+                        if f.suffix in (".py", ".pyi")
+                        and not (f.name.endswith("_grpc.py") and b"Stub" not in f.read_bytes())}
+                have = {f.name: f.read_bytes() for f in src.glob("*_pb2*.py*")}
+                stale += [f"{pkg}/{n}" for n in sorted(set(want) | set(have)) if want.get(n) != have.get(n)]
+                continue
             for old in src.glob("*_pb2*.py*"):
                 old.unlink()
             for f in sorted(gen.iterdir()):
@@ -67,6 +77,10 @@ def main() -> int:
                 if f.suffix in (".py", ".pyi"):
                     shutil.copy(f, src / f.name)
                     print(f"wrote {src / f.name}")
+        if stale:
+            print("generated code is stale, run `python proto/generate.py`: " + ", ".join(stale),
+                  file=sys.stderr)
+            return 1
     return 0
 
 
