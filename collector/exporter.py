@@ -97,6 +97,7 @@ class _Pending:
     payload: object  # a *Batch message, or serialised bytes once written
     nbytes: int
     data: bytes | None = None
+    resource: object = None  # a Resource message overriding the exporter's own
 
 
 class ExporterStats:
@@ -165,13 +166,16 @@ class BatchExporter:
         self._init_state()
 
     # ------------------------------------------------------------------ API
-    def submit(self, payload, nbytes: int) -> bool:
+    def submit(self, payload, nbytes: int, resource: Resource | None = None) -> bool:
         """Queue one payload (a ``KernelBatch``/``PhaseBatch``/... message, or a
         zero-argument callable that builds one on the worker thread).
 
         ``nbytes`` is the caller's estimate of its serialised size (exact for
         kernel columns). Returns False when the payload was dropped. Called on
         the training thread: O(1), never blocks on I/O, never raises.
+        ``resource`` lets one exporter carry several ranks (the simulator
+        batches many simulated ranks per process); it defaults to the
+        exporter's own.
         """
         try:
             cfg = self.config
@@ -192,7 +196,8 @@ class BatchExporter:
                     self._held_bytes -= old.nbytes
                     self.stats.dropped["queue_full"] += 1
                 self._seq += 1
-                self._queue.append(_Pending(self._seq, payload, nbytes))
+                self._queue.append(_Pending(self._seq, payload, nbytes,
+                                            resource=None if resource is None else resource.to_pb()))
                 self._held_bytes += nbytes
                 if self._thread is None:
                     self._start_worker()
@@ -291,7 +296,7 @@ class BatchExporter:
 
     def _serialise(self, p: _Pending) -> bytes:
         b = telemetry_pb2.TelemetryBatch(
-            resource=self._resource_pb, seq=p.seq, sent_unix_ns=time.time_ns(),
+            resource=p.resource or self._resource_pb, seq=p.seq, sent_unix_ns=time.time_ns(),
             dropped_total=self.stats.dropped_total, submitted_total=self.stats.submitted,
         )
         msg = p.payload() if callable(p.payload) else p.payload

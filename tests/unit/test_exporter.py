@@ -157,3 +157,19 @@ def test_bad_config_names_the_setting():
         ExporterConfig(drop_policy="random")
     with pytest.raises(ConfigError, match="exporter.max_queue_bytes"):
         ExporterConfig(max_queue_bytes=0)
+
+
+def test_one_exporter_can_carry_several_ranks():
+    from support.pipeline import bus_records
+    proc = start_processor()
+    exp = BatchExporter(RES, fast_config(proc.address))
+    try:
+        for r in range(4):
+            exp.submit(kb(r, 10 + r), 300, resource=Resource(job_id="job", rank=r, world_size=4))
+        assert exp.flush(10)
+        proc.drain(10)
+        got = {kw.resource.rank: kw.events for kw in bus_records(proc, "kernels")}
+        assert got == {0: 10, 1: 11, 2: 12, 3: 13}
+    finally:
+        exp.shutdown(1)
+        proc.stop()
