@@ -3,7 +3,8 @@
 Names are fixed here so dashboards and alert rules (deploy/prometheus/) can
 rely on them; each becomes ``trainscope_processor_<name>`` at exposition
 (counters get ``_total``). Label values are bounded sets (signal, sink,
-reason), never ranks or kernels.
+reason), never kernels; the only per-rank series is the collectors' own drop
+total, bounded by the ranks on this host.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ GAUGES = {
     "open_windows": ("Windows open now", ()),
     "spool_bytes": ("Bytes held in a sink's on-disk spool", ("sink",)),
     "ranks": ("Ranks seen", ()),
+    "collector_dropped": ("Batches the rank's collector dropped (its own running total)", ("job", "rank")),
 }
 
 

@@ -65,6 +65,8 @@ def test_processor_down_submit_never_blocks_and_drops_are_counted():
             assert exp.flush(15)
             proc.drain(10)
             assert kernel_count(proc) == 100 * 10
+            # the collector's own drop total reaches the processor's metrics
+            assert proc.metrics.get("collector_dropped", job="job", rank="0") == 900
         finally:
             proc.stop()
     finally:
@@ -100,6 +102,7 @@ def test_processor_killed_mid_run_then_restarted_loses_nothing_queued():
         proc.drain(10)
         assert first == 2000 and kernel_count(proc) == 2000
         assert exp.stats.dropped_total == 0 and exp.stats.reconnects >= 1
+        assert proc.metrics.get("collector_dropped", job="job", rank="0") == 0
     finally:
         exp.shutdown(1)
         proc.stop()
