@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from trainscope.collector.exporter import BatchExporter, ExporterConfig
-from trainscope.collector.sources.replay import load_rank_trace, resource_for, scan_replay_dir
+from trainscope.collector.sources.replay import resource_for, scan_replay_dir
 from trainscope.processor.daemon import Processor, ProcessorConfig
 from trainscope.processor.store import SqliteStore
 from trainscope.processor.windows import WindowConfig
@@ -108,8 +108,8 @@ def run_replay(
     skipped: dict[int, dict[str, int]] = {}
     drops: dict[int, int] = {}
     with Processor(cfg) as proc:
-        for rank, path in sorted(job.files.items()):
-            trace = load_rank_trace(path, rank=rank)
+        for rank in sorted(job.files):
+            trace = job.load(rank)
             skipped[rank] = dict(trace.skipped)
             sent[rank], drops[rank] = feed_rank(trace, resource_for(trace, job), proc.address)
         proc.drain(300.0)
