@@ -106,7 +106,8 @@ def test_remote_write_lands_and_stale_markers_end_series(served, prometheus_serv
     try:
         q = f'trainscope_iteration_seconds{{source="rw",job="j",rank="{SLOW_RANK}"}}'
         assert one(prom.wait_for(q, timeout_s=15)) == pytest.approx(0.150)
-        top = prom.query('topk(1, trainscope_phase_seconds{source="rw"})')
+        # requests carry 25 samples each: wait until the phase series have landed too
+        top = prom.wait_for('topk(1, trainscope_phase_seconds{source="rw"})', timeout_s=15)
         assert top[0]["metric"]["rank"] == str(SLOW_RANK)
         # The writer's own counters travel too, with the external labels.
         prom.wait_for('trainscope_processor_records_out_total'
