@@ -1,5 +1,6 @@
 from trainscope.proto.v1 import common_pb2 as _common_pb2
 from trainscope.proto.v1 import telemetry_pb2 as _telemetry_pb2
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -133,3 +134,71 @@ class StackWindow(_message.Message):
     idle_samples: int
     stacks: _containers.RepeatedCompositeFieldContainer[_telemetry_pb2.FoldedStack]
     def __init__(self, resource: _Optional[_Union[_common_pb2.Resource, _Mapping]] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., samples: _Optional[int] = ..., idle_samples: _Optional[int] = ..., stacks: _Optional[_Iterable[_Union[_telemetry_pb2.FoldedStack, _Mapping]]] = ...) -> None: ...
+
+class DiagnosisScope(_message.Message):
+    __slots__ = ("phase", "kernel", "stream", "group", "group_index")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    kernel: str
+    stream: int
+    group: str
+    group_index: int
+    def __init__(self, phase: _Optional[str] = ..., kernel: _Optional[str] = ..., stream: _Optional[int] = ..., group: _Optional[str] = ..., group_index: _Optional[int] = ...) -> None: ...
+
+class Suspect(_message.Message):
+    __slots__ = ("rank", "score", "evidence")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    score: float
+    evidence: _struct_pb2.Struct
+    def __init__(self, rank: _Optional[int] = ..., score: _Optional[float] = ..., evidence: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+
+class Diagnosis(_message.Message):
+    __slots__ = ("id", "job_id", "level", "kind", "window", "scope", "suspects", "severity", "evidence", "created_unix_ns")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    SUSPECTS_FIELD_NUMBER: _ClassVar[int]
+    SEVERITY_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    job_id: str
+    level: str
+    kind: str
+    window: Window
+    scope: DiagnosisScope
+    suspects: _containers.RepeatedCompositeFieldContainer[Suspect]
+    severity: float
+    evidence: _struct_pb2.Struct
+    created_unix_ns: int
+    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., level: _Optional[str] = ..., kind: _Optional[str] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., scope: _Optional[_Union[DiagnosisScope, _Mapping]] = ..., suspects: _Optional[_Iterable[_Union[Suspect, _Mapping]]] = ..., severity: _Optional[float] = ..., evidence: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., created_unix_ns: _Optional[int] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("job_id", "window", "ranks", "phases", "kernels", "findings", "summary", "created_unix_ns")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
+    FINDINGS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    window: Window
+    ranks: _containers.RepeatedCompositeFieldContainer[Suspect]
+    phases: _containers.RepeatedScalarFieldContainer[str]
+    kernels: _containers.RepeatedScalarFieldContainer[str]
+    findings: _containers.RepeatedCompositeFieldContainer[Diagnosis]
+    summary: str
+    created_unix_ns: int
+    def __init__(self, job_id: _Optional[str] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[Suspect, _Mapping]]] = ..., phases: _Optional[_Iterable[str]] = ..., kernels: _Optional[_Iterable[str]] = ..., findings: _Optional[_Iterable[_Union[Diagnosis, _Mapping]]] = ..., summary: _Optional[str] = ..., created_unix_ns: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,78 @@
+"""Merge the findings of L1–L3 about one window into one verdict per job.
+
+Steps:
+1. Every suspect of every finding votes for its rank with its finding's
+   level. A rank's merged score is the number of distinct levels that name it
+   (agreement across independent signals is the strongest evidence, ARGUS §6),
+   plus the sum of its normalised per-level scores as a tie-break.
+2. Phases come from L2 findings, kernels from L3 findings, ordered by the
+   best score of the suspects that named them.
+3. The summary sentence names the top rank with its coordinates, the phase
+   and the kernel, and the L1 state of the job when L1 found something.
+"""
+from __future__ import annotations
+
+import collections
+import time
+
+from trainscope.analyzer.model import Finding
+from trainscope.proto.model import Resource
+from trainscope.proto.v1 import records_pb2
+
+
+def merge(job_id: str, window: records_pb2.Window, findings: list[Finding],
+          resources: dict[int, Resource] | None = None) -> records_pb2.Verdict:
+    levels: dict[int, set[str]] = collections.defaultdict(set)
+    score: dict[int, float] = collections.defaultdict(float)
+    where: dict[int, list[str]] = collections.defaultdict(list)
+    phases: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for f in findings:
+        top = max((s.score for s in f.suspects), default=0.0) or 1.0
+        for s in f.suspects:
+            levels[s.rank].add(f.level)
+            score[s.rank] += s.score / top
+            label = f.scope.phase or f.scope.kernel or f.kind
+            if label not in where[s.rank]:
+                where[s.rank].append(label)
+            if f.level == "L2" and f.scope.phase:
+                phases[f.scope.phase] = max(phases.get(f.scope.phase, 0.0), s.score)
+            if f.level == "L3" and f.scope.kernel:
+                kernels[f.scope.kernel] = max(kernels.get(f.scope.kernel, 0.0), s.score)
+    ranked = sorted(levels, key=lambda r: (-len(levels[r]), -score[r], r))
+    v = records_pb2.Verdict(job_id=job_id, window=window, created_unix_ns=time.time_ns())
+    for r in ranked:
+        s = v.ranks.add(rank=r, score=len(levels[r]) + score[r] / (1.0 + score[r]))
+        s.evidence.update({"levels": sorted(levels[r]), "where": where[r][:10]})
+    v.phases.extend(sorted(phases, key=lambda p: -phases[p]))
+    v.kernels.extend(sorted(kernels, key=lambda k: -kernels[k]))
+    v.findings.extend(f.to_pb() for f in findings)
+    v.summary = summarize(job_id, v, findings, resources or {})
+    return v
+
+
+def summarize(job_id: str, v: records_pb2.Verdict, findings: list[Finding],
+              resources: dict[int, Resource]) -> str:
+    l1 = sorted({f.kind for f in findings if f.level == "L1"})
+    if not v.ranks and not l1:
+        return f"job {job_id}: healthy"
+    parts = [f"job {job_id}"]
+    if l1:
+        parts.append("iteration time: " + "+".join(l1))
+    if v.ranks:
+        top = v.ranks[0].rank
+        res = resources.get(top)
+        coords = ""
+        if res is not None:
+            c = res.coords
+            coords = f" (host {res.host or '?'}, dp={c.dp} tp={c.tp} pp={c.pp} ep={c.ep} cp={c.cp})"
+        what = []
+        if v.phases:
+            what.append("phase " + ", ".join(v.phases[:3]))
+        if v.kernels:
+            what.append("kernel " + ", ".join(k[:60] for k in v.kernels[:2]))
+        lv = ",".join(sorted(set(v.ranks[0].evidence["levels"])))
+        parts.append(f"suspect rank {top}{coords} [{lv}]" + (": " + "; ".join(what) if what else ""))
+        if len(v.ranks) > 1:
+            parts.append("also " + ", ".join(str(s.rank) for s in v.ranks[1:6]))
+    return " — ".join(parts)

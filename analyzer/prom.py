@@ -1,0 +1,109 @@
+"""Prometheus series for what the analyzer currently flags (bounded).
+
+Only flagged results become series (ARCHITECTURE.md: per-rank-per-kernel
+series are not allowed for healthy ranks): one ``trainscope_suspect_score``
+series per (job, level, kind, rank, phase, kernel) currently flagged, expiring
+``ttl_s`` after the last window that flagged it, capped at ``max_series``.
+Job-level series: the L1 state, the stall flag, counts of diagnoses, and the
+analyzer's own health (records in, bad records, windows analysed).
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from trainscope.proto.v1 import records_pb2
+
+L1_STATES = ("stable", "jitter", "regression", "both")
+
+
+class AnalyzerMetrics:
+    """Custom collector; ``publish`` is the DiagnosisSink side of it."""
+
+    name = "prometheus"
+
+    def __init__(self, *, max_series: int = 10_000, ttl_s: float = 900.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_series = max_series
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._flagged: dict[tuple, tuple[float, float]] = {}  # key -> (score, expires)
+        self._diagnoses: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self._l1_state: dict[str, str] = {}
+        self._stalled: dict[str, int] = {}
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.dropped_series = 0
+
+    # --- DiagnosisSink ---------------------------------------------------
+    def publish(self, diagnoses: list[records_pb2.Diagnosis], verdict: records_pb2.Verdict | None) -> None:
+        now = self._clock()
+        with self._lock:
+            for d in diagnoses:
+                self._diagnoses[(d.job_id, d.level, d.kind)] += 1
+                if d.kind == "stall":
+                    self._stalled[d.job_id] = 1
+                for s in d.suspects:
+                    key = (d.job_id, d.level, d.kind, str(s.rank), d.scope.phase, d.scope.kernel[:120])
+                    if key not in self._flagged and len(self._flagged) >= self.max_series:
+                        self.dropped_series += 1
+                        continue
+                    self._flagged[key] = (s.score, now + self.ttl_s)
+
+    def set_l1_state(self, job: str, state: str) -> None:
+        with self._lock:
+            self._l1_state[job] = state
+
+    def set_stalled(self, job: str, stalled: bool) -> None:
+        with self._lock:
+            self._stalled[job] = int(stalled)
+
+    def close(self) -> None:
+        pass
+
+    # --- collector ---------------------------------------------------------
+    def collect(self) -> Iterator[Metric]:
+        now = self._clock()
+        with self._lock:
+            for k in [k for k, (_, exp) in self._flagged.items() if exp <= now]:
+                del self._flagged[k]
+            flagged = list(self._flagged.items())
+            diag = list(self._diagnoses.items())
+            states = list(self._l1_state.items())
+            stalled = list(self._stalled.items())
+            counters = dict(self.counters)
+        g = GaugeMetricFamily("trainscope_suspect_score", "Score of a currently flagged suspect rank",
+                              labels=["job", "level", "kind", "rank", "phase", "kernel"])
+        for key, (score, _) in flagged:
+            g.add_metric(list(key), score)
+        yield g
+        c = CounterMetricFamily("trainscope_diagnoses", "Diagnoses emitted", labels=["job", "level", "kind"])
+        for key, n in diag:
+            c.add_metric(list(key), n)
+        yield c
+        s = GaugeMetricFamily("trainscope_job_iteration_state", "L1 classification of the job's iteration time (1 = current)",
+                              labels=["job", "state"])
+        for job, state in states:
+            for st in L1_STATES:
+                s.add_metric([job, st], 1.0 if st == state else 0.0)
+        yield s
+        st = GaugeMetricFamily("trainscope_job_stalled", "1 when no iteration completed for 5x the recent mean (EROICA §4.1)",
+                               labels=["job"])
+        for job, v in stalled:
+            st.add_metric([job], v)
+        yield st
+        for name, doc in (("records_in", "Records consumed"), ("bad_records", "Records that could not be parsed"),
+                          ("windows_analyzed", "Windows analysed"), ("late_records", "Records for windows already analysed")):
+            fam = CounterMetricFamily(f"trainscope_analyzer_{name}", doc)
+            fam.add_metric([], counters.get(name, 0))
+            yield fam
+        fam = CounterMetricFamily("trainscope_analyzer_dropped_series", "Flagged series refused by the bound")
+        fam.add_metric([], self.dropped_series)
+        yield fam
+
+    def describe(self):
+        return []

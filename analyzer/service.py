@@ -1,0 +1,315 @@
+"""The analyzer: consume window records, run L1–L3, publish diagnoses.
+
+Steps, continuously (``step`` / ``run``):
+1. Poll the source (embedded bus, local store or Kafka) and file every record
+   under (job, window) with its rank; remember each rank's iteration times
+   (bounded history) and when iterations last arrived.
+2. A window is analysed once every rank of the job has reported it and
+   ``grace_s`` passed without more records for it, or once most ranks are
+   ``progress_windows`` windows further on, or ``window_timeout_s`` after its
+   first record (then the ranks that never reported are evidence too).
+3. L2 (phases across ranks) and L3 (kernel distributions across ranks) run on
+   the window; L1 runs on the job's iteration-time history and keeps what
+   overlaps this window's iterations (ARGUS §6: the levels run in parallel).
+4. Findings merge into one verdict per job and window (``merge.py``), which
+   goes to every DiagnosisSink: the local store, a bus/Kafka topic,
+   Prometheus flagged series.
+5. Stall rule (EROICA §4.1): no iteration for ``stall_factor`` times the
+   recent mean interval between iteration reports → a ``stall`` diagnosis.
+   Arrival times are the analyzer's own clock, so host clock skew and a
+   simulated clock change nothing.
+
+State is bounded: jobs, open windows per job, iteration history per rank.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from trainscope.analyzer import l1_iteration, l2_phases, l3_kernels
+from trainscope.analyzer.merge import merge
+from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
+from trainscope.analyzer.prom import AnalyzerMetrics
+from trainscope.analyzer.sources import RecordSource
+from trainscope.proto.errors import ConfigError
+from trainscope.proto.model import Resource
+from trainscope.proto.v1 import records_pb2
+
+log = logging.getLogger(__name__)
+
+
+class DiagnosisSink(Protocol):
+    name: str
+
+    def publish(self, diagnoses: list[records_pb2.Diagnosis], verdict: records_pb2.Verdict | None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class AnalyzerConfig:
+    l1: l1_iteration.L1Config = dataclasses.field(default_factory=l1_iteration.L1Config)
+    """L1 (iteration time) thresholds."""
+    l2: l2_phases.L2Config = dataclasses.field(default_factory=l2_phases.L2Config)
+    """L2 (phases across ranks) thresholds and routing."""
+    l3: l3_kernels.L3Config = dataclasses.field(default_factory=l3_kernels.L3Config)
+    """L3 (kernel distributions across ranks) thresholds."""
+    levels: tuple[str, ...] = ("L1", "L2", "L3")
+    """Which levels run."""
+    grace_s: float = 0.5
+    """Wait this long after a complete window's last record before analysing it."""
+    window_timeout_s: float = 60.0
+    """Analyse a window this long after its first record even if ranks are missing."""
+    progress_windows: int = 2
+    """...or once more than half the ranks are this many windows further on."""
+    history_iterations: int = 4096
+    """Iteration durations kept per rank for L1."""
+    max_jobs: int = 1000
+    """Jobs tracked at once; the least recently seen is forgotten beyond it."""
+    max_open_windows: int = 64
+    """Open windows per job; the oldest is analysed early beyond it."""
+    stall_factor: float = 5.0
+    """EROICA §4.1: stalled after this many mean iteration-report intervals without one."""
+    min_stall_s: float = 10.0
+    """Never call a stall before this many seconds without an iteration."""
+
+    def __post_init__(self) -> None:
+        bad = [lv for lv in self.levels if lv not in ("L1", "L2", "L3")]
+        if bad:
+            raise ConfigError("analyzer.levels", self.levels, "only L1, L2, L3")
+        for f in ("grace_s", "window_timeout_s", "stall_factor", "min_stall_s"):
+            if not getattr(self, f) > 0:
+                raise ConfigError(f"analyzer.{f}", getattr(self, f), "must be > 0")
+        for f in ("progress_windows", "history_iterations", "max_jobs", "max_open_windows"):
+            if getattr(self, f) < 1:
+                raise ConfigError(f"analyzer.{f}", getattr(self, f), "must be >= 1")
+
+
+@dataclasses.dataclass(slots=True)
+class _Open:
+    jw: JobWindow
+    first_seen: float
+    last_seen: float
+
+
+class _Job:
+    def __init__(self, job_id: str, history: int) -> None:
+        self.job_id = job_id
+        self.world_size = 0
+        self.resources: dict[int, Resource] = {}
+        self.open: dict[tuple[int, int], _Open] = {}
+        self.done_upto: dict[int, int] = {}            # window kind -> highest analysed index
+        self.latest: dict[int, int] = {}                # rank -> highest window index seen
+        self.history: dict[int, collections.deque] = collections.defaultdict(
+            lambda: collections.deque(maxlen=history))  # rank -> (iteration, duration_ns)
+        self.last_iteration_at = 0.0
+        self.newest_iteration_window = -1
+        self.iteration_gaps: collections.deque = collections.deque(maxlen=32)
+        self.reported_l1: set[tuple] = set()
+        self.stalled = False
+        self.last_seen = 0.0
+
+
+class Analyzer:
+    def __init__(self, config: AnalyzerConfig, source: RecordSource, sinks: Sequence[DiagnosisSink] = (),
+                 *, metrics: AnalyzerMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.source = source
+        self.metrics = metrics or AnalyzerMetrics()
+        self.sinks = list(sinks)
+        if self.metrics not in self.sinks:
+            self.sinks.append(self.metrics)
+        self._clock = clock
+        self._jobs: dict[str, _Job] = {}
+        self.verdicts: collections.deque[records_pb2.Verdict] = collections.deque(maxlen=10_000)
+
+    # ---------------------------------------------------------------- input
+    def ingest(self, signal: str, rec) -> None:
+        now = self._clock()
+        res = Resource.from_pb(rec.resource)
+        job = self._job(res.job_id, now)
+        job.world_size = max(job.world_size, res.world_size)
+        job.resources[res.rank] = res
+        w = rec.window
+        key = (w.kind, w.index)
+        if w.index <= job.done_upto.get(w.kind, -1) and key not in job.open:
+            self.metrics.counters["late_records"] += 1
+            return
+        o = job.open.get(key)
+        if o is None:
+            o = job.open[key] = _Open(JobWindow(job.job_id, w), now, now)
+            if len(job.open) > self.config.max_open_windows:
+                self._analyse(job, min(job.open), "bound")
+        o.last_seen = now
+        jw = o.jw
+        jw.resources[res.rank] = res
+        getattr(jw, signal)[res.rank] = rec
+        if w.start_ns and (not jw.window.start_ns or w.start_ns < jw.window.start_ns):
+            jw.window.start_ns = w.start_ns
+        jw.window.end_ns = max(jw.window.end_ns, w.end_ns)
+        job.latest[res.rank] = max(job.latest.get(res.rank, -1), w.index)
+        if signal == "iterations":
+            hist = job.history[res.rank]
+            for m in rec.marks:
+                hist.append((m.iteration, m.end_ns - m.start_ns))
+            # the job made progress when a newer window's iterations arrive (any rank)
+            if w.index > job.newest_iteration_window:
+                job.newest_iteration_window = w.index
+                if job.last_iteration_at:
+                    job.iteration_gaps.append(now - job.last_iteration_at)
+                job.last_iteration_at = now
+                if job.stalled:
+                    job.stalled = False
+                    self.metrics.set_stalled(job.job_id, False)
+        self.metrics.counters["records_in"] += 1
+
+    def _job(self, job_id: str, now: float) -> _Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            if len(self._jobs) >= self.config.max_jobs:
+                oldest = min(self._jobs.values(), key=lambda j: j.last_seen)
+                del self._jobs[oldest.job_id]
+            job = self._jobs[job_id] = _Job(job_id, self.config.history_iterations)
+        job.last_seen = now
+        return job
+
+    # ---------------------------------------------------------------- loop
+    def step(self, timeout_s: float = 0.2) -> list[records_pb2.Verdict]:
+        for signal, rec in self.source.poll(timeout_s):
+            self.ingest(signal, rec)
+        self.metrics.counters["bad_records"] = getattr(self.source, "bad_total", 0)
+        out = []
+        now = self._clock()
+        for job in list(self._jobs.values()):
+            for key in sorted(job.open):
+                reason = self._ready(job, job.open[key], now)
+                if reason:
+                    out.append(self._analyse(job, key, reason))
+            self._check_stall(job, now)
+        return out
+
+    def run(self, stop: threading.Event, timeout_s: float = 0.2) -> None:
+        while not stop.is_set():
+            try:
+                self.step(timeout_s)
+            except Exception:  # a bad window must not stop the service
+                log.exception("analyzer step failed")
+
+    def finish(self) -> list[records_pb2.Verdict]:
+        """Read what is left and analyse every open window (end of a replay)."""
+        while True:
+            recs = self.source.poll(0)
+            if not recs:
+                break
+            for signal, rec in recs:
+                self.ingest(signal, rec)
+        return [self._analyse(job, key, "finish")
+                for job in list(self._jobs.values()) for key in sorted(job.open)]
+
+    def _ready(self, job: _Job, o: _Open, now: float) -> str | None:
+        if job.world_size and len(o.jw.resources) >= job.world_size and now - o.last_seen >= self.config.grace_s:
+            return "complete"
+        ahead = sum(1 for r, idx in job.latest.items() if idx >= o.jw.window.index + self.config.progress_windows)
+        if job.world_size and ahead * 2 > job.world_size:
+            return "progress"
+        if now - o.first_seen >= self.config.window_timeout_s:
+            return "timeout"
+        return None
+
+    # ------------------------------------------------------------ analysis
+    def _analyse(self, job: _Job, key: tuple[int, int], reason: str) -> records_pb2.Verdict:
+        o = job.open.pop(key)
+        jw = o.jw
+        job.done_upto[key[0]] = max(job.done_upto.get(key[0], -1), key[1])
+        findings: list[Finding] = []
+        levels = self.config.levels
+        try:
+            if "L2" in levels:
+                findings += l2_phases.analyze_phases(jw, self.config.l2)
+            if "L3" in levels:
+                findings += l3_kernels.analyze_kernels(jw, self.config.l3)
+            if "L1" in levels:
+                findings += self._l1(job, jw)
+        except Exception:
+            log.exception("detectors failed on job %s window %s", job.job_id, key)
+        missing = self._missing_ranks(job, jw, reason)
+        if missing is not None:
+            findings.append(missing)
+        verdict = merge(job.job_id, jw.window, findings, jw.resources)
+        diagnoses = list(verdict.findings)
+        for s in self.sinks:
+            try:
+                s.publish(diagnoses, verdict)
+            except Exception:
+                log.exception("diagnosis sink %s failed", getattr(s, "name", s))
+        self.metrics.counters["windows_analyzed"] += 1
+        self.verdicts.append(verdict)
+        return verdict
+
+    def _l1(self, job: _Job, jw: JobWindow) -> list[Finding]:
+        """L1 on the bounded history; keep only anomalies not reported before."""
+        series = {}
+        for rank, hist in job.history.items():
+            if len(hist) >= 2:
+                a = np.asarray(hist, dtype=np.int64)
+                series[rank] = (a[:, 0], a[:, 1])
+        if not series:
+            return []
+        found = l1_iteration.l1_findings(job.job_id, series, jw.window, self.config.l1)
+        state = "stable"
+        kinds = {f.kind for f in found}
+        if {"jitter", "regression"} <= kinds:
+            state = "both"
+        elif kinds & {"jitter", "regression"}:
+            state = next(iter(kinds & {"jitter", "regression"}))
+        self.metrics.set_l1_state(job.job_id, state)
+        new = []
+        for f in found:
+            mark = (f.kind, f.evidence.get("start_iteration"), f.evidence.get("split_iteration"),
+                    tuple(s.rank for s in f.suspects))
+            if mark not in job.reported_l1:
+                job.reported_l1.add(mark)
+                new.append(f)
+        return new
+
+    def _missing_ranks(self, job: _Job, jw: JobWindow, reason: str) -> Finding | None:
+        if reason not in ("timeout", "progress", "finish") or not job.world_size:
+            return None
+        seen = set(jw.resources)
+        known = set(job.resources)
+        # ranks we know exist (they reported before) but that are absent here
+        missing = sorted(known - seen)
+        if not missing or len(missing) * 2 >= len(known):
+            return None
+        return Finding(level="L2", kind="missing_rank", job_id=job.job_id, window=jw.window,
+                       scope=Scope(group="job"),
+                       suspects=tuple(SuspectRank(r, 1.0, {"reported_ranks": len(seen)}) for r in missing),
+                       severity=len(missing) / max(len(known), 1),
+                       evidence={"missing": missing, "reason": reason})
+
+    def _check_stall(self, job: _Job, now: float) -> None:
+        if job.stalled or not job.last_iteration_at or len(job.iteration_gaps) < 3:
+            return
+        mean_gap = float(np.mean(job.iteration_gaps))
+        quiet = now - job.last_iteration_at
+        if quiet >= max(self.config.stall_factor * mean_gap, self.config.min_stall_s):
+            job.stalled = True
+            window = records_pb2.Window(index=max(job.latest.values(), default=0))
+            f = Finding(level="L1", kind="stall", job_id=job.job_id, window=window, scope=Scope(group="job"),
+                        severity=quiet / max(mean_gap, 1e-9),
+                        evidence={"seconds_without_iteration": round(quiet, 3),
+                                  "mean_report_interval_s": round(mean_gap, 3)})
+            verdict = merge(job.job_id, window, [f], job.resources)
+            for s in self.sinks:
+                try:
+                    s.publish([f.to_pb()], verdict)
+                except Exception:
+                    log.exception("diagnosis sink failed")
+            self.metrics.set_stalled(job.job_id, True)
+            self.verdicts.append(verdict)

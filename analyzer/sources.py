@@ -1,0 +1,161 @@
+"""Where the analyzer reads the processor's records from.
+
+One small Protocol, three implementations:
+
+* ``BusSource``: the in-process embedded bus (replay, demo, sim on a laptop);
+* ``StoreSource``: tails the processor's SQLite store on the same host, so
+  ``trainscope analyzer`` works beside ``trainscope processor`` without a broker;
+* ``KafkaSource``: a confluent-kafka consumer group on the per-signal topics
+  (the scale-out path). A record that cannot be parsed is counted and kept
+  (``bad_records``) with its raw bytes, never fatal (confluent-kafka's
+  ``ConsumeError`` carries the message the same way).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from typing import Protocol
+
+from google.protobuf.message import DecodeError, Message
+
+from trainscope.processor.bus import EmbeddedBus, topic_for
+from trainscope.processor.model import SIGNALS
+from trainscope.proto.v1 import records_pb2
+
+log = logging.getLogger(__name__)
+
+RECORD_TYPES = {
+    "kernels": records_pb2.KernelWindow,
+    "phases": records_pb2.PhaseWindow,
+    "iterations": records_pb2.IterationWindow,
+    "stacks": records_pb2.StackWindow,
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BadRecord:
+    signal: str
+    reason: str
+    raw: bytes
+
+
+class RecordSource(Protocol):
+    def poll(self, timeout_s: float = 0.0) -> list[tuple[str, Message]]:
+        """Records that arrived since the last poll, as (signal, record)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class _Parsing:
+    def __init__(self, max_bad: int = 1000) -> None:
+        self.bad_records: collections.deque[BadRecord] = collections.deque(maxlen=max_bad)
+        self.bad_total = 0
+
+    def parse(self, signal: str, raw: bytes) -> Message | None:
+        try:
+            rec = RECORD_TYPES[signal].FromString(raw)
+        except (DecodeError, KeyError, ValueError) as e:
+            self.bad_total += 1
+            self.bad_records.append(BadRecord(signal, str(e), raw))
+            return None
+        if not rec.resource.job_id:
+            self.bad_total += 1
+            self.bad_records.append(BadRecord(signal, "no job_id", raw))
+            return None
+        return rec
+
+
+class BusSource(_Parsing):
+    def __init__(self, bus: EmbeddedBus, prefix: str = "trainscope", from_beginning: bool = True) -> None:
+        super().__init__()
+        self.bus = bus
+        self.topics = {topic_for(s, prefix): s for s in SIGNALS}
+        self.offsets = {t: 0 if from_beginning else bus.end_offset(t) for t in self.topics}
+
+    def poll(self, timeout_s: float = 0.0) -> list[tuple[str, Message]]:
+        out = []
+        for topic, signal in self.topics.items():
+            recs = self.bus.poll(topic, self.offsets[topic])
+            if recs:
+                self.offsets[topic] = recs[-1].offset + 1
+            for r in recs:
+                rec = self.parse(signal, r.value)
+                if rec is not None:
+                    out.append((signal, rec))
+        if not out and timeout_s > 0:
+            # wait on one topic; others are picked up on the next poll
+            t = next(iter(self.topics))
+            self.bus.poll(t, self.offsets[t], max_records=1, timeout_s=timeout_s)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class StoreSource(_Parsing):
+    """Tails the ``records`` table of a processor's SQLite store by row id."""
+
+    def __init__(self, path: str, from_id: int = 0) -> None:
+        super().__init__()
+        import sqlite3
+        self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+        self.last_id = from_id
+
+    def poll(self, timeout_s: float = 0.0) -> list[tuple[str, Message]]:
+        import sqlite3
+        import time
+        try:
+            rows = self._db.execute(
+                "SELECT id, signal, value FROM records WHERE id > ? ORDER BY id LIMIT 10000",
+                (self.last_id,)).fetchall()
+        except sqlite3.OperationalError as e:   # store not created yet, or busy
+            log.debug("store poll: %s", e)
+            rows = []
+        if not rows and timeout_s > 0:
+            time.sleep(min(timeout_s, 0.2))
+        out = []
+        for rid, signal, value in rows:
+            self.last_id = rid
+            rec = self.parse(signal, value)
+            if rec is not None:
+                out.append((signal, rec))
+        return out
+
+    def close(self) -> None:
+        self._db.close()
+
+
+class KafkaSource(_Parsing):
+    def __init__(self, bootstrap: str, *, group_id: str = "trainscope-analyzer",
+                 prefix: str = "trainscope", extra: dict | None = None) -> None:
+        super().__init__()
+        from confluent_kafka import Consumer
+        self.topics = {topic_for(s, prefix): s for s in SIGNALS}
+        self._consumer = Consumer({
+            "bootstrap.servers": bootstrap, "group.id": group_id,
+            "auto.offset.reset": "earliest", "enable.auto.commit": True,
+            **(extra or {}),
+        })
+        self._consumer.subscribe(list(self.topics))
+        self.errors = 0
+
+    def poll(self, timeout_s: float = 0.0) -> list[tuple[str, Message]]:
+        msgs = self._consumer.consume(num_messages=10_000, timeout=max(timeout_s, 0.0))
+        out = []
+        for m in msgs:
+            if m.error():
+                self.errors += 1
+                log.debug("kafka consume error: %s", m.error())
+                continue
+            signal = self.topics.get(m.topic())
+            if signal is None:
+                continue
+            rec = self.parse(signal, m.value())
+            if rec is not None:
+                out.append((signal, rec))
+        return out
+
+    def close(self) -> None:
+        self._consumer.close()
