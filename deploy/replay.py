@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -38,6 +39,7 @@ class ReplayResult:
     processor: dict[str, float]
     store_path: str
     seconds: float
+    verdicts: list = dataclasses.field(default_factory=list)
 
 
 def feed_rank(trace, resource, target: str) -> tuple[int, int]:
@@ -84,6 +86,8 @@ def run_replay(
     kafka: Any = None,
     perfetto: Any = None,
     prometheus: Any = None,
+    analyze: bool = True,
+    analyzer_config: Any = None,
 ) -> ReplayResult:
     """Replay every rank of ``directory`` and close all windows.
 
@@ -107,15 +111,41 @@ def run_replay(
     sent: dict[int, int] = {}
     skipped: dict[int, dict[str, int]] = {}
     drops: dict[int, int] = {}
+    verdicts: list = []
     with Processor(cfg) as proc:
+        analyzer = stop = thread = None
+        if analyze:
+            # the analyzer runs continuously beside the processor, on the embedded bus
+            analyzer = embedded_analyzer(proc, store_path, analyzer_config)
+            stop = threading.Event()
+            thread = threading.Thread(target=analyzer.run, args=(stop,), daemon=True)
+            thread.start()
         for rank in sorted(job.files):
             trace = job.load(rank)
             skipped[rank] = dict(trace.skipped)
             sent[rank], drops[rank] = feed_rank(trace, resource_for(trace, job), proc.address)
         proc.drain(300.0)
         metrics = proc.metrics.snapshot()
+        if analyzer is not None:
+            stop.set()
+            thread.join(30)
+            analyzer.finish()
+            verdicts = list(analyzer.verdicts)
+            for s in analyzer.sinks:
+                s.close()
     return ReplayResult(job.job_id, sorted(job.files), sent, skipped, drops, metrics,
-                        store_path, time.perf_counter() - t0)
+                        store_path, time.perf_counter() - t0, verdicts)
+
+
+def embedded_analyzer(proc: Processor, store_path: str, config: Any = None):
+    """An analyzer reading ``proc``'s embedded bus, writing diagnoses to the local store."""
+    from trainscope.analyzer.service import Analyzer, AnalyzerConfig
+    from trainscope.analyzer.sinks import BusDiagnosisSink, StoreDiagnosisSink
+    from trainscope.analyzer.sources import BusSource
+    from trainscope.analyzer.store import DiagnosisStore
+
+    return Analyzer(config or AnalyzerConfig(), BusSource(proc.bus),
+                    [StoreDiagnosisSink(DiagnosisStore(store_path)), BusDiagnosisSink(proc.bus)])
 
 
 def kernel_stats_json(store_path: str, job_id: str | None = None) -> dict:

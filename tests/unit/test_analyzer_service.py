@@ -1,0 +1,178 @@
+"""The analyzer service on the embedded bus: window readiness, late records,
+missing ranks, stall rule, verdicts in the store. Records are built here the
+way the processor builds them (one per rank, window and signal)."""
+import numpy as np
+import pytest
+
+from trainscope.analyzer.service import Analyzer, AnalyzerConfig
+from trainscope.analyzer.sinks import BusDiagnosisSink, StoreDiagnosisSink
+from trainscope.analyzer.sources import BusSource
+from trainscope.analyzer.store import DiagnosisStore
+from trainscope.processor.bus import EmbeddedBus, topic_for
+from trainscope.proto.errors import ConfigError
+from trainscope.proto.model import Resource, coords_for_rank
+from trainscope.proto.v1 import records_pb2, telemetry_pb2
+
+MS = 1_000_000
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def res(rank, world=8, job="j"):
+    return Resource(job_id=job, rank=rank, world_size=world, host=f"h{rank // 4}",
+                    coords=coords_for_rank(rank, world)).to_pb()
+
+
+def publish(bus, rank, index, *, slow=1.0, world=8, job="j", iters_per_window=10, signals=("phases", "iterations", "kernels")):
+    rng = np.random.default_rng(rank * 1000 + index)
+    w = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=index,
+                           first_iteration=index * iters_per_window,
+                           last_iteration=(index + 1) * iters_per_window - 1,
+                           start_ns=index * 10**9, end_ns=(index + 1) * 10**9)
+    r = res(rank, world, job)
+    if "phases" in signals:
+        pw = records_pb2.PhaseWindow(resource=r, window=w)
+        for name, base in (("forward", 30), ("backward", 60), ("optimizer", 10)):
+            m = base * MS * (slow if name == "forward" else 1.0) * (1 + rng.normal(0, 0.005))
+            pw.phases.add(phase=name, count=iters_per_window, mean_ns=m, p50_ns=m, p99_ns=m * 1.01,
+                          max_ns=m * 1.02, total_ns=m * iters_per_window)
+        bus.publish(topic_for("phases"), job.encode(), pw.SerializeToString())
+    if "iterations" in signals:
+        iw = records_pb2.IterationWindow(resource=r, window=w)
+        t = index * 10**9
+        for i in range(w.first_iteration, w.last_iteration + 1):
+            d = int(100 * MS * (1 + rng.normal(0, 0.005)))
+            iw.marks.add(iteration=i, start_ns=t, end_ns=t + d)
+            t += d
+        bus.publish(topic_for("iterations"), job.encode(), iw.SerializeToString())
+    if "kernels" in signals:
+        kw = records_pb2.KernelWindow(resource=r, window=w)
+        for k, base in (("gemm", 200_000), ("nccl_allreduce", 900_000)):
+            p50 = base * (slow if k == "gemm" else 1.0) * (1 + rng.normal(0, 0.005))
+            ks = kw.kernels.add(kernel=k, stream=7, count=100)
+            ks.clusters.add(count=100, p50_ns=p50, p99_ns=p50 * 1.05, min_ns=p50 * 0.97, max_ns=p50 * 1.06)
+        bus.publish(topic_for("kernels"), job.encode(), kw.SerializeToString())
+
+
+def settle(a, clock):
+    """Ingest what is on the bus, let the grace period pass, analyse what is ready."""
+    first = a.step(0)
+    clock.t += 1
+    return first + a.step(0)
+
+
+def make(tmp_path, **cfg):
+    bus, clock = EmbeddedBus(), Clock()
+    store = DiagnosisStore(str(tmp_path / "store.sqlite"))
+    a = Analyzer(AnalyzerConfig(**cfg), BusSource(bus), [StoreDiagnosisSink(store), BusDiagnosisSink(bus)],
+                 clock=clock)
+    return a, bus, clock, store
+
+
+def test_complete_window_is_analysed_after_grace_and_names_the_slow_rank(tmp_path):
+    a, bus, clock, store = make(tmp_path)
+    for r in range(8):
+        publish(bus, r, 0, slow=1.4 if r == 5 else 1.0)
+    assert a.step(0) == []                      # all ranks in, grace not yet passed
+    clock.t += 1
+    (v,) = a.step(0)
+    assert v.ranks[0].rank == 5 and "forward" in v.phases and "gemm" in v.kernels
+    assert {f.level for f in v.findings} >= {"L2", "L3"}
+    assert store.latest_verdict("j").ranks[0].rank == 5
+    diag = [records_pb2.Diagnosis.FromString(r.value) for r in bus.poll(topic_for("diagnoses"), 0)]
+    assert diag and all(s.rank == 5 for d in diag for s in d.suspects)
+
+
+def test_healthy_job_yields_no_suspects(tmp_path):
+    a, bus, clock, store = make(tmp_path)
+    for idx in range(3):
+        for r in range(8):
+            publish(bus, r, idx)
+    verdicts = settle(a, clock) + a.finish()
+    assert len(verdicts) == 3
+    assert all(not v.ranks and not v.findings for v in verdicts)
+    assert list(store.diagnoses("j")) == []
+
+
+def test_window_with_a_silent_rank_is_analysed_on_progress_and_names_it(tmp_path):
+    a, bus, clock, _ = make(tmp_path)
+    for idx in range(4):
+        for r in range(8):
+            if not (r == 3 and idx >= 1):       # rank 3 stops reporting after window 0
+                publish(bus, r, idx)
+    verdicts = settle(a, clock)
+    by_index = {v.window.index: v for v in verdicts}
+    assert 0 in by_index and not by_index[0].ranks
+    assert 1 in by_index
+    missing = [f for f in by_index[1].findings if f.kind == "missing_rank"]
+    assert missing and [s.rank for s in missing[0].suspects] == [3]
+
+
+def test_incomplete_window_is_analysed_after_timeout(tmp_path):
+    a, bus, clock, _ = make(tmp_path, window_timeout_s=30)
+    for r in range(6):
+        publish(bus, r, 0)
+    clock.t += 5
+    assert a.step(0) == []
+    clock.t += 30
+    (v,) = a.step(0)
+    assert v.window.index == 0
+
+
+def test_late_records_are_counted_not_reanalysed(tmp_path):
+    a, bus, clock, _ = make(tmp_path)
+    for r in range(8):
+        publish(bus, r, 0)
+    assert len(settle(a, clock)) == 1
+    publish(bus, 2, 0)
+    assert a.step(0) == []
+    assert a.metrics.counters["late_records"] == 3
+
+
+def test_stall_rule_fires_after_five_mean_intervals(tmp_path):
+    a, bus, clock, store = make(tmp_path, min_stall_s=1)
+    for idx in range(5):
+        for r in range(8):
+            publish(bus, r, idx, signals=("iterations",))
+        a.step(0)
+        clock.t += 2.0                      # a new iteration window every 2 s
+    clock.t += 5.0                          # 7 s quiet < 5 x 2 s
+    a.step(0)
+    assert not [d for d in store.diagnoses("j") if d.kind == "stall"]
+    clock.t += 4.0                          # 11 s quiet > 10 s
+    a.step(0)
+    stalls = [d for d in store.diagnoses("j") if d.kind == "stall"]
+    assert len(stalls) == 1 and stalls[0].level == "L1"
+    a.step(0)                               # reported once, not every step
+    assert len([d for d in store.diagnoses("j") if d.kind == "stall"]) == 1
+
+
+def test_bad_records_on_the_bus_are_counted_and_skipped(tmp_path):
+    a, bus, clock, _ = make(tmp_path)
+    bus.publish(topic_for("kernels"), b"j", b"\xff\xff garbage")
+    for r in range(8):
+        publish(bus, r, 0)
+    assert len(settle(a, clock)) == 1
+    assert a.metrics.counters["bad_records"] == 1
+
+
+def test_jobs_are_analysed_separately(tmp_path):
+    a, bus, clock, _ = make(tmp_path)
+    for r in range(4):
+        publish(bus, r, 0, world=4, job="a", slow=1.5 if r == 1 else 1.0)
+        publish(bus, r, 0, world=4, job="b")
+    verdicts = {v.job_id: v for v in settle(a, clock)}
+    assert verdicts["a"].ranks[0].rank == 1 and not verdicts["b"].ranks
+
+
+def test_bad_config_names_the_setting():
+    with pytest.raises(ConfigError, match="analyzer.levels"):
+        AnalyzerConfig(levels=("L9",))
+    with pytest.raises(ConfigError, match="analyzer.grace_s"):
+        AnalyzerConfig(grace_s=0)
