@@ -3,6 +3,8 @@
     trainscope demo                      # the main job on the embedded default
     trainscope processor [options]       # the per-host daemon
     trainscope replay DIR [--stats-out F]
+    trainscope run [options] -- CMD      # CMD with the collector in every rank process
+    trainscope sim --ranks 1024 --tp 8 --pp 4 --ep 8 --fault gpu_throttle:rank=137,onset=60s --duration 300s
 """
 from __future__ import annotations
 
@@ -82,7 +84,7 @@ def cmd_replay(args) -> int:
     from trainscope.deploy.replay import kernel_stats_json, run_replay, write_json
 
     res = run_replay(args.dir, home=_home(args), window_iterations=args.window_iterations,
-                     **_sink_configs(args))
+                     analyze=not args.no_analyze, **_sink_configs(args))
     total = sum(res.kernel_events_sent.values())
     print(f"replayed job {res.job_id!r}: {len(res.ranks)} ranks, {total:,} kernel events "
           f"in {res.seconds:.2f} s", flush=True)
@@ -98,13 +100,224 @@ def cmd_replay(args) -> int:
     if args.stats_out:
         write_json(stats, args.stats_out)
         print(f"kernel stats written to {args.stats_out}")
+    if not args.no_analyze:
+        from trainscope.analyzer.report import report
+        rep = report(res.store_path, res.job_id)
+        print(render_verdicts(res.verdicts))
+        if args.json:
+            write_json(rep, args.json)
+            print(f"diagnoses written to {args.json}")
     return 0 if not any(res.exporter_drops.values()) else 1
+
+
+def render_verdicts(verdicts) -> str:
+    """One line per window that has findings; 'healthy' when none has."""
+    lines = [f"  window {v.window.index}: {v.summary}" for v in verdicts if v.ranks or v.findings]
+    if not lines:
+        return "verdict: healthy (no suspects)"
+    return "verdict:\n" + "\n".join(lines)
 
 
 def cmd_demo(args) -> int:
     from trainscope.deploy.demo import run_demo
 
     return run_demo(home=_home(args), ranks=args.ranks, out=sys.stdout)
+
+
+def cmd_sim(args) -> int:
+    from trainscope.collector.sim import FAULT_TYPES, run_sim, sim_config
+
+    if args.list_faults:
+        for k in FAULT_TYPES.values():
+            defaults = ",".join(f"{p}={v:g}" for p, v in k.params.items())
+            print(f"{k.name:<17} {'+'.join(k.levels):<6} {k.summary}" + (f"  [{defaults}]" if defaults else ""))
+        return 0
+    cfg = sim_config(
+        ranks=args.ranks, tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, order=args.order,
+        gpus_per_host=args.gpus_per_host, nics_per_host=args.nics_per_host,
+        micro_batches=args.micro_batches, layers=args.layers, iteration_s=args.iteration_time,
+        duration=args.duration, iterations=args.iterations, faults=args.fault, scenario=args.scenario,
+        seed=args.seed, job_id=args.job_id, exporters=args.exporters, home=_home(args),
+        ground_truth_path=args.ground_truth, traces_out=args.traces_out, window_mode=args.window_mode,
+        window_iterations=args.window_iterations, window_length_s=args.window_length_s,
+    )
+    options = _sink_configs(args) if args.processor is None else {}
+    res = run_sim(cfg, args.processor, processor_options=options)
+    _render_sim(res, sys.stdout)
+    if args.json_out:
+        from trainscope.deploy.replay import write_json
+        write_json(res.to_dict(), args.json_out)
+    return 0 if not res.dropped else 1
+
+
+def _render_sim(res, out) -> None:
+    print(f"simulated job {res.job_id!r}: {res.ranks} ranks, {res.iterations} iterations, "
+          f"{res.sim_seconds:.1f} simulated s" + (" (hung)" if res.hung else ""), file=out)
+    print(f"  {res.kernel_events:,} kernel events, {res.phase_events:,} phases, {res.iteration_events:,} "
+          f"iteration marks, {res.stack_snapshots:,} stack snapshots "
+          f"({'/'.join(map(str, sorted(set(res.kernels_per_iteration))))} kernels per rank per iteration)", file=out)
+    print(f"  wall {res.wall_s:.2f} s: {res.events_per_s:,.0f} events/s end to end, "
+          f"{res.generated_per_s:,.0f} events/s generated", file=out)
+    where = res.processor_address or "no processor"
+    print(f"  sent to {where}" + (f", {res.dropped} dropped" if res.dropped else ", nothing dropped"), file=out)
+    if res.store_path:
+        print(f"  store: {res.store_path}", file=out)
+    if res.traces_out:
+        print(f"  traces: {res.traces_out}", file=out)
+    print(f"  ground truth: {res.ground_truth_path}", file=out, flush=True)
+
+
+def cmd_query(args) -> int:
+    """``trainscope query WHAT``: parse, ask the facade, render (exit 1 when it cannot answer)."""
+    import json
+    import time
+
+    from trainscope.analyzer.query import Query, QueryConfig, QueryError, as_json
+
+    if args.store:
+        path, setting = args.store, "--store"
+    else:
+        path = os.path.join(_home(args), "store.sqlite")
+        setting = "--home" if args.home else env.HOME if os.environ.get(env.HOME) else "--home (default ./.trainscope)"
+    cfg = QueryConfig(store_path=path, store_setting=setting, prometheus_url=getattr(args, "prometheus", None))
+    since_ns = parse_since(getattr(args, "since", None), time.time())
+    ask = {
+        "jobs": lambda q: q.jobs(),
+        "verdict": lambda q: q.verdict(args.job, args.window),
+        "stragglers": lambda q: q.stragglers(args.job, since_ns),
+        "kernels": lambda q: q.kernels(args.job, args.rank, args.top, since_ns),
+        "iterations": lambda q: q.iterations(args.job, args.rank, args.last),
+        "ranks": lambda q: q.ranks(args.job, args.rank, args.host),
+    }[args.what]
+    try:
+        with Query(cfg) as q:
+            result = ask(q)
+    except QueryError as e:
+        print(f"trainscope query: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(as_json(result), indent=2) if args.json else render_query(result))
+    return 0
+
+
+def parse_since(text: str | None, now_s: float) -> int:
+    """``--since``: ``90s``/``30m``/``2h``/``1d``/``1h30m`` ago or an ISO-8601 time, as unix ns (0: none).
+
+    An ISO time without a zone is local time; add ``Z`` or ``+02:00`` otherwise.
+    """
+    import datetime
+    import re
+
+    if not text:
+        return 0
+    t = text.strip()
+    if re.fullmatch(r"(\d+(\.\d+)?[smhdw])+", t):
+        unit = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+        return int((now_s - sum(float(n) * unit[u] for n, u in re.findall(r"([\d.]+)([smhdw])", t))) * 1e9)
+    try:
+        return int(datetime.datetime.fromisoformat(t).timestamp() * 1e9)
+    except ValueError:
+        raise ConfigError("--since", text, "use a duration like 90s, 30m, 2h, 1d or an ISO time "
+                                           "like 2024-05-01T12:00:00Z") from None
+
+
+def render_query(result) -> str:
+    """A query answer as text: a verdict as summary + tables, a list answer as one table."""
+    from trainscope.analyzer.query import VerdictView
+
+    if isinstance(result, VerdictView):
+        v = result
+        its = f" (iterations {v.iterations[0]}-{v.iterations[1]})" if v.iterations else ""
+        out = [f"job {v.job}, window {v.window}{its}", v.summary]
+        if not v.suspects and not v.findings:
+            return "\n".join(out + ["verdict: healthy (no suspects)"])
+        for title, rows in (("suspects", v.suspects), ("findings", v.findings)):
+            out += ["", f"{title}:", _table(rows)] if rows else []
+        return "\n".join(out)
+    if not result.rows:
+        since = result.params.get("since")
+        return f"no {result.query} for job {result.job}" + (f" since {since}" if since else "")
+    return _table(result.rows)
+
+
+def _table(rows) -> str:
+    """Dataclass rows as aligned columns; ``*_s`` fields as durations, long cells cut (not the last)."""
+    import dataclasses
+
+    def cell(name: str, v) -> str:
+        if v is None or v == ():
+            return "-"
+        if isinstance(v, bool):
+            return "yes" if v else "no"
+        if isinstance(v, tuple):
+            return ",".join(map(str, v))
+        if isinstance(v, float) and name.endswith("_s"):
+            return next(f"{v * k:.3g} {u}" for k, u in ((1, "s"), (1e3, "ms"), (1e6, "us"), (1e9, "ns"))
+                        if v * k >= 1 or u == "ns")
+        return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+    names = [f.name for f in dataclasses.fields(rows[0])]
+    grid = [[n.upper() for n in names]]
+    for r in rows:
+        cells = [cell(n, getattr(r, n)) for n in names]
+        grid.append([c if len(c) <= 60 or i == len(names) - 1 else c[:59] + "…" for i, c in enumerate(cells)])
+    widths = [max(len(row[i]) for row in grid) for i in range(len(names))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in grid)
+
+
+def _add_query_parser(sub) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--store", help="the SQLite store (default HOME/store.sqlite)")
+    common.add_argument("--home", help=f"state directory (env {env.HOME}; default ./.trainscope)")
+    common.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    job = argparse.ArgumentParser(add_help=False)
+    job.add_argument("--job", help="job id (default: the store's only job)")
+    prom = argparse.ArgumentParser(add_help=False)
+    prom.add_argument("--since", help="only findings since then: 90s, 30m, 2h, 1d or an ISO time")
+    prom.add_argument("--prometheus", metavar="URL",
+                      help="ask Prometheus (flagged now / over --since, default 1h) instead of the store")
+    q = sub.add_parser("query", help="ask the store (or Prometheus) about a job's verdict, stragglers, kernels...")
+    qs = q.add_subparsers(dest="what", required=True, metavar="WHAT")
+    qs.add_parser("jobs", parents=[common], help="jobs in the store with their latest verdict")
+    v = qs.add_parser("verdict", parents=[common, job], help="the latest verdict of a job: suspects, phases, kernels")
+    v.add_argument("--window", type=int, help="this window's verdict instead of the latest")
+    qs.add_parser("stragglers", parents=[common, job, prom], help="ranks flagged as stragglers (L2) since a time")
+    k = qs.add_parser("kernels", parents=[common, job, prom], help="a rank's degraded kernels (L3) against its peers")
+    k.add_argument("--rank", type=int, required=True)
+    k.add_argument("--top", type=int, default=10, help="show this many kernels (default 10)")
+    i = qs.add_parser("iterations", parents=[common, job], help="iteration time per window (job, or one --rank)")
+    i.add_argument("--rank", type=int, help="one rank's windows instead of the job's")
+    i.add_argument("--last", type=int, default=20, help="the last N windows (default 20; 0 = all)")
+    r = qs.add_parser("ranks", parents=[common, job], help="rank -> host, device, parallel coordinates")
+    r.add_argument("--rank", type=int)
+    r.add_argument("--host")
+    q.set_defaults(func=cmd_query)
+
+
+def cmd_run(args) -> int:
+    from trainscope.collector import launch
+
+    command = list(args.command[1:] if args.command[:1] == ["--"] else args.command)
+    extra = []
+    for item in args.set or ():
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ConfigError("run --set", item, "expected NAME=VALUE")
+        extra.append((name, value))
+    if args.install_pth is not None:
+        print(f"wrote {launch.install_autostart_pth(args.install_pth or None)}; "
+              "set TRAINSCOPE_AUTOSTART=1 in the job's environment to enable collection")
+        return 0
+    cfg = launch.RunConfig(
+        command=tuple(command) or ("<none>",) if args.print_env else tuple(command),
+        processor=args.processor or "", start_processor=not args.no_processor, stacks=not args.no_stacks,
+        stacks_window_s=args.stacks_window_s, job_id=args.job_id or "", match=args.match,
+        run_dir=args.run_dir or "", home=args.home or "", extra_env=tuple(extra))
+    if args.print_env:
+        launch.print_env(cfg)
+        return 0
+    result = launch.run(cfg)
+    print("\n".join(launch.summary_lines(result)), file=sys.stderr)
+    return result.returncode
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,10 +341,63 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="feed PyTorch profiler traces through the pipeline")
     r.add_argument("dir", help="directory of rank-<N>.json[.gz] (+ optional topology.json)")
     r.add_argument("--stats-out", help="write the kernel cluster stats here (JSON)")
+    r.add_argument("--json", help="write the diagnoses here (JSON, the replay contract's format)")
+    r.add_argument("--no-analyze", action="store_true", help="only summarise; run no detectors")
     r.add_argument("--window-iterations", type=int, default=1000)
     _add_sink_flags(r)
     r.set_defaults(func=cmd_replay)
+
+    s = sub.add_parser("sim", help="simulate a hybrid-parallel job with injected faults through the pipeline")
+    s.add_argument("--ranks", type=int, help="world size (default 64)")
+    for dim in ("tp", "pp", "ep", "cp"):
+        s.add_argument(f"--{dim}", type=int, help=f"{dim.upper()} degree (default 1)")
+    s.add_argument("--order", help="Megatron rank order (default tp-cp-ep-dp-pp)")
+    s.add_argument("--gpus-per-host", type=int)
+    s.add_argument("--nics-per-host", type=int)
+    s.add_argument("--micro-batches", type=int, help="micro-batches per iteration (default 4)")
+    s.add_argument("--layers", type=int, help="layers per pipeline stage (default 2; kernels scale with it)")
+    s.add_argument("--iteration-time", help="healthy iteration time, e.g. 3s (default)")
+    s.add_argument("--duration", help="simulated time to run, e.g. 300s")
+    s.add_argument("--iterations", type=int, help="iterations to run (default 20 without --duration)")
+    s.add_argument("--fault", action="append", default=[], metavar="TYPE:KEY=VALUE,...",
+                   help="inject a fault (repeatable); --list-faults shows the types")
+    s.add_argument("--scenario", help="JSON file with a list of faults")
+    s.add_argument("--list-faults", action="store_true", help="print the fault catalogue and exit")
+    s.add_argument("--seed", type=int)
+    s.add_argument("--job-id")
+    s.add_argument("--exporters", type=int, help="collector exporters (gRPC streams) to spread hosts over")
+    s.add_argument("--processor", help="send to this processor (ADDR) instead of starting an embedded one")
+    s.add_argument("--traces-out", help="also write PyTorch-profiler traces here (for trainscope replay)")
+    s.add_argument("--ground-truth", help="ground-truth JSON path (default HOME/sim-ground-truth.json)")
+    s.add_argument("--json", dest="json_out", help="write the run summary here (JSON)")
+    s.add_argument("--window-mode", choices=("iterations", "time"), help="embedded processor windows")
+    s.add_argument("--window-iterations", type=int)
+    s.add_argument("--window-length-s", type=float)
+    _add_sink_flags(s)
+    s.set_defaults(func=cmd_sim)
+    _add_query_parser(sub)
+    _add_run_parser(sub)
     return p
+
+
+def _add_run_parser(sub) -> None:
+    ru = sub.add_parser("run", help="run a training command with the collector in every rank process",
+                        description="trainscope run [options] -- torchrun --nproc-per-node 8 train.py ...")
+    ru.add_argument("--processor", help=f"processor address (env {env.PROCESSOR}; default the host's socket)")
+    ru.add_argument("--no-processor", action="store_true", help="do not start a processor when none answers")
+    ru.add_argument("--no-stacks", action="store_true", help="no py-spy stack sidecar")
+    ru.add_argument("--stacks-window-s", type=float, default=10.0, help="stack sampling window (whole seconds)")
+    ru.add_argument("--job-id", help=f"job id (env {env.JOB_ID}; default generated)")
+    ru.add_argument("--match", help="regex rank command lines must match (default: the script or -m module)")
+    ru.add_argument("--run-dir", help="rank registry and counters (default a temporary directory)")
+    ru.add_argument("--home", help="state directory of a processor started here (default ./.trainscope)")
+    ru.add_argument("--set", action="append", metavar="NAME=VALUE", help="extra environment for the job")
+    ru.add_argument("--print-env", action="store_true",
+                    help="print the environment that enables collection (for launchers that cannot be wrapped)")
+    ru.add_argument("--install-pth", nargs="?", const="", metavar="SITE_DIR",
+                    help="install a .pth hook so TRAINSCOPE_AUTOSTART=1 alone enables collection")
+    ru.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
+    ru.set_defaults(func=cmd_run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

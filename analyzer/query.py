@@ -1,0 +1,505 @@
+"""``trainscope query``: answers about a job as typed results (the CLI renders them).
+
+A facade over the local store (the processor's window records,
+``processor/store.py``, and the analyzer's diagnoses and verdicts,
+``analyzer/store.py``: one SQLite file by default) and, for what is flagged
+now, Prometheus' HTTP API. Questions: ``jobs``, ``verdict`` (latest or one
+window), ``stragglers`` since a time, a rank's ``kernels`` (L3-flagged
+first, with its mean duration per call against the other ranks'),
+``iterations`` per window, ``ranks`` (host, device, parallel coordinates).
+
+Errors: a question the data cannot answer (unknown job, empty store,
+Prometheus unreachable) raises ``QueryError`` (CLI exit 1); a bad setting
+raises ``ConfigError`` naming it (exit 2). Window times are on each rank's
+own clock and never compared across ranks, so ``since`` filters diagnoses
+(stamped by the analyzer's wall clock) and ``last`` counts windows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import os
+import statistics
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from types import SimpleNamespace
+from typing import Any, Callable, Mapping
+
+from google.protobuf.json_format import MessageToDict
+
+from trainscope.proto.errors import ConfigError, TrainscopeError
+from trainscope.proto.v1 import records_pb2
+
+STRAGGLER_KINDS = ("straggler", "slow_communication")
+KERNEL_KINDS = ("degraded_kernel", "missing_kernel")
+
+
+class QueryError(TrainscopeError):
+    """A question the data cannot answer (unknown job, nothing recorded)."""
+
+
+# ---------------------------------------------------------------- results
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RankInfo:
+    rank: int
+    host: str
+    pid: int
+    local_rank: int
+    device: str
+    dp: int
+    tp: int
+    pp: int
+    ep: int
+    cp: int
+
+    @property
+    def coords(self) -> str:
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} ep={self.ep} cp={self.cp}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class JobRow:
+    job: str
+    ranks: int
+    windows: int
+    diagnoses: int
+    latest: str
+    """Summary sentence of the latest verdict ("" when none)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SuspectRow:
+    rank: int
+    score: float
+    host: str
+    coords: str
+    levels: tuple[str, ...]
+    where: tuple[str, ...]
+    """Phases, kernels or kinds the rank was named for."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class FindingRow:
+    level: str
+    kind: str
+    scope: str
+    suspects: tuple[int, ...]
+    top_score: float
+    severity: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class VerdictView:
+    job: str
+    window: int
+    iterations: tuple[int, int] | None
+    summary: str
+    suspects: tuple[SuspectRow, ...]
+    phases: tuple[str, ...]
+    kernels: tuple[str, ...]
+    findings: tuple[FindingRow, ...]
+    verdict: records_pb2.Verdict = dataclasses.field(repr=False, compare=False)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StragglerRow:
+    rank: int
+    host: str
+    phases: tuple[str, ...]
+    kinds: tuple[str, ...]
+    windows: int | None
+    """Windows that flagged the rank (None from Prometheus, which has no windows)."""
+    max_score: float
+    first_seen: str | None
+    last_seen: str | None
+    flagged_now: bool
+    """Named by the latest verdict (store) or flagged now (Prometheus)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class KernelRow:
+    kernel: str
+    kinds: tuple[str, ...]
+    flagged_windows: int
+    max_score: float | None
+    calls: int
+    rank_mean_s: float | None
+    peer_mean_s: float | None
+    """Median over the other ranks that ran the kernel of their mean duration per call."""
+    ratio: float | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class IterationRow:
+    window: int
+    first_iteration: int
+    last_iteration: int
+    ranks: int
+    iterations: int
+    mean_s: float
+    p50_s: float
+    max_s: float
+    slowest_rank: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Rows:
+    """A list answer: which question, about which job, with which parameters."""
+
+    query: str
+    job: str | None
+    rows: tuple
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def as_json(result: Rows | VerdictView) -> dict:
+    """The JSON form of an answer (verdicts reuse the replay contract's shapes)."""
+    from trainscope.analyzer.report import diagnosis_json, verdict_json
+
+    if isinstance(result, VerdictView):
+        return {"query": "verdict", "job": result.job, "healthy": not result.suspects and not result.findings,
+                "verdict": verdict_json(result.verdict),
+                "suspects": [dataclasses.asdict(s) for s in result.suspects],
+                "findings": [diagnosis_json(d) for d in result.verdict.findings]}
+    return {"query": result.query, "job": result.job, **result.params,
+            "rows": [dataclasses.asdict(r) for r in result.rows]}
+
+
+# ---------------------------------------------------------------- facade
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class QueryConfig:
+    store_path: str
+    """The SQLite store (``<home>/store.sqlite``)."""
+    store_setting: str = "--store"
+    """Which setting chose ``store_path``, named when the file is missing."""
+    prometheus_url: str | None = None
+    """Prometheus base URL (``http://prom:9090``) for what is flagged now; None: the store."""
+    timeout_s: float = 10.0
+    """Deadline of one Prometheus request."""
+
+    def __post_init__(self) -> None:
+        if self.prometheus_url is not None:
+            u = urllib.parse.urlsplit(self.prometheus_url)
+            if u.scheme not in ("http", "https") or not u.netloc:
+                raise ConfigError("--prometheus", self.prometheus_url, "must be an http:// or https:// URL")
+        if not self.timeout_s > 0:
+            raise ConfigError("query.timeout_s", self.timeout_s, "must be > 0")
+
+
+class Query:
+    """Opens the stores lazily (Prometheus answers need none); ``close()`` closes them."""
+
+    def __init__(self, config: QueryConfig, *, now: Callable[[], float] = time.time,
+                 fetch: Callable[[str, float], bytes] | None = None) -> None:
+        self.config = config
+        self.now = now
+        self._records = self._diagnoses = None
+        self.prometheus = (PrometheusClient(config.prometheus_url, config.timeout_s, fetch)
+                           if config.prometheus_url else None)
+
+    def __enter__(self) -> "Query":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for s in filter(None, (self._records, self._diagnoses)):
+            s.close()
+
+    def _open(self):
+        if self._records is None:
+            from trainscope.analyzer.store import DiagnosisStore
+            from trainscope.processor.store import SqliteStore
+
+            path = self.config.store_path
+            if not os.path.isfile(path):  # the store classes would create an empty one
+                raise ConfigError(self.config.store_setting, path,
+                                  "no trainscope store there: run `trainscope demo`, `replay` or a "
+                                  "processor with this --home, or pass --store PATH")
+            self._records, self._diagnoses = SqliteStore(path), DiagnosisStore(path)
+        return self._records, self._diagnoses
+
+    def job_ids(self) -> list[str]:
+        records, diagnoses = self._open()
+        return sorted(set(records.jobs()) | set(diagnoses.jobs()))
+
+    def resolve_job(self, job: str | None) -> str:
+        """The job asked for, or the store's only job; QueryError when unknown."""
+        known = self.job_ids()
+        if not known:
+            raise QueryError(f"the store {self.config.store_path} holds no jobs yet")
+        if job is None:
+            if len(known) == 1:
+                return known[0]
+            raise ConfigError("--job", None, f"the store holds {len(known)} jobs, pick one: " + ", ".join(known[:20]))
+        if job not in known:
+            raise QueryError(f"unknown job {job!r}; the store has: " + ", ".join(known[:20]))
+        return job
+
+    # ------------------------------------------------------------ questions
+    def jobs(self) -> Rows:
+        records, diagnoses = self._open()
+        rows = []
+        for job in self.job_ids():
+            its = list(records.records("iterations", job))
+            latest = diagnoses.latest_verdict(job)
+            rows.append(JobRow(job=job, ranks=len({r.resource.rank for r in its}),
+                               windows=len({(r.window.kind, r.window.index) for r in its}),
+                               diagnoses=sum(1 for _ in diagnoses.diagnoses(job)),
+                               latest=latest.summary if latest is not None else ""))
+        if not rows:
+            raise QueryError(f"the store {self.config.store_path} holds no jobs yet")
+        return Rows(query="jobs", job=None, rows=tuple(rows))
+
+    def verdict(self, job: str | None, window: int | None = None) -> VerdictView:
+        job = self.resolve_job(job)
+        _, diagnoses = self._open()
+        v = (diagnoses.latest_verdict(job) if window is None
+             else next((x for x in diagnoses.verdicts(job) if x.window.index == window), None))
+        if v is None:
+            raise QueryError(f"job {job!r} has no verdict" + (f" for window {window}" if window is not None
+                                                              else " yet (the analyzer has not run on it)"))
+        info = {r.rank: r for r in self._rank_infos(job)}
+        suspects = []
+        for s in v.ranks:
+            ev, ri = MessageToDict(s.evidence), info.get(s.rank)
+            suspects.append(SuspectRow(rank=s.rank, score=s.score, host=ri.host if ri else "", coords=ri.coords if ri
+                                       else "", levels=tuple(ev.get("levels", ())), where=tuple(ev.get("where", ()))))
+        w = v.window
+        its = ((w.first_iteration, w.last_iteration) if w.kind == records_pb2.WINDOW_KIND_ITERATIONS else None)
+        return VerdictView(job=job, window=w.index, iterations=its, summary=v.summary, suspects=tuple(suspects),
+                           phases=tuple(v.phases), kernels=tuple(v.kernels),
+                           findings=tuple(_finding_row(d) for d in v.findings), verdict=v)
+
+    def stragglers(self, job: str | None, since_ns: int = 0) -> Rows:
+        """Ranks flagged as stragglers by diagnoses made at or after ``since_ns`` (unix ns; 0: all)."""
+        if self.prometheus is not None:
+            return self._prom_stragglers(job, since_ns)
+        job = self.resolve_job(job)
+        _, diagnoses = self._open()
+        latest = diagnoses.latest_verdict(job)
+        now = {s.rank for d in (latest.findings if latest else ()) if d.kind in STRAGGLER_KINDS for s in d.suspects}
+        tally = _Tally()
+        for kind in STRAGGLER_KINDS:
+            for d in diagnoses.diagnoses(job, since_ns=since_ns, kind=kind):
+                for s in d.suspects:
+                    tally.add(s.rank, s.score, d.kind, d.scope.phase, d.window, d.created_unix_ns, s.rank in now)
+        hosts = {r.rank: r.host for r in self._rank_infos(job)}
+        rows = sorted(_straggler_rows(tally, hosts), key=lambda x: (-x.windows, -x.max_score, x.rank))
+        return Rows(query="stragglers", job=job, rows=tuple(rows),
+                    params={"since": _iso(since_ns) if since_ns else None, "source": "store"})
+
+    def kernels(self, job: str | None, rank: int, top: int = 10, since_ns: int = 0) -> Rows:
+        """A rank's kernels, flagged by L3 since ``since_ns`` first, then by its ratio to its peers."""
+        if top < 1:
+            raise ConfigError("--top", top, "must be >= 1")
+        if self.prometheus is not None:
+            return self._prom_kernels(job, rank, since_ns, top)
+        job = self.resolve_job(job)
+        records, diagnoses = self._open()
+        flagged = _Tally()
+        for kind in KERNEL_KINDS:
+            for d in diagnoses.diagnoses(job, since_ns=since_ns, kind=kind):
+                for s in d.suspects:
+                    if s.rank == rank and d.scope.kernel:
+                        flagged.add(d.scope.kernel, s.score, d.kind, window=d.window)
+        # per kernel, per rank: (calls, busy ns) summed over the stored windows
+        busy: dict[str, dict[int, list[float]]] = {}
+        ranks = set()
+        for rec in records.records("kernels", job):
+            ranks.add(rec.resource.rank)
+            for k in rec.kernels:
+                c = busy.setdefault(k.kernel, {}).setdefault(rec.resource.rank, [0, 0.0])
+                c[0], c[1] = c[0] + k.count, c[1] + k.total_ns
+        if rank not in ranks and not flagged.by:
+            raise QueryError(f"job {job!r} has no kernel records or kernel findings for rank {rank}")
+        rows = []
+        for kernel in set(flagged.by) | {k for k, per in busy.items() if rank in per}:
+            per = busy.get(kernel, {})
+            own = per.get(rank)
+            mean = own[1] / own[0] / 1e9 if own and own[0] else None
+            peers = [t / n / 1e9 for r, (n, t) in per.items() if r != rank and n]
+            peer = statistics.median(peers) if peers else None
+            f = flagged.by.get(kernel)
+            rows.append(KernelRow(kernel=kernel, kinds=tuple(sorted(f.kinds)) if f else (),
+                                  flagged_windows=len(f.windows) if f else 0, max_score=f.score if f else None,
+                                  calls=int(own[0]) if own else 0, rank_mean_s=mean, peer_mean_s=peer,
+                                  ratio=mean / peer if mean and peer else None))
+        rows.sort(key=lambda x: (-(x.max_score or 0.0), -x.flagged_windows, -(x.ratio or 0.0), x.kernel))
+        return Rows(query="kernels", job=job, rows=tuple(rows[:top]),
+                    params={"rank": rank, "since": _iso(since_ns) if since_ns else None, "source": "store"})
+
+    def iterations(self, job: str | None, rank: int | None = None, last: int = 20) -> Rows:
+        if last < 0:
+            raise ConfigError("--last", last, "must be >= 0 (0 = every window)")
+        job = self.resolve_job(job)
+        records, _ = self._open()
+        by_window: dict[tuple[int, int], dict[int, records_pb2.IterationWindow]] = {}
+        for rec in records.records("iterations", job):
+            if rank is None or rec.resource.rank == rank:
+                by_window.setdefault((rec.window.kind, rec.window.index), {})[rec.resource.rank] = rec
+        if not by_window:
+            raise QueryError(f"job {job!r} has no iteration records" + (f" for rank {rank}" if rank is not None else ""))
+        rows = [_iteration_row(key[1], recs) for key, recs in sorted(by_window.items())]
+        rows = rows[-last:] if last else rows
+        return Rows(query="iterations", job=job, rows=tuple(rows), params={"rank": rank, "last": last})
+
+    def ranks(self, job: str | None, rank: int | None = None, host: str | None = None) -> Rows:
+        job = self.resolve_job(job)
+        rows = [r for r in self._rank_infos(job)
+                if (rank is None or r.rank == rank) and (host is None or r.host == host)]
+        if not rows:
+            what = " and ".join(x for x in (f"rank {rank}" if rank is not None else "",
+                                            f"host {host!r}" if host else "") if x)
+            raise QueryError(f"job {job!r} has no records" + (f" for {what}" if what else " with a resource"))
+        return Rows(query="ranks", job=job, rows=tuple(rows), params={"rank": rank, "host": host})
+
+    # ------------------------------------------------------------ helpers
+    def _rank_infos(self, job: str) -> list[RankInfo]:
+        """Each rank's newest resource: from iteration and phase records, else kernel records."""
+        records, _ = self._open()
+        newest: dict[int, tuple[int, Any]] = {}
+        for signals in (("iterations", "phases"), ("kernels", "stacks")):
+            for signal in signals:
+                for rec in records.records(signal, job):
+                    r = rec.resource
+                    if r.rank not in newest or rec.window.index >= newest[r.rank][0]:
+                        newest[r.rank] = (rec.window.index, r)
+            if newest:
+                break
+        out = []
+        for rank, (_, r) in sorted(newest.items()):
+            c = r.coords
+            out.append(RankInfo(rank=rank, host=r.host, pid=r.pid, local_rank=r.local_rank, device=r.device,
+                                dp=c.dp, tp=c.tp, pp=c.pp, ep=c.ep, cp=c.cp))
+        return out
+
+    def _prom_suspects(self, job: str | None, since_ns: int, kinds: tuple[str, ...],
+                       rank: int | None = None) -> tuple[list[tuple[dict, float, bool]], dict]:
+        """Flagged suspect series of ``kinds``: (labels, max score over the range, flagged now)."""
+        if job is None:
+            raise ConfigError("--job", None, "required with --prometheus")
+        prom, sel = self.prometheus, json.dumps(job)
+        secs = max(60, int(self.now() - since_ns / 1e9)) if since_ns else 3600
+        if not prom.query(f'count(last_over_time({{__name__=~"trainscope_rank_info|trainscope_suspect_score|'
+                          f'trainscope_job_iteration_state",job={sel}}}[{secs}s]))'):
+            raise QueryError(f"Prometheus at {prom.url} has no trainscope series for job {job!r} in the "
+                             f"last {secs}s (are the targets scraped with honor_labels: true?)")
+        m = f'trainscope_suspect_score{{job={sel},kind=~"{"|".join(kinds)}"' + (
+            f',rank="{rank}"}}' if rank is not None else "}")
+        by = "rank, phase, kernel, kind"
+        now = {tuple(sorted(x.items())) for x, _ in prom.query(f"max by ({by}) ({m})")}
+        best = [(x, v, tuple(sorted(x.items())) in now)
+                for x, v in prom.query(f"max by ({by}) (max_over_time({m}[{secs}s]))")]
+        params = {"since": _iso(since_ns) if since_ns else None, "source": prom.url, "range": f"{secs}s"}
+        return best, params
+
+    def _prom_stragglers(self, job: str | None, since_ns: int) -> Rows:
+        best, params = self._prom_suspects(job, since_ns, STRAGGLER_KINDS)
+        hosts = {x["rank"]: x.get("host", "") for x, _ in self.prometheus.query(
+            f"max by (rank, host) (trainscope_rank_info{{job={json.dumps(job)}}})")}
+        tally = _Tally()
+        for labels, score, now in best:
+            tally.add(int(labels["rank"]), score, labels.get("kind", ""), labels.get("phase", ""), now=now)
+        rows = sorted(_straggler_rows(tally, {int(r): h for r, h in hosts.items()}, windows=False),
+                      key=lambda x: (not x.flagged_now, -x.max_score, x.rank))
+        return Rows(query="stragglers", job=job, rows=tuple(rows), params=params)
+
+    def _prom_kernels(self, job: str | None, rank: int, since_ns: int, top: int) -> Rows:
+        best, params = self._prom_suspects(job, since_ns, KERNEL_KINDS, rank)
+        tally = _Tally()
+        for labels, score, _ in best:
+            tally.add(labels.get("kernel", ""), score, labels.get("kind", ""))
+        rows = sorted((KernelRow(kernel=k, kinds=tuple(sorted(a.kinds)), flagged_windows=0, max_score=a.score,
+                                 calls=0, rank_mean_s=None, peer_mean_s=None, ratio=None)
+                       for k, a in tally.by.items()), key=lambda x: (-(x.max_score or 0.0), x.kernel))
+        return Rows(query="kernels", job=job, rows=tuple(rows[:top]), params={"rank": rank, **params})
+
+
+class PrometheusClient:
+    """Instant queries against ``/api/v1/query``; ``fetch(url, timeout)`` is injectable for tests."""
+
+    def __init__(self, url: str, timeout_s: float = 10.0,
+                 fetch: Callable[[str, float], bytes] | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._fetch = fetch or self._get
+
+    def query(self, promql: str) -> list[tuple[dict[str, str], float]]:
+        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+        try:
+            body = json.loads(self._fetch(url, self.timeout_s))
+        except (OSError, ValueError) as e:  # URLError is an OSError; bad JSON a ValueError
+            raise QueryError(f"Prometheus at {self.url} did not answer: {e}") from None
+        if body.get("status") != "success":
+            raise QueryError(f"Prometheus at {self.url} refused {promql!r}: {body.get('error', body)}")
+        data = body["data"]
+        if data.get("resultType") != "vector":
+            raise QueryError(f"Prometheus returned a {data.get('resultType')} for {promql!r}, not a vector")
+        return [(r["metric"], float(r["value"][1])) for r in data["result"]]
+
+    @staticmethod
+    def _get(url: str, timeout_s: float) -> bytes:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as r:
+                return r.read()
+        except urllib.error.HTTPError as e:  # Prometheus puts its error in a JSON body
+            body = e.read()
+            if body.startswith(b"{"):
+                return body
+            raise
+
+
+class _Tally:
+    """What the findings say about each key (a rank or a kernel)."""
+
+    def __init__(self) -> None:
+        self.by: dict[Any, SimpleNamespace] = {}
+
+    def add(self, key, score: float, kind: str = "", phase: str = "", window=None, at_ns: int = 0,
+            now: bool = False) -> None:
+        a = self.by.get(key) or self.by.setdefault(key, SimpleNamespace(
+            phases=set(), kinds=set(), windows=set(), score=0.0, first_ns=at_ns, last_ns=0, now=False))
+        a.phases.update([phase] if phase else [])
+        a.kinds.update([kind] if kind else [])
+        if window is not None:
+            a.windows.add((window.kind, window.index))
+        a.score, a.now = max(a.score, score), a.now or now
+        a.first_ns, a.last_ns = min(a.first_ns, at_ns), max(a.last_ns, at_ns)
+
+
+def _straggler_rows(tally: _Tally, hosts: Mapping[int, str], windows: bool = True) -> list[StragglerRow]:
+    return [StragglerRow(rank=r, host=hosts.get(r, ""), phases=tuple(sorted(a.phases)), kinds=tuple(sorted(a.kinds)),
+                         windows=len(a.windows) if windows else None, max_score=a.score, first_seen=_iso(a.first_ns),
+                         last_seen=_iso(a.last_ns), flagged_now=a.now) for r, a in tally.by.items()]
+
+
+def _finding_row(d: records_pb2.Diagnosis) -> FindingRow:
+    s = d.scope
+    scope = [f"phase {s.phase}" if s.phase else "", f"kernel {s.kernel}" if s.kernel else "",
+             f"{s.group} group {s.group_index}" if s.group and s.group != "job" else ""]
+    return FindingRow(level=d.level, kind=d.kind, scope=", ".join(x for x in scope if x) or "job",
+                      suspects=tuple(x.rank for x in d.suspects),
+                      top_score=max((x.score for x in d.suspects), default=0.0), severity=d.severity)
+
+
+def _iteration_row(window: int, recs: Mapping[int, records_pb2.IterationWindow]) -> IterationRow:
+    marks = [m for r in recs.values() for m in r.marks]
+    iters = [m.iteration for m in marks]
+    n = {rank: max(len(r.marks), 1) for rank, r in recs.items()}
+    total = sum(n.values())
+    slowest = max(recs, key=lambda rank: (recs[rank].mean_ns, -rank))
+    return IterationRow(
+        window=window, first_iteration=min(iters, default=0), last_iteration=max(iters, default=0),
+        ranks=len(recs), iterations=len(set(iters)),
+        mean_s=sum(r.mean_ns * n[k] for k, r in recs.items()) / total / 1e9,
+        p50_s=statistics.median(r.p50_ns for r in recs.values()) / 1e9,
+        max_s=max(r.max_ns for r in recs.values()) / 1e9, slowest_rank=slowest)
+
+
+def _iso(ns: int) -> str | None:
+    return dt.datetime.fromtimestamp(ns / 1e9, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if ns else None
