@@ -62,6 +62,16 @@ class AnalyzerMetrics:
         with self._lock:
             self._stalled[job] = int(stalled)
 
+    def forget_job(self, job: str) -> None:
+        """Drop every series of a job that ended or went away."""
+        with self._lock:
+            for k in [k for k in self._flagged if k[0] == job]:
+                del self._flagged[k]
+            for k in [k for k in self._diagnoses if k[0] == job]:
+                del self._diagnoses[k]
+            self._l1_state.pop(job, None)
+            self._stalled.pop(job, None)
+
     def close(self) -> None:
         pass
 

@@ -17,7 +17,9 @@ Steps, continuously (``step`` / ``run``):
 5. Stall rule (EROICA §4.1): no iteration for ``stall_factor`` times the
    recent mean interval between iteration reports → a ``stall`` diagnosis.
    Arrival times are the analyzer's own clock, so host clock skew and a
-   simulated clock change nothing.
+   simulated clock change nothing. A job whose ranks said they shut down
+   (``Window.final``, sent by a normal collector shutdown) has ended, not
+   stalled; a crashed or hung one never says so.
 
 State is bounded: jobs, open windows per job, iteration history per rank.
 """
@@ -78,12 +80,14 @@ class AnalyzerConfig:
     """EROICA §4.1: stalled after this many mean iteration-report intervals without one."""
     min_stall_s: float = 10.0
     """Never call a stall before this many seconds without an iteration."""
+    forget_after_s: float = 3600.0
+    """Forget a job (state and its Prometheus series) after this long without records."""
 
     def __post_init__(self) -> None:
         bad = [lv for lv in self.levels if lv not in ("L1", "L2", "L3")]
         if bad:
             raise ConfigError("analyzer.levels", self.levels, "only L1, L2, L3")
-        for f in ("grace_s", "window_timeout_s", "stall_factor", "min_stall_s"):
+        for f in ("grace_s", "window_timeout_s", "stall_factor", "min_stall_s", "forget_after_s"):
             if not getattr(self, f) > 0:
                 raise ConfigError(f"analyzer.{f}", getattr(self, f), "must be > 0")
         for f in ("progress_windows", "history_iterations", "max_jobs", "max_open_windows"):
@@ -114,6 +118,7 @@ class _Job:
         self.reported_l1: set[tuple] = set()
         self.stalled = False
         self.last_seen = 0.0
+        self.ended: set[int] = set()   # ranks whose process shut down normally (Window.final)
 
 
 class Analyzer:
@@ -154,6 +159,8 @@ class Analyzer:
             jw.window.start_ns = w.start_ns
         jw.window.end_ns = max(jw.window.end_ns, w.end_ns)
         job.latest[res.rank] = max(job.latest.get(res.rank, -1), w.index)
+        if w.final:
+            job.ended.add(res.rank)
         if signal == "iterations":
             hist = job.history[res.rank]
             for m in rec.marks:
@@ -293,7 +300,22 @@ class Analyzer:
                        severity=len(missing) / max(len(known), 1),
                        evidence={"missing": missing, "reason": reason})
 
+    def _forget(self, job: _Job) -> None:
+        self._jobs.pop(job.job_id, None)
+        self.metrics.forget_job(job.job_id)
+
     def _check_stall(self, job: _Job, now: float) -> None:
+        if job.ended and len(job.ended) * 2 >= max(len(job.resources), 1):
+            # the job finished (its processes said so): silence is not a stall
+            if job.stalled:
+                job.stalled = False
+                self.metrics.set_stalled(job.job_id, False)
+            if not job.open and now - job.last_seen >= self.config.forget_after_s:
+                self._forget(job)
+            return
+        if now - job.last_seen >= self.config.forget_after_s and not job.open:
+            self._forget(job)
+            return
         if job.stalled or not job.last_iteration_at or len(job.iteration_gaps) < 3:
             return
         mean_gap = float(np.mean(job.iteration_gaps))

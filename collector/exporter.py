@@ -100,6 +100,9 @@ class _Pending:
     resource: object = None  # a Resource message overriding the exporter's own
 
 
+_FINAL = object()  # payload sentinel of the end-of-process marker
+
+
 class ExporterStats:
     """Counters of one exporter; read with ``snapshot()``."""
 
@@ -208,6 +211,14 @@ class BatchExporter:
             self.stats.dropped["internal_error"] += 1
             return False
 
+    def submit_final(self, resource: Resource | None = None) -> bool:
+        """Queue the end-of-process marker (``TelemetryBatch.final``) for ``resource``.
+
+        Sent by a normal shutdown so the analyzer can tell a finished job from
+        a hung one; a crashed or hung process never sends it.
+        """
+        return self.submit(_FINAL, 16, resource=resource)
+
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until everything queued was confirmed by the processor."""
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.shutdown_timeout_s)
@@ -299,8 +310,11 @@ class BatchExporter:
             resource=p.resource or self._resource_pb, seq=p.seq, sent_unix_ns=time.time_ns(),
             dropped_total=self.stats.dropped_total, submitted_total=self.stats.submitted,
         )
-        msg = p.payload() if callable(p.payload) else p.payload
-        getattr(b, _PAYLOAD_FIELD[type(msg)]).CopyFrom(msg)
+        if p.payload is _FINAL:
+            b.final = True
+        else:
+            msg = p.payload() if callable(p.payload) else p.payload
+            getattr(b, _PAYLOAD_FIELD[type(msg)]).CopyFrom(msg)
         p.payload = None  # the bytes are kept instead
         return b.SerializeToString()
 

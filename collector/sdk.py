@@ -221,6 +221,7 @@ class Collector:
                 log.debug("stopping source failed", exc_info=True)
         self._ship_phases()
         self._ship_marks()
+        self.exporter.submit_final()
         return self.exporter.shutdown(timeout_s)
 
     def stats(self) -> dict:

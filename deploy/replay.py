@@ -74,6 +74,7 @@ def feed_rank(trace, resource, target: str) -> tuple[int, int]:
         exp.submit(telemetry_pb2.IterationBatch(marks=marks[mi:]), 24 * (len(marks) - mi))
     if pi < len(phases):
         exp.submit(telemetry_pb2.PhaseBatch(phases=phases[pi:]), 48 * (len(phases) - pi))
+    exp.submit_final()
     exp.shutdown(120.0)
     return sent, exp.stats.dropped_total
 

@@ -70,9 +70,11 @@ class Validator:
             raise BadInput("malformed", f"not a TelemetryBatch: {e}", raw) from None
         res = self._resource(b)
         signal = b.WhichOneof("payload")
-        if signal is None:
+        if signal is None and not b.final:
             raise BadInput("empty", "batch carries no payload", raw)
         self._dedup(res, b.seq, raw)
+        if signal is None:
+            return Decoded(res, "final", None, 0, len(raw), b.sent_unix_ns, b.dropped_total)
         if signal == "kernels":
             payload, n = self._kernels(b.kernels)
         elif signal == "phases":
@@ -170,6 +172,8 @@ class IngestServicer:
                 continue
             s.batches_accepted += 1
             s.records_accepted += d.records
+            if d.signal == "final":
+                continue
             self.metrics.inc("batches_in", signal=d.signal)
             self.metrics.inc("events_in", d.records, signal=d.signal)
             self.metrics.inc("bytes_in", d.nbytes, signal=d.signal)

@@ -116,6 +116,8 @@ class Pipeline:
                     w.add_iterations(item.resource, item.payload)
                 elif item.signal == "stacks":
                     w.add_stacks(item.resource, item.payload)
+                elif item.signal == "final":
+                    w.finish_rank(item.resource)
             except Exception:
                 # A bug on one batch must not stop the processor.
                 log.exception("pipeline failed on a batch")

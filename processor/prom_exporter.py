@@ -232,7 +232,7 @@ class PrometheusSink:
         st.iterations = (st.iterations or 0.0) + len(rec.marks)
         # Gauges show the newest window; a late, older window only adds to
         # the counter. end_ns is on the rank's own clock: compared per rank only.
-        if rec.window.end_ns >= st.iter_end_ns:
+        if rec.marks and rec.window.end_ns >= st.iter_end_ns:  # an empty final window carries no times
             st.iter_end_ns = rec.window.end_ns
             st.iter_mean_s = rec.mean_ns * NS
             st.iter_p50_s = rec.p50_ns * NS

@@ -96,6 +96,8 @@ class Summarizer:
 
     def iterations(self, cw: ClosedWindow, res) -> records_pb2.IterationWindow | None:
         if not cw.iterations:
+            if cw.window.final:  # an empty record still tells consumers the rank is done
+                return records_pb2.IterationWindow(resource=res, window=cw.window)
             return None
         marks = sorted(cw.iterations, key=lambda m: m.iteration)
         d = np.asarray([m.end_ns - m.start_ns for m in marks], dtype=np.float64)

@@ -56,6 +56,8 @@ class WindowConfig:
     """Bound on open windows per rank; the oldest is force-closed beyond it."""
     max_pending_events: int = 1_000_000
     """Iterations mode: bound on kernel events waiting for an iteration mark."""
+    max_stacks_per_window: int = 1024
+    """Bound on stack snapshots kept per rank and window (a hung rank keeps sending them)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("time", "iterations"):
@@ -70,6 +72,8 @@ class WindowConfig:
             raise ConfigError("window.idle_close_s", self.idle_close_s, "must be > 0")
         if self.max_open_windows_per_rank < 1:
             raise ConfigError("window.max_open_windows_per_rank", self.max_open_windows_per_rank, "must be >= 1")
+        if self.max_stacks_per_window < 1:
+            raise ConfigError("window.max_stacks_per_window", self.max_stacks_per_window, "must be >= 1")
         if self.max_pending_events < 1:
             raise ConfigError("window.max_pending_events", self.max_pending_events, "must be >= 1")
 
@@ -169,7 +173,10 @@ class Windower:
         self._ranks: dict[RankKey, _RankState] = {}
 
     # ---------------------------------------------------------------- input
-    def _state(self, resource: Resource) -> _RankState:
+    def _state(self, resource: Resource, progress: bool = True) -> _RankState:
+        """The rank's state. Only progress signals (kernels, phases, iterations)
+        count as activity for the idle rule: a hung rank still sends py-spy
+        stacks, and its windows must close all the same."""
         key = (resource.job_id, resource.rank)
         st = self._ranks.get(key)
         if st is None:
@@ -177,7 +184,8 @@ class Windower:
             self.metrics.set("ranks", len(self._ranks))
         elif st.resource != resource:
             st.resource = resource  # a restarted process of the same rank
-        st.last_seen = self._clock()
+        if progress:
+            st.last_seen = self._clock()
         return st
 
     def _window(self, st: _RankState, index: int) -> _Open | None:
@@ -315,7 +323,8 @@ class Windower:
         self._advance(st, hi)
 
     def add_stacks(self, resource: Resource, snapshots) -> None:
-        st = self._state(resource)
+        st = self._state(resource, progress=False)
+        hi = 0
         for s in snapshots:
             index = self._index_for_time(st, s.window_start_ns)
             if index is None:
@@ -324,7 +333,13 @@ class Windower:
             if w is None:
                 self.metrics.inc("drops", 1, where="late")
                 continue
+            if len(w.stacks) >= self.config.max_stacks_per_window:
+                self.metrics.inc("drops", 1, where="stacks")
+                continue
             w.stacks.append(s)
+            hi = max(hi, s.window_end_ns)
+        if self.config.mode == "time":
+            self._advance(st, hi)
 
     # -------------------------------------------------------------- closing
     def _advance(self, st: _RankState, t: int) -> None:
@@ -346,11 +361,11 @@ class Windower:
                 else:
                     break
 
-    def _close(self, st: _RankState, index: int, trigger: str) -> None:
+    def _close(self, st: _RankState, index: int, trigger: str, final: bool = False) -> None:
         t0 = time.perf_counter()
         w = st.open.pop(index)
         st.closed_upto = max(st.closed_upto, index)
-        window = records_pb2.Window(index=index)
+        window = records_pb2.Window(index=index, final=final)
         if self.config.mode == "time":
             window.kind = records_pb2.WINDOW_KIND_TIME
             window.start_ns = index * self.config.length_ns
@@ -370,6 +385,20 @@ class Windower:
         self._emit(cw)
         self.metrics.inc("window_close_seconds_sum", time.perf_counter() - t0)
         self.metrics.set_max("window_close_seconds_max", time.perf_counter() - t0)
+
+    def finish_rank(self, resource: Resource) -> None:
+        """The rank's process shut down normally: close its windows now, the last
+        one marked ``final`` (an empty final window when nothing was open)."""
+        st = self._state(resource)
+        if self.config.mode == "iterations" and st.pending.n:
+            self._assign_pending(st, final=True)
+        if not st.open:
+            self._window(st, st.closed_upto + 1)
+        last = max(st.open) if st.open else None
+        for index in sorted(st.open):
+            self._close(st, index, "final", final=index == last)
+        del self._ranks[(resource.job_id, resource.rank)]
+        self.metrics.set("ranks", len(self._ranks))
 
     def close_idle(self) -> None:
         """Close every window of ranks silent for ``idle_close_s`` (call periodically)."""

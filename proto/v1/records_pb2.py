@@ -27,37 +27,37 @@ from trainscope.proto.v1 import telemetry_pb2 as trainscope_dot_proto_dot_v1_dot
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!trainscope/proto/v1/records.proto\x12\rtrainscope.v1\x1a trainscope/proto/v1/common.proto\x1a#trainscope/proto/v1/telemetry.proto\x1a\x1cgoogle/protobuf/struct.proto\"\x93\x01\n\x06Window\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.trainscope.v1.WindowKind\x12\r\n\x05index\x18\x02 \x01(\x04\x12\x10\n\x08start_ns\x18\x03 \x01(\x04\x12\x0e\n\x06\x65nd_ns\x18\x04 \x01(\x04\x12\x17\n\x0f\x66irst_iteration\x18\x05 \x01(\x04\x12\x16\n\x0elast_iteration\x18\x06 \x01(\x04\"^\n\rKernelCluster\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\x12\x0e\n\x06p50_ns\x18\x02 \x01(\x01\x12\x0e\n\x06p99_ns\x18\x03 \x01(\x01\x12\x0e\n\x06min_ns\x18\x04 \x01(\x01\x12\x0e\n\x06max_ns\x18\x05 \x01(\x01\"\xa7\x01\n\x0bKernelStats\x12\x0e\n\x06kernel\x18\x01 \x01(\t\x12\x0e\n\x06stream\x18\x02 \x01(\r\x12\'\n\x04kind\x18\x03 \x01(\x0e\x32\x19.trainscope.v1.KernelKind\x12.\n\x08\x63lusters\x18\x04 \x03(\x0b\x32\x1c.trainscope.v1.KernelCluster\x12\r\n\x05\x63ount\x18\x05 \x01(\x04\x12\x10\n\x08total_ns\x18\x06 \x01(\x01\"\x9d\x01\n\x0cKernelWindow\x12)\n\x08resource\x18\x01 \x01(\x0b\x32\x17.trainscope.v1.Resource\x12%\n\x06window\x18\x02 \x01(\x0b\x32\x15.trainscope.v1.Window\x12+\n\x07kernels\x18\x03 \x03(\x0b\x32\x1a.trainscope.v1.KernelStats\x12\x0e\n\x06\x65vents\x18\x04 \x01(\x04\"\xa7\x01\n\nPhaseStats\x12\r\n\x05phase\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\x12\x0f\n\x07mean_ns\x18\x03 \x01(\x01\x12\x0e\n\x06p50_ns\x18\x04 \x01(\x01\x12\x0e\n\x06p99_ns\x18\x05 \x01(\x01\x12\x0e\n\x06max_ns\x18\x06 \x01(\x01\x12\x10\n\x08total_ns\x18\x07 \x01(\x01\x12(\n\x05\x63lock\x18\x08 \x01(\x0e\x32\x19.trainscope.v1.PhaseClock\"\x8a\x01\n\x0bPhaseWindow\x12)\n\x08resource\x18\x01 \x01(\x0b\x32\x17.trainscope.v1.Resource\x12%\n\x06window\x18\x02 \x01(\x0b\x32\x15.trainscope.v1.Window\x12)\n\x06phases\x18\x03 \x03(\x0b\x32\x19.trainscope.v1.PhaseStats\"\xc1\x01\n\x0fIterationWindow\x12)\n\x08resource\x18\x01 \x01(\x0b\x32\x17.trainscope.v1.Resource\x12%\n\x06window\x18\x02 \x01(\x0b\x32\x15.trainscope.v1.Window\x12+\n\x05marks\x18\x03 \x03(\x0b\x32\x1c.trainscope.v1.IterationMark\x12\x0f\n\x07mean_ns\x18\x04 \x01(\x01\x12\x0e\n\x06p50_ns\x18\x05 \x01(\x01\x12\x0e\n\x06max_ns\x18\x06 \x01(\x01\"\xb2\x01\n\x0bStackWindow\x12)\n\x08resource\x18\x01 \x01(\x0b\x32\x17.trainscope.v1.Resource\x12%\n\x06window\x18\x02 \x01(\x0b\x32\x15.trainscope.v1.Window\x12\x0f\n\x07samples\x18\x03 \x01(\r\x12\x14\n\x0cidle_samples\x18\x04 \x01(\r\x12*\n\x06stacks\x18\x05 \x03(\x0b\x32\x1a.trainscope.v1.FoldedStack\"c\n\x0e\x44iagnosisScope\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0e\n\x06kernel\x18\x02 \x01(\t\x12\x0e\n\x06stream\x18\x03 \x01(\x05\x12\r\n\x05group\x18\x04 \x01(\t\x12\x13\n\x0bgroup_index\x18\x05 \x01(\r\"Q\n\x07Suspect\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05score\x18\x02 \x01(\x01\x12)\n\x08\x65vidence\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"\x99\x02\n\tDiagnosis\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05level\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12%\n\x06window\x18\x05 \x01(\x0b\x32\x15.trainscope.v1.Window\x12,\n\x05scope\x18\x06 \x01(\x0b\x32\x1d.trainscope.v1.DiagnosisScope\x12(\n\x08suspects\x18\x07 \x03(\x0b\x32\x16.trainscope.v1.Suspect\x12\x10\n\x08severity\x18\x08 \x01(\x01\x12)\n\x08\x65vidence\x18\t \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x17\n\x0f\x63reated_unix_ns\x18\n \x01(\x04\"\xde\x01\n\x07Verdict\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12%\n\x06window\x18\x02 \x01(\x0b\x32\x15.trainscope.v1.Window\x12%\n\x05ranks\x18\x03 \x03(\x0b\x32\x16.trainscope.v1.Suspect\x12\x0e\n\x06phases\x18\x04 \x03(\t\x12\x0f\n\x07kernels\x18\x05 \x03(\t\x12*\n\x08\x66indings\x18\x06 \x03(\x0b\x32\x18.trainscope.v1.Diagnosis\x12\x0f\n\x07summary\x18\x07 \x01(\t\x12\x17\n\x0f\x63reated_unix_ns\x18\x08 \x01(\x04*>\n\nWindowKind\x12\x14\n\x10WINDOW_KIND_TIME\x10\x00\x12\x1a\n\x16WINDOW_KIND_ITERATIONS\x10\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!trainscope/proto/v1/records.proto\x12\rtrainscope.v1\x1a trainscope/proto/v1/common.proto\x1a#trainscope/proto/v1/telemetry.proto\x1a\x1cgoogle/protobuf/struct.proto\"\xa2\x01\n\x06Window\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.trainscope.v1.WindowKind\x12\r\n\x05index\x18\x02 \x01(\x04\x12\x10\n\x08start_ns\x18\x03 \x01(\x04\x12\x0e\n\x06\x65nd_ns\x18\x04 \x01(\x04\x12\x17\n\x0f\x66irst_iteration\x18\x05 \x01(\x04\x12\x16\n\x0elast_iteration\x18\x06 \x01(\x04\x12\r\n\x05\x66inal\x18\x07 \x01(\x08\"^\n\rKernelCluster\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\x12\x0e\n\x06p50_ns\x18\x02 \x01(\x01\x12\x0e\n\x06p99_ns\x18\x03 \x01(\x01\x12\x0e\n\x06min_ns\x18\x04 \x01(\x01\x12\x0e\n\x06max_ns\x18\x05 \x01(\x01\"\xa7\x01\n\x0bKernelStats\x12\x0e\n\x06kernel\x18\x01 \x01(\t\x12\x0e\n\x06stream\x18\x02 \x01(\r\x12\'\n\x04kind\x18\x03 \x01(\x0e\x32\x19.trainscope.v1.KernelKind\x12.\n\x08\x63lusters\x18\x04 \x03(\x0b\x32\x1c.trainscope.v1.KernelCluster\x12\r\n\x05\x63ount\x18\x05 \x01(\x04\x12\x10\n\x08total_ns\x18\x06 \x01(\x01\"\x9d\x01\n\x0cKernelWindow\x12)\n\x08resource\x18\x01 \x01(\x0b\x32\x17.trainscope.v1.Resource\x12%\n\x06window\x18\x02 \x01(\x0b\x32\x15.trainscope.v1.Window\x12+\n\x07kernels\x18\x03 \x03(\x0b\x32\x1a.trainscope.v1.KernelStats\x12\x0e\n\x06\x65vents\x18\x04 \x01(\x04\"\xa7\x01\n\nPhaseStats\x12\r\n\x05phase\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\x12\x0f\n\x07mean_ns\x18\x03 \x01(\x01\x12\x0e\n\x06p50_ns\x18\x04 \x01(\x01\x12\x0e\n\x06p99_ns\x18\x05 \x01(\x01\x12\x0e\n\x06max_ns\x18\x06 \x01(\x01\x12\x10\n\x08total_ns\x18\x07 \x01(\x01\x12(\n\x05\x63lock\x18\x08 \x01(\x0e\x32\x19.trainscope.v1.PhaseClock\"\x8a\x01\n\x0bPhaseWindow\x12)\n\x08resource\x18\x01 \x01(\x0b\x32\x17.trainscope.v1.Resource\x12%\n\x06window\x18\x02 \x01(\x0b\x32\x15.trainscope.v1.Window\x12)\n\x06phases\x18\x03 \x03(\x0b\x32\x19.trainscope.v1.PhaseStats\"\xc1\x01\n\x0fIterationWindow\x12)\n\x08resource\x18\x01 \x01(\x0b\x32\x17.trainscope.v1.Resource\x12%\n\x06window\x18\x02 \x01(\x0b\x32\x15.trainscope.v1.Window\x12+\n\x05marks\x18\x03 \x03(\x0b\x32\x1c.trainscope.v1.IterationMark\x12\x0f\n\x07mean_ns\x18\x04 \x01(\x01\x12\x0e\n\x06p50_ns\x18\x05 \x01(\x01\x12\x0e\n\x06max_ns\x18\x06 \x01(\x01\"\xb2\x01\n\x0bStackWindow\x12)\n\x08resource\x18\x01 \x01(\x0b\x32\x17.trainscope.v1.Resource\x12%\n\x06window\x18\x02 \x01(\x0b\x32\x15.trainscope.v1.Window\x12\x0f\n\x07samples\x18\x03 \x01(\r\x12\x14\n\x0cidle_samples\x18\x04 \x01(\r\x12*\n\x06stacks\x18\x05 \x03(\x0b\x32\x1a.trainscope.v1.FoldedStack\"c\n\x0e\x44iagnosisScope\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0e\n\x06kernel\x18\x02 \x01(\t\x12\x0e\n\x06stream\x18\x03 \x01(\x05\x12\r\n\x05group\x18\x04 \x01(\t\x12\x13\n\x0bgroup_index\x18\x05 \x01(\r\"Q\n\x07Suspect\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05score\x18\x02 \x01(\x01\x12)\n\x08\x65vidence\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"\x99\x02\n\tDiagnosis\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05level\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12%\n\x06window\x18\x05 \x01(\x0b\x32\x15.trainscope.v1.Window\x12,\n\x05scope\x18\x06 \x01(\x0b\x32\x1d.trainscope.v1.DiagnosisScope\x12(\n\x08suspects\x18\x07 \x03(\x0b\x32\x16.trainscope.v1.Suspect\x12\x10\n\x08severity\x18\x08 \x01(\x01\x12)\n\x08\x65vidence\x18\t \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x17\n\x0f\x63reated_unix_ns\x18\n \x01(\x04\"\xde\x01\n\x07Verdict\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12%\n\x06window\x18\x02 \x01(\x0b\x32\x15.trainscope.v1.Window\x12%\n\x05ranks\x18\x03 \x03(\x0b\x32\x16.trainscope.v1.Suspect\x12\x0e\n\x06phases\x18\x04 \x03(\t\x12\x0f\n\x07kernels\x18\x05 \x03(\t\x12*\n\x08\x66indings\x18\x06 \x03(\x0b\x32\x18.trainscope.v1.Diagnosis\x12\x0f\n\x07summary\x18\x07 \x01(\t\x12\x17\n\x0f\x63reated_unix_ns\x18\x08 \x01(\x04*>\n\nWindowKind\x12\x14\n\x10WINDOW_KIND_TIME\x10\x00\x12\x1a\n\x16WINDOW_KIND_ITERATIONS\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'trainscope.proto.v1.records_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WINDOWKIND']._serialized_start=2110
-  _globals['_WINDOWKIND']._serialized_end=2172
+  _globals['_WINDOWKIND']._serialized_start=2125
+  _globals['_WINDOWKIND']._serialized_end=2187
   _globals['_WINDOW']._serialized_start=154
-  _globals['_WINDOW']._serialized_end=301
-  _globals['_KERNELCLUSTER']._serialized_start=303
-  _globals['_KERNELCLUSTER']._serialized_end=397
-  _globals['_KERNELSTATS']._serialized_start=400
-  _globals['_KERNELSTATS']._serialized_end=567
-  _globals['_KERNELWINDOW']._serialized_start=570
-  _globals['_KERNELWINDOW']._serialized_end=727
-  _globals['_PHASESTATS']._serialized_start=730
-  _globals['_PHASESTATS']._serialized_end=897
-  _globals['_PHASEWINDOW']._serialized_start=900
-  _globals['_PHASEWINDOW']._serialized_end=1038
-  _globals['_ITERATIONWINDOW']._serialized_start=1041
-  _globals['_ITERATIONWINDOW']._serialized_end=1234
-  _globals['_STACKWINDOW']._serialized_start=1237
-  _globals['_STACKWINDOW']._serialized_end=1415
-  _globals['_DIAGNOSISSCOPE']._serialized_start=1417
-  _globals['_DIAGNOSISSCOPE']._serialized_end=1516
-  _globals['_SUSPECT']._serialized_start=1518
-  _globals['_SUSPECT']._serialized_end=1599
-  _globals['_DIAGNOSIS']._serialized_start=1602
-  _globals['_DIAGNOSIS']._serialized_end=1883
-  _globals['_VERDICT']._serialized_start=1886
-  _globals['_VERDICT']._serialized_end=2108
+  _globals['_WINDOW']._serialized_end=316
+  _globals['_KERNELCLUSTER']._serialized_start=318
+  _globals['_KERNELCLUSTER']._serialized_end=412
+  _globals['_KERNELSTATS']._serialized_start=415
+  _globals['_KERNELSTATS']._serialized_end=582
+  _globals['_KERNELWINDOW']._serialized_start=585
+  _globals['_KERNELWINDOW']._serialized_end=742
+  _globals['_PHASESTATS']._serialized_start=745
+  _globals['_PHASESTATS']._serialized_end=912
+  _globals['_PHASEWINDOW']._serialized_start=915
+  _globals['_PHASEWINDOW']._serialized_end=1053
+  _globals['_ITERATIONWINDOW']._serialized_start=1056
+  _globals['_ITERATIONWINDOW']._serialized_end=1249
+  _globals['_STACKWINDOW']._serialized_start=1252
+  _globals['_STACKWINDOW']._serialized_end=1430
+  _globals['_DIAGNOSISSCOPE']._serialized_start=1432
+  _globals['_DIAGNOSISSCOPE']._serialized_end=1531
+  _globals['_SUSPECT']._serialized_start=1533
+  _globals['_SUSPECT']._serialized_end=1614
+  _globals['_DIAGNOSIS']._serialized_start=1617
+  _globals['_DIAGNOSIS']._serialized_end=1898
+  _globals['_VERDICT']._serialized_start=1901
+  _globals['_VERDICT']._serialized_end=2123
 # @@protoc_insertion_point(module_scope)

@@ -18,20 +18,22 @@ WINDOW_KIND_TIME: WindowKind
 WINDOW_KIND_ITERATIONS: WindowKind
 
 class Window(_message.Message):
-    __slots__ = ("kind", "index", "start_ns", "end_ns", "first_iteration", "last_iteration")
+    __slots__ = ("kind", "index", "start_ns", "end_ns", "first_iteration", "last_iteration", "final")
     KIND_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     START_NS_FIELD_NUMBER: _ClassVar[int]
     END_NS_FIELD_NUMBER: _ClassVar[int]
     FIRST_ITERATION_FIELD_NUMBER: _ClassVar[int]
     LAST_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
     kind: WindowKind
     index: int
     start_ns: int
     end_ns: int
     first_iteration: int
     last_iteration: int
-    def __init__(self, kind: _Optional[_Union[WindowKind, str]] = ..., index: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., first_iteration: _Optional[int] = ..., last_iteration: _Optional[int] = ...) -> None: ...
+    final: bool
+    def __init__(self, kind: _Optional[_Union[WindowKind, str]] = ..., index: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., first_iteration: _Optional[int] = ..., last_iteration: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class KernelCluster(_message.Message):
     __slots__ = ("count", "p50_ns", "p99_ns", "min_ns", "max_ns")

@@ -115,12 +115,13 @@ class StackBatch(_message.Message):
     def __init__(self, snapshots: _Optional[_Iterable[_Union[StackSnapshot, _Mapping]]] = ...) -> None: ...
 
 class TelemetryBatch(_message.Message):
-    __slots__ = ("resource", "seq", "sent_unix_ns", "dropped_total", "submitted_total", "kernels", "phases", "iterations", "stacks")
+    __slots__ = ("resource", "seq", "sent_unix_ns", "dropped_total", "submitted_total", "final", "kernels", "phases", "iterations", "stacks")
     RESOURCE_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SUBMITTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
     KERNELS_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -130,11 +131,12 @@ class TelemetryBatch(_message.Message):
     sent_unix_ns: int
     dropped_total: int
     submitted_total: int
+    final: bool
     kernels: KernelBatch
     phases: PhaseBatch
     iterations: IterationBatch
     stacks: StackBatch
-    def __init__(self, resource: _Optional[_Union[_common_pb2.Resource, _Mapping]] = ..., seq: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., dropped_total: _Optional[int] = ..., submitted_total: _Optional[int] = ..., kernels: _Optional[_Union[KernelBatch, _Mapping]] = ..., phases: _Optional[_Union[PhaseBatch, _Mapping]] = ..., iterations: _Optional[_Union[IterationBatch, _Mapping]] = ..., stacks: _Optional[_Union[StackBatch, _Mapping]] = ...) -> None: ...
+    def __init__(self, resource: _Optional[_Union[_common_pb2.Resource, _Mapping]] = ..., seq: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., dropped_total: _Optional[int] = ..., submitted_total: _Optional[int] = ..., final: _Optional[bool] = ..., kernels: _Optional[_Union[KernelBatch, _Mapping]] = ..., phases: _Optional[_Union[PhaseBatch, _Mapping]] = ..., iterations: _Optional[_Union[IterationBatch, _Mapping]] = ..., stacks: _Optional[_Union[StackBatch, _Mapping]] = ...) -> None: ...
 
 class IngestSummary(_message.Message):
     __slots__ = ("batches_accepted", "batches_rejected", "records_accepted", "records_rejected", "rejected_by_reason")

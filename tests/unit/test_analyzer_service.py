@@ -176,3 +176,23 @@ def test_bad_config_names_the_setting():
         AnalyzerConfig(levels=("L9",))
     with pytest.raises(ConfigError, match="analyzer.grace_s"):
         AnalyzerConfig(grace_s=0)
+
+
+def test_a_job_that_ended_normally_is_not_a_stall_and_is_forgotten(tmp_path):
+    a, bus, clock, store = make(tmp_path, min_stall_s=1, forget_after_s=100)
+    for idx in range(5):
+        for r in range(8):
+            publish(bus, r, idx, signals=("iterations",))
+        a.step(0)
+        clock.t += 2.0
+    for r in range(8):   # every rank's last window carries Window.final
+        final = records_pb2.IterationWindow(resource=res(r), window=records_pb2.Window(
+            kind=records_pb2.WINDOW_KIND_ITERATIONS, index=5, final=True))
+        bus.publish(topic_for("iterations"), b"j", final.SerializeToString())
+    settle(a, clock)
+    clock.t += 60
+    a.step(0)
+    assert not [d for d in store.diagnoses("j") if d.kind == "stall"]
+    clock.t += 100
+    a.step(0)
+    assert "j" not in a._jobs

@@ -176,3 +176,19 @@ def test_one_exporter_can_carry_several_ranks():
     finally:
         exp.shutdown(1)
         proc.stop()
+
+
+def test_final_marker_closes_the_ranks_windows_marked_final():
+    from support.pipeline import bus_records
+    proc = start_processor()
+    exp = BatchExporter(RES, fast_config(proc.address))
+    try:
+        exp.submit(kb(0, 10), 300)
+        assert exp.submit_final()
+        assert exp.flush(10)
+        # no drain: the final marker alone must close the window
+        assert wait_for(lambda: any(r.window.final for r in bus_records(proc, "iterations")))
+        assert [kw.events for kw in bus_records(proc, "kernels")] == [10]
+    finally:
+        exp.shutdown(1)
+        proc.stop()

@@ -149,3 +149,30 @@ def test_pending_bound_drops_and_counts():
 def test_bad_config_names_the_setting(field, value):
     with pytest.raises(ConfigError, match=f"window.{field}"):
         WindowConfig(**{field: value})
+
+
+def stack(t0, t1):
+    return telemetry_pb2.StackSnapshot(window_start_ns=t0, window_end_ns=t1, samples=10, stacks=[
+        telemetry_pb2.FoldedStack(stack="main;train;allreduce", count=10)])
+
+
+def test_a_hung_rank_that_only_sends_stacks_still_gets_its_windows_closed():
+    w, closed, m, clock = make(mode="iterations", iterations=2, idle_close_s=30)
+    w.add_iterations(RES, marks([0, 1]))
+    w.add_kernels(RES, kernels([5, 7]))
+    # the rank hangs: no more kernels or iterations, but py-spy keeps sampling it
+    for k in range(4):
+        clock.t += 10
+        w.add_stacks(RES, [stack(S + k * S, 2 * S + k * S)])
+        w.close_idle()
+    assert [c.window.index for c in closed] == [0]
+    assert m.get("windows_closed", trigger="idle") == 1
+    assert len(closed[0].stacks) == 3          # sampled before the idle close
+    assert m.get("drops", where="late") == 1   # the one after it
+
+
+def test_stacks_per_window_are_bounded():
+    w, closed, m, _ = make(length_s=100, max_stacks_per_window=3)
+    w.add_stacks(RES, [stack(i, i + 1) for i in range(5)])
+    w.flush()
+    assert len(closed[0].stacks) == 3 and m.get("drops", where="stacks") == 2
