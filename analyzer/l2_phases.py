@@ -1,0 +1,287 @@
+"""L2: which rank is slow in which phase, within its parallel group (ARGUS §6.1, App. B eq. 5, §9.5).
+
+For each phase and each comparison group (``topology.RoutingConfig.route``,
+ARGUS Table 3):
+
+1. x̄_r = the rank's mean phase duration in the window (``PhaseStats.mean_ns``;
+   repeated names are merged as total/count). Groups with fewer than
+   ``min_group_size`` ranks holding the phase are skipped.
+2. μ_G, σ_G (n−1, eq. 5) and CV = σ_G/μ_G: balanced (< ``cv_mild``), mild,
+   severe (≥ ``cv_severe``). A balanced group yields nothing.
+3. Outliers. ARGUS flags z_r = (x̄_r − μ_G)/σ_G above a threshold. With n ranks
+   max |z| ≤ (n−1)/√n (1.15 for 3 ranks, 1.5 for 4), and k equal outliers
+   mask each other (z ≈ √((n−1)(n−k)/(nk))), so a robust z is used beside it:
+   (x̄_r − median)/scale with scale = max(1.4826·MAD, ``cv_mild``·median) (the
+   floor keeps a perfectly homogeneous group from turning noise into huge
+   robust z). A rank is an outlier when (z ≥ ``z_threshold`` or robust z ≥
+   ``robust_z_threshold``) *and* x̄_r/median ≥ 1 + ``min_excess`` (a practical
+   magnitude: a 2 % difference is never a straggler, whatever its z; 15 %
+   is 4.5σ of the simulator's noisiest phase, the CPU-clock dataloader).
+4. Compute phases: slow outliers are stragglers (kind ``straggler``);
+   MoE/expert phases (``imbalance`` pattern) give kind ``imbalance`` (ARGUS
+   Table 6), and under a severe CV every rank ≥ 1 + ``min_excess`` over the
+   median counts (load imbalance is a spread, not always one outlier).
+5. Communication phases (ARGUS §6.1, §9.5): in a collective the ranks that
+   wait show *long* durations and the late arriver the *shortest*. Under a
+   severe CV, ranks ≤ (1 − ``comm_min_deficit``) × median that are robust
+   low outliers are the culprits (kind ``straggler``, role ``late_arriver``);
+   the others are listed as victims in the evidence and never as suspects.
+   Cross-check (ARGUS §9.1, §9.5): the culprit's *pure* compute phases
+   (``pure_compute``: attention, mlp, experts; not forward/backward, which
+   also hold tensor-parallel collectives and so grow when a peer is slow),
+   each relative to its own group: ``cause`` is ``own_compute`` when one is
+   ≥ 1 + ``min_excess``, else ``delayed_by_dependency`` (the delay reached
+   it through a pipeline or tensor-parallel peer). Other slow non-collective
+   phases are listed as ``other_phases_slower``. When no group of the phase has a late arriver, slow
+   communication outliers are reported as kind ``slow_communication`` (own
+   link, or waiting on a peer outside the comparison group); when one has,
+   long durations elsewhere are taken as waiting and not reported.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
+from trainscope.analyzer.topology import (
+    RoutingConfig, check_number, group_of, rank_to_group, resources_with,
+)
+from trainscope.proto.errors import ConfigError
+
+#: 1.4826 · MAD estimates σ for normal data.
+MAD_SIGMA = 1.4826
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class L2Config:
+    """Thresholds of L2 (ARGUS App. B) and the routing table (Table 3)."""
+
+    cv_mild: float = 0.02
+    """CV at or above which a group is mildly imbalanced (ARGUS App. B)."""
+    cv_severe: float = 0.05
+    """CV at or above which a group is severely imbalanced (ARGUS App. B)."""
+    z_threshold: float = 2.0
+    """z-score (eq. 5, σ with n−1) at or above which a rank is an outlier."""
+    robust_z_threshold: float = 3.5
+    """Robust z, (x − median)/max(1.4826·MAD, cv_mild·median): small groups, several outliers."""
+    min_excess: float = 0.15
+    """A straggler is at least this much slower than its group median (x/median ≥ 1 + this)."""
+    comm_min_deficit: float = 0.2
+    """A late arriver's collective is this much shorter than the median (x/median ≤ 1 − this)."""
+    min_group_size: int = 3
+    """Fewest ranks with the phase for a group to be compared."""
+    imbalance: str = r"moe|expert"
+    pure_compute: str = r"attention|mla|mlp|moe|expert|ffn|gemm|matmul"
+    """Regular expression of compute-only phases (no collective inside) for the late-arriver cross-check."""
+    """Regular expression of compute phases whose outliers are load ``imbalance`` (ARGUS Table 6)."""
+    max_victims: int = 64
+    """Longest victim list in a late-arriver finding's evidence (the count is always given)."""
+    routing: RoutingConfig = RoutingConfig()
+    """Phase -> comparison dimension, and which phases are communication."""
+
+    def __post_init__(self) -> None:
+        check_number("l2.cv_mild", self.cv_mild, lambda v: v > 0, "must be > 0")
+        check_number("l2.cv_severe", self.cv_severe, lambda v: v >= self.cv_mild, "must be >= cv_mild")
+        check_number("l2.z_threshold", self.z_threshold, lambda v: v > 0, "must be > 0")
+        check_number("l2.robust_z_threshold", self.robust_z_threshold, lambda v: v > 0, "must be > 0")
+        check_number("l2.min_excess", self.min_excess, lambda v: v > 0, "must be > 0")
+        check_number("l2.comm_min_deficit", self.comm_min_deficit, lambda v: 0 < v < 1,
+                     "must be in (0, 1)")
+        check_number("l2.min_group_size", self.min_group_size, lambda v: v >= 3,
+                     "must be an integer >= 3", int)
+        check_number("l2.max_victims", self.max_victims, lambda v: v >= 0,
+                     "must be an integer >= 0", int)
+        for name in ("imbalance", "pure_compute"):
+            try:
+                re.compile(getattr(self, name))
+            except (re.error, TypeError) as e:
+                raise ConfigError(f"l2.{name}", getattr(self, name), f"not a regular expression: {e}") from None
+        if not isinstance(self.routing, RoutingConfig):
+            raise ConfigError("l2.routing", self.routing, "must be a RoutingConfig")
+
+
+def phase_matrix(jw: JobWindow) -> tuple[list[int], list[str], np.ndarray]:
+    """Ranks, phase names, and (ranks × phases) mean durations in ns, NaN where absent (step 1)."""
+    ranks = sorted(jw.phases)
+    per_rank: list[dict[str, tuple[float, int]]] = []
+    names: set[str] = set()
+    for r in ranks:
+        acc: dict[str, tuple[float, int]] = {}
+        for ph in jw.phases[r].phases:
+            if ph.count <= 0:
+                continue
+            total = ph.total_ns if ph.total_ns > 0 else ph.mean_ns * ph.count
+            t, c = acc.get(ph.phase, (0.0, 0))
+            acc[ph.phase] = (t + total, c + ph.count)
+        per_rank.append(acc)
+        names.update(acc)
+    phases = sorted(names)
+    col = {p: j for j, p in enumerate(phases)}
+    m = np.full((len(ranks), len(phases)), np.nan)
+    for i, acc in enumerate(per_rank):
+        for p, (t, c) in acc.items():
+            m[i, col[p]] = t / c
+    return ranks, phases, m
+
+
+def group_stats(x: np.ndarray, label: np.ndarray) -> dict[str, np.ndarray]:
+    """Per element, statistics of its group (vectorised over every group at once, steps 2-3).
+
+    Returns arrays aligned with ``x``: n, mean, std (n−1), median, mad.
+    """
+    order = np.lexsort((x, label))
+    xs, ls = x[order], label[order]
+    first = np.flatnonzero(np.r_[True, ls[1:] != ls[:-1]])
+    n_seg = np.diff(np.r_[first, xs.size])
+    seg = np.repeat(np.arange(first.size), n_seg)
+    mean = np.add.reduceat(xs, first) / n_seg
+    dev = xs - mean[seg]
+    std = np.sqrt(np.add.reduceat(dev * dev, first) / np.maximum(n_seg - 1, 1))
+    med = (xs[first + (n_seg - 1) // 2] + xs[first + n_seg // 2]) / 2.0
+    ad = np.abs(xs - med[seg])
+    ad_sorted = ad[np.lexsort((ad, seg))]
+    mad = (ad_sorted[first + (n_seg - 1) // 2] + ad_sorted[first + n_seg // 2]) / 2.0
+    out = {}
+    inv = np.empty_like(order)
+    inv[order] = np.arange(order.size)
+    for name, v in (("n", n_seg), ("mean", mean), ("std", std), ("median", med), ("mad", mad)):
+        out[name] = v[seg][inv]
+    return out
+
+
+@dataclasses.dataclass(slots=True)
+class _Phase:
+    name: str
+    dim: str
+    comm: bool
+    rows: np.ndarray          # rank rows holding the phase
+    label: np.ndarray         # group index of each row
+    x: np.ndarray
+    st: dict
+    z: np.ndarray
+    rz: np.ndarray
+    ratio: np.ndarray
+    cv: np.ndarray
+    eligible: np.ndarray
+
+
+def _phase(name, dim, comm, col, label_of_row, cfg) -> _Phase | None:
+    rows = np.flatnonzero(np.isfinite(col) & (label_of_row >= 0))
+    if rows.size == 0:
+        return None
+    x, label = col[rows], label_of_row[rows]
+    st = group_stats(x, label)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.where(st["std"] > 0, (x - st["mean"]) / st["std"], 0.0)
+        scale = np.maximum(MAD_SIGMA * st["mad"], cfg.cv_mild * st["median"])
+        rz = np.where(scale > 0, (x - st["median"]) / scale, 0.0)
+        ratio = np.where(st["median"] > 0, x / st["median"], 1.0)
+        cv = np.where(st["mean"] > 0, st["std"] / st["mean"], 0.0)
+    eligible = (st["n"] >= cfg.min_group_size) & (cv >= cfg.cv_mild)
+    return _Phase(name, dim, comm, rows, label, x, st, z, rz, ratio, cv, eligible)
+
+
+def analyze_phases(jw: JobWindow, cfg: L2Config = L2Config()) -> list[Finding]:
+    """L2 findings for one window of one job (module steps 1-5)."""
+    ranks, names, m = phase_matrix(jw)
+    if not names:
+        return []
+    resources = resources_with(jw.resources, jw.phases)
+    labels: dict[str, np.ndarray] = {}
+    groups_by_dim: dict[str, dict[int, list[int]]] = {}
+    imbalance = re.compile(cfg.imbalance, re.IGNORECASE)
+    pure = re.compile(cfg.pure_compute, re.IGNORECASE)
+    phases = []
+    for j, name in enumerate(names):
+        dim = cfg.routing.route(name)
+        if dim not in labels:
+            groups_by_dim[dim] = group_of(resources, dim)
+            g = rank_to_group(groups_by_dim[dim])
+            labels[dim] = np.array([g.get(r, -1) for r in ranks], dtype=np.int64)
+        ph = _phase(name, dim, cfg.routing.is_communication(name), m[:, j], labels[dim], cfg)
+        if ph is not None:
+            phases.append(ph)
+    # ratio of every rank to its own group median, per compute phase (for the cross-check)
+    compute_ratio = {ph.name: dict(zip(ph.rows.tolist(), ph.ratio.tolist()))
+                     for ph in phases if not ph.comm}
+    out: list[Finding] = []
+    for ph in phases:
+        high = ph.eligible & (ph.ratio >= 1 + cfg.min_excess) & (
+            (ph.z >= cfg.z_threshold) | (ph.rz >= cfg.robust_z_threshold))
+        if not ph.comm:
+            kind = "imbalance" if imbalance.search(ph.name) else "straggler"
+            if kind == "imbalance":
+                high |= ph.eligible & (ph.cv >= cfg.cv_severe) & (ph.ratio >= 1 + cfg.min_excess)
+            out += _findings(jw, ph, high, kind, cfg, ranks)
+            continue
+        late = ph.eligible & (ph.cv >= cfg.cv_severe) & (ph.ratio <= 1 - cfg.comm_min_deficit) & (
+            (ph.z <= -cfg.z_threshold) | (ph.rz <= -cfg.robust_z_threshold))
+        if late.any():
+            out += _late_findings(jw, ph, late, cfg, ranks, compute_ratio, pure)
+        else:
+            out += _findings(jw, ph, high, "slow_communication", cfg, ranks)
+    return out
+
+
+def _evidence(ph: _Phase, i: int) -> dict:
+    return {"mean_ns": float(ph.x[i]), "group_median_ns": float(ph.st["median"][i]),
+            "group_mean_ns": float(ph.st["mean"][i]), "z": float(ph.z[i]),
+            "robust_z": float(ph.rz[i]), "cv": float(ph.cv[i]), "ratio": float(ph.ratio[i])}
+
+
+def _group_evidence(ph: _Phase, i: int, cfg: L2Config) -> dict:
+    cv = float(ph.cv[i])
+    return {"cv": cv, "cv_level": "severe" if cv >= cfg.cv_severe else "mild",
+            "group_size": int(ph.st["n"][i]), "group_mean_ns": float(ph.st["mean"][i]),
+            "group_median_ns": float(ph.st["median"][i]), "communication": ph.comm}
+
+
+def _findings(jw, ph: _Phase, flag: np.ndarray, kind: str, cfg, ranks) -> list[Finding]:
+    out = []
+    for g in np.unique(ph.label[flag]).tolist():
+        idx = np.flatnonzero(flag & (ph.label == g))
+        idx = idx[np.argsort(-ph.ratio[idx], kind="stable")]
+        suspects = tuple(SuspectRank(ranks[ph.rows[i]], float(ph.ratio[i]), _evidence(ph, i))
+                         for i in idx)
+        out.append(Finding(
+            level="L2", kind=kind, job_id=jw.job_id, window=jw.window,
+            scope=Scope(phase=ph.name, group=ph.dim, group_index=int(g)),
+            suspects=suspects, severity=float(ph.cv[idx[0]]), evidence=_group_evidence(ph, idx[0], cfg),
+        ))
+    return out
+
+
+def _late_findings(jw, ph: _Phase, late: np.ndarray, cfg, ranks, compute_ratio, pure) -> list[Finding]:
+    out = []
+    for g in np.unique(ph.label[late]).tolist():
+        members = np.flatnonzero(ph.label == g)
+        idx = members[late[members]]
+        idx = idx[np.argsort(ph.ratio[idx], kind="stable")]          # shortest collective first
+        victims = [ranks[ph.rows[i]] for i in members[~late[members]]]
+        suspects = []
+        for i in idx:
+            rank_row = int(ph.rows[i])
+            slow = {p: float(r[rank_row]) for p, r in compute_ratio.items()
+                    if rank_row in r and r[rank_row] >= 1 + cfg.min_excess}
+            slower = {p: v for p, v in slow.items() if pure.search(p)}
+            ev = _evidence(ph, i) | {
+                "role": "late_arriver",
+                "peers_waited_ns": float(ph.st["median"][i] - ph.x[i]),
+                "compute_slower": slower,
+                "other_phases_slower": {p: v for p, v in slow.items() if p not in slower},
+                "cause": "own_compute" if slower else "delayed_by_dependency",
+            }
+            suspects.append(SuspectRank(ranks[rank_row], float(1.0 / max(ph.ratio[i], 1e-12)), ev))
+        ev = _group_evidence(ph, idx[0], cfg) | {
+            "victims": victims[: cfg.max_victims], "victims_count": len(victims),
+            "explanation": ("the peers waited in the collective for the late arriver(s), which "
+                            "therefore show the shortest duration (ARGUS §9.5)"),
+        }
+        out.append(Finding(
+            level="L2", kind="straggler", job_id=jw.job_id, window=jw.window,
+            scope=Scope(phase=ph.name, group=ph.dim, group_index=int(g)),
+            suspects=tuple(suspects), severity=float(ph.cv[idx[0]]), evidence=ev,
+        ))
+    return out

@@ -1,0 +1,497 @@
+"""L3: which rank runs which kernel slowly, from cluster summaries (ARGUS §6.2).
+
+Ranks with the same parallel role run identical kernel sequences, so for
+every (kernel, stream) their duration distributions should agree. Per
+(kernel, stream) and comparison group (``RoutingConfig.kernel_group_dim``):
+
+1. Flatten the protobufs once (``flatten_kernels``) into flat numpy arrays:
+   one *distribution* per (rank, key) and its clusters (count, p50, p99).
+   Everything after this works on arrays, across keys and groups at once.
+2. Grid: per key, ``grid_points`` log-uniform points spanning the support of
+   every cluster of the key (``cdf.support``: e^(μ ± zσ)).
+3. CDF of each distribution on its key's grid, the count-weighted mixture of
+   lognormal clusters (eq. 2; ``cdf.mixture_cdfs``'s maths, batched with a
+   grid per cluster).
+4. Score = mean W1 to every peer of the group (eq. 3 averaged), *without* a
+   pairwise matrix: W1 is Σ_g w_g |F_a(g) − F_b(g)| (trapezoid weights), and
+   for one grid point with values sorted s_0 ≤ … ≤ s_{n−1} and exclusive
+   prefix sums P_i, Σ_b |s_i − s_b| = s_i(2i − n) − 2P_i + P_n. So one sort
+   along the rank axis for all grid points at once (O(n log n) each),
+   prefix sums, and a weighted scatter back to the ranks; divide by n − 1.
+   Groups of equal size are stacked and processed together; blocks of grid
+   points bound the memory.
+5. Flag (eq. 4): score > Q3 + α(Q3 − Q1) over the group's scores, and two
+   floors. (a) A perfectly homogeneous group has a tiny IQR, so noise alone
+   would cross the fence: a rank must also stand ``min_effect`` × the
+   group-median mean duration above the group's median score (W1 is in ns).
+   Default 8 %: in the simulator's healthy 256-rank job the largest excess
+   is 5 % (collective kernels, whose durations include waiting), ≤ 3 % for
+   compute and copy kernels.
+   (b) The processor's KDE may split or merge modes differently on ranks
+   that ran the same distribution (few samples near a valley, ARGUS §5.2
+   filters); the rebuilt CDFs then cross and W1 grows while the rank's exact
+   mean (total_ns/count) does not move. A degraded kernel moves the mean:
+   when one distribution dominates the other (a uniform slowdown, or a tail
+   inflation such as ECC retries) W1 *equals* |Δmean|. So an exact statistic
+   must corroborate the score: the shift of the exact mean from the group
+   median explains at least ``min_dominance`` of the rank's excess score
+   (either way: a late arriver's collective kernels are the *shorter* ones),
+   or the exact max (``max_ns``) is ≥ ``tail_factor`` × the group median's.
+   The second path exists because a few very slow calls (ECC) inflate p99,
+   and the lognormal rebuilt from it spreads mass over the whole tail, so
+   W1 overstates the mean shift (by ~3x in the simulator's ECC fault). With
+   α = 3 and fewer than 5 ranks the outlier itself sits inside Q3: tiny
+   groups rarely flag.
+6. A key present on ≥ ``missing_min_present`` of a group's ranks and absent
+   on the others is evidence too (e.g. a hang: the culprit stops entering a
+   collective): kind ``missing_kernel``, the absent ranks as suspects. A
+   group's ranks are those that sent a KernelWindow for the window.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import numpy as np
+from scipy.special import ndtr
+
+from trainscope.analyzer.cdf import lognormal_params
+from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
+from trainscope.analyzer.topology import (
+    RoutingConfig, check_number, group_of, rank_to_group, resources_with,
+)
+from trainscope.proto.errors import ConfigError
+from trainscope.proto.v1 import records_pb2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class L3Config:
+    """Thresholds and numerics of L3 (ARGUS §6.2)."""
+
+    alpha: float = 3.0
+    """α of the IQR fence Q3 + α(Q3 − Q1) (eq. 4)."""
+    grid_points: int = 256
+    """Points of each key's log-uniform grid."""
+    support_z: float = 4.0
+    """The grid spans e^(μ ± z·σ) of every cluster of the key."""
+    min_ranks: int = 4
+    """Fewest ranks holding a key for a group to be scored."""
+    min_effect: float = 0.08
+    """A flagged score exceeds the group's median score by ≥ this × the group-median mean duration."""
+    min_dominance: float = 0.5
+    """Corroboration: |exact mean − group median mean| ≥ this × (score − median score) (step 5b)."""
+    tail_factor: float = 1.5
+    """Corroboration: the exact max duration ≥ this × the group median's max (step 5b)."""
+    missing_min_present: float = 0.75
+    """A key on at least this fraction of a group's ranks (not all) makes the rest ``missing_kernel``."""
+    block_elements: int = 1 << 21
+    """Elements (distributions × grid points) per working block: bounds memory (~10 arrays of this)."""
+    routing: RoutingConfig = RoutingConfig()
+    """Supplies ``kernel_group_dim``, the dimension kernels are compared within."""
+
+    def __post_init__(self) -> None:
+        check_number("l3.alpha", self.alpha, lambda v: v > 0, "must be > 0")
+        check_number("l3.grid_points", self.grid_points, lambda v: v >= 8,
+                     "must be an integer >= 8", int)
+        check_number("l3.support_z", self.support_z, lambda v: v > 0, "must be > 0")
+        check_number("l3.min_ranks", self.min_ranks, lambda v: v >= 3, "must be an integer >= 3", int)
+        check_number("l3.min_effect", self.min_effect, lambda v: v >= 0, "must be >= 0")
+        check_number("l3.tail_factor", self.tail_factor, lambda v: v > 1, "must be > 1")
+        check_number("l3.min_dominance", self.min_dominance, lambda v: 0 <= v <= 1, "must be in [0, 1]")
+        check_number("l3.missing_min_present", self.missing_min_present, lambda v: 0 < v <= 1,
+                     "must be in (0, 1]")
+        check_number("l3.block_elements", self.block_elements, lambda v: v >= 1024,
+                     "must be an integer >= 1024", int)
+        if not isinstance(self.routing, RoutingConfig):
+            raise ConfigError("l3.routing", self.routing, "must be a RoutingConfig")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class KernelTable:
+    """Every rank's kernel clusters of one window as flat arrays (step 1).
+
+    Distribution ``d`` is key ``keys[dist_key[d]]`` on rank ``dist_rank[d]``;
+    its clusters are ``cl_*[cl_start[d]:cl_start[d + 1]]``.
+    """
+
+    keys: tuple[tuple[str, int], ...]
+    ranks: np.ndarray            # ranks that sent a KernelWindow, sorted
+    dist_rank: np.ndarray
+    dist_key: np.ndarray
+    cl_start: np.ndarray         # (D + 1,)
+    cl_count: np.ndarray
+    cl_p50: np.ndarray
+    cl_p99: np.ndarray
+    dist_count: np.ndarray
+    dist_mean_ns: np.ndarray
+    dist_p50_ns: np.ndarray      # the dominant (largest-count) cluster's p50
+    dist_p99_ns: np.ndarray
+    dist_max_ns: np.ndarray      # the largest cluster max_ns; NaN when not given
+
+    @classmethod
+    def from_arrays(cls, keys, ranks, dist_rank, dist_key, cl_start, cl_count, cl_p50, cl_p99,
+                    dist_total_ns=None, cl_max_ns=None) -> "KernelTable":
+        """Build from flat arrays; derives counts, mean, max and dominant cluster per distribution.
+
+        ``dist_total_ns`` (exact busy time) gives the exact mean; without it
+        the count-weighted p50. ``cl_max_ns`` ≤ 0 or absent means unknown.
+        """
+        cl_start = np.asarray(cl_start, dtype=np.int64)
+        cl_count = np.asarray(cl_count, dtype=np.float64)
+        cl_p50 = np.asarray(cl_p50, dtype=np.float64)
+        cl_p99 = np.maximum(np.asarray(cl_p99, dtype=np.float64), cl_p50)
+        n_dist = cl_start.size - 1
+        lens = np.diff(cl_start)
+        if n_dist < 0 or cl_start[0] != 0 or cl_start[-1] != cl_count.size or (lens <= 0).any():
+            raise ValueError("cl_start must rise strictly from 0 to the number of clusters")
+        if not (cl_p50.size == cl_p99.size == cl_count.size and np.all(cl_count > 0)
+                and np.all(np.isfinite(cl_p99)) and np.all((cl_p50 > 0) & np.isfinite(cl_p50))):
+            raise ValueError("clusters need count > 0 and finite p50 > 0, p99")
+        if not (np.size(dist_rank) == np.size(dist_key) == n_dist):
+            raise ValueError("dist_rank and dist_key need one entry per distribution")
+        if n_dist == 0:
+            z = np.empty(0)
+            return cls(tuple(keys), np.asarray(ranks, np.int64), z.astype(np.int64), z.astype(np.int64),
+                       cl_start, cl_count, cl_p50, cl_p99, z, z, z, z, z)
+        first = cl_start[:-1]
+        owner = np.repeat(np.arange(n_dist), lens)
+        count = np.add.reduceat(cl_count, first)
+        best = np.maximum.reduceat(cl_count, first)
+        idx = np.arange(cl_count.size)
+        dom = np.minimum.reduceat(np.where(cl_count == best[owner], idx, cl_count.size), first)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            mean = np.add.reduceat(cl_count * cl_p50, first) / count
+            if dist_total_ns is not None:
+                total = np.asarray(dist_total_ns, dtype=np.float64)
+                mean = np.where(total > 0, total / count, mean)
+        if cl_max_ns is None:
+            dmax = np.full(n_dist, np.nan)
+        else:
+            dmax = np.maximum.reduceat(np.asarray(cl_max_ns, dtype=np.float64), first)
+            dmax = np.where(dmax > 0, dmax, np.nan)
+        return cls(tuple(keys), np.asarray(ranks, np.int64), np.asarray(dist_rank, np.int64),
+                   np.asarray(dist_key, np.int64), cl_start, cl_count, cl_p50, cl_p99,
+                   count, mean, cl_p50[dom], cl_p99[dom], dmax)
+
+
+def flatten_kernels(kernels: Mapping[int, records_pb2.KernelWindow]) -> KernelTable:
+    """The window's ``KernelWindow`` messages as one ``KernelTable`` (step 1; one pass)."""
+    key_id: dict[tuple[str, int], int] = {}
+    d_rank, d_key, d_total, lens = [], [], [], []
+    cnt, p50, p99, mx = [], [], [], []
+    for rank in sorted(kernels):
+        for ks in kernels[rank].kernels:
+            cls = ks.clusters
+            if not len(cls):
+                continue
+            k = (ks.kernel, ks.stream)
+            kid = key_id.get(k)
+            if kid is None:
+                kid = key_id[k] = len(key_id)
+            d_rank.append(rank)
+            d_key.append(kid)
+            d_total.append(ks.total_ns)
+            lens.append(len(cls))
+            for c in cls:
+                cnt.append(c.count)
+                p50.append(c.p50_ns)
+                p99.append(c.p99_ns)
+                mx.append(c.max_ns)
+    cl_count = np.asarray(cnt, dtype=np.float64)
+    cl_p50, cl_p99 = np.asarray(p50, np.float64), np.asarray(p99, np.float64)
+    # drop empty or malformed clusters, and distributions left with none
+    keep_cl = (cl_count > 0) & (cl_p50 > 0) & np.isfinite(cl_p50) & np.isfinite(cl_p99)
+    owner = np.repeat(np.arange(len(lens)), np.asarray(lens, dtype=np.int64))
+    new_lens = np.bincount(owner[keep_cl], minlength=len(lens))
+    keep_d = new_lens > 0
+    return KernelTable.from_arrays(
+        keys=sorted(key_id, key=key_id.get), ranks=sorted(kernels),
+        dist_rank=np.asarray(d_rank, np.int64)[keep_d], dist_key=np.asarray(d_key, np.int64)[keep_d],
+        cl_start=np.r_[0, np.cumsum(new_lens[keep_d])], cl_count=cl_count[keep_cl],
+        cl_p50=cl_p50[keep_cl], cl_p99=cl_p99[keep_cl],
+        dist_total_ns=np.asarray(d_total, np.float64)[keep_d],
+        cl_max_ns=np.asarray(mx, np.float64)[keep_cl],
+    )
+
+
+def abs_dev_sums(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Σ_g w_g Σ_b |v[..., g, a] − v[..., g, b]| per a, from sorted values and prefix sums (step 4).
+
+    ``values``: (..., G, n) with values ≥ 0 (CDFs), ``weights``: (..., G).
+    Returns (..., n). No (n × n) array is ever built: O(G · n log n) time,
+    O(G · n) memory.
+
+    Sorting trick: a non-negative float64's bit pattern orders like its
+    value, so each value's lowest ⌈log2 n⌉ mantissa bits are replaced by its
+    rank index and one plain integer sort (much faster than ``argsort``)
+    yields the order; the exact values are then gathered back, so the
+    truncation only decides the order of values equal to ~1e-11, whose
+    differences it cannot matter for.
+    """
+    v = np.asarray(values, dtype=np.float64)
+    n = v.shape[-1]
+    if n == 0:
+        return np.zeros(v.shape[:-2] + (0,))
+    bits = max(1, (n - 1).bit_length())
+    if bits > 24:
+        raise ValueError(f"at most 2**24 distributions per group, got {n}")
+    mask = np.uint64((1 << bits) - 1)
+    key = np.empty(v.shape, dtype=np.uint64)            # C order, whatever v's strides
+    np.bitwise_and(v.view(np.uint64), ~mask, out=key)
+    key |= np.arange(n, dtype=np.uint64)
+    key.sort(axis=-1)
+    key &= mask
+    idx = key.view(np.int64)
+    s = np.take_along_axis(v, idx, axis=-1)
+    p = np.cumsum(s, axis=-1)
+    total = p[..., -1:].copy()
+    # Σ_b |s_i − s_b| = s_i(2i − n) − 2 P_i(excl.) + T = s_i(2i + 2 − n) − 2 P_i(incl.) + T
+    s *= 2.0 * np.arange(n) + 2.0 - n
+    p *= 2.0
+    s -= p
+    s += total
+    s *= np.asarray(weights, dtype=np.float64)[..., None]
+    lead = int(np.prod(v.shape[:-2], dtype=np.int64))
+    idx = idx.reshape(lead, -1, n)
+    idx += (np.arange(lead, dtype=np.int64) * n)[:, None, None]
+    out = np.bincount(idx.ravel(), weights=s.ravel(), minlength=lead * n)
+    return out.reshape(*v.shape[:-2], n)
+
+
+def mean_w1_to_peers(cdfs: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Mean W1 of each distribution to the others.
+
+    ``cdfs``: (..., n, G) on a grid whose trapezoid weights are ``weights`` (..., G).
+    """
+    cdfs = np.asarray(cdfs, dtype=np.float64)
+    n = cdfs.shape[-2]
+    if n < 2:
+        return np.zeros(cdfs.shape[:-1])
+    return abs_dev_sums(np.swapaxes(cdfs, -1, -2), weights) / (n - 1)
+
+
+def _key_grids(t: KernelTable, order: np.ndarray, key_first: np.ndarray, cfg: L3Config):
+    """Per key present in ``order`` (dists sorted by key): log grid and trapezoid weights (step 2)."""
+    mu, sigma = lognormal_params(t.cl_p50, t.cl_p99)
+    lo_c, hi_c = mu - cfg.support_z * sigma, mu + cfg.support_z * sigma
+    first = t.cl_start[:-1]
+    lo_d, hi_d = np.minimum.reduceat(lo_c, first), np.maximum.reduceat(hi_c, first)
+    lo = np.exp(np.minimum.reduceat(lo_d[order], key_first))
+    hi = np.exp(np.maximum.reduceat(hi_d[order], key_first))
+    flat = ~(hi > lo)
+    lo, hi = np.where(flat, lo * 0.5, lo), np.where(flat, hi * 2.0, hi)
+    grid = np.geomspace(lo, hi, cfg.grid_points, axis=1)
+    dx = np.diff(grid, axis=1)
+    w = np.zeros_like(grid)
+    w[:, :-1] += dx / 2.0
+    w[:, 1:] += dx / 2.0
+    return np.log(grid), w, mu, sigma
+
+
+def _cdf_block(t: KernelTable, dists: np.ndarray, gslot: np.ndarray, lgrid: np.ndarray,
+               mu: np.ndarray, sigma: np.ndarray, g0: int, g1: int) -> np.ndarray:
+    """CDFs (len(dists), g1 − g0) of ``dists`` on their keys' grids (``gslot``: grid row per dist)."""
+    starts, lens = t.cl_start[dists], t.cl_start[dists + 1] - t.cl_start[dists]
+    single = bool((lens == 1).all())
+    if single:
+        cl, rows = starts, gslot
+    else:
+        local_first = np.r_[0, np.cumsum(lens)[:-1]]
+        owner = np.repeat(np.arange(dists.size), lens)
+        cl = np.repeat(starts - local_first, lens) + np.arange(int(lens.sum()))
+        rows = gslot[owner]
+    comp = lgrid[rows, g0:g1]                              # ln x per cluster row (a copy)
+    comp -= mu[cl][:, None]
+    sig = sigma[cl]
+    point = sig == 0.0
+    steps = comp[point] >= 0.0 if point.any() else None
+    comp *= (1.0 / np.where(point, 1.0, sig))[:, None]
+    ndtr(comp, out=comp)                                   # eq. 2, per cluster
+    if steps is not None:
+        comp[point] = steps                                # a point cluster is a step at p50
+    comp *= (t.cl_count[cl] / (t.dist_count[dists] if single else t.dist_count[dists][owner]))[:, None]
+    if single:
+        return comp
+    f = comp[local_first]
+    for j in range(1, int(lens.max())):
+        sel = np.flatnonzero(lens > j)
+        f[sel] += comp[local_first[sel] + j]
+    return f
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Outliers:
+    """Flagged ranks of one (key, group) (step 5)."""
+
+    key: int
+    group: int
+    dists: np.ndarray        # flagged distributions, best first
+    scores: np.ndarray       # their scores
+    q1: float
+    median: float
+    q3: float
+    fence: float
+    group_size: int
+    median_p50_ns: float
+    median_mean_ns: float
+    median_max_ns: float
+    by: tuple[str, ...]      # per flagged dist: what corroborated it (mean, max, mean+max)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Missing:
+    """A key absent on a few ranks of a group (step 6)."""
+
+    key: int
+    group: int
+    absent: tuple[int, ...]
+    present: int
+    group_size: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class L3Result:
+    outliers: list[Outliers]
+    missing: list[Missing]
+    segments_scored: int
+    dists_scored: int
+
+
+def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Config()) -> L3Result:
+    """Steps 2-6 over flat arrays; ``rank_group[i]`` is the group of ``t.ranks[i]`` (−1: none)."""
+    rank_group = np.asarray(rank_group, dtype=np.int64)
+    if t.dist_rank.size == 0:
+        return L3Result([], [], 0, 0)
+    dg = rank_group[np.searchsorted(t.ranks, t.dist_rank)]
+    order = np.lexsort((t.dist_rank, dg, t.dist_key))
+    order = order[dg[order] >= 0]
+    k_s, g_s = t.dist_key[order], dg[order]
+    seg_first = np.flatnonzero(np.r_[True, (k_s[1:] != k_s[:-1]) | (g_s[1:] != g_s[:-1])])
+    seg_n = np.diff(np.r_[seg_first, order.size])
+    seg_key, seg_group = k_s[seg_first], g_s[seg_first]
+    group_ids, group_size = np.unique(rank_group[rank_group >= 0], return_counts=True)
+    seg_gsize = group_size[np.searchsorted(group_ids, seg_group)]
+
+    missing = []
+    gaps = np.flatnonzero((seg_n < seg_gsize) & (seg_n >= cfg.missing_min_present * seg_gsize))
+    if gaps.size:
+        by_group = np.argsort(rank_group, kind="stable")
+        bounds = np.searchsorted(rank_group[by_group], group_ids)
+        for i in gaps.tolist():
+            present = set(t.dist_rank[order[seg_first[i]:seg_first[i] + seg_n[i]]].tolist())
+            b = bounds[np.searchsorted(group_ids, seg_group[i])]
+            members = t.ranks[by_group[b:b + seg_gsize[i]]].tolist()
+            missing.append(Missing(int(seg_key[i]), int(seg_group[i]),
+                                   tuple(r for r in members if r not in present),
+                                   int(seg_n[i]), int(seg_gsize[i])))
+
+    scored = seg_n >= cfg.min_ranks
+    outliers: list[Outliers] = []
+    if not scored.any():
+        return L3Result(outliers, missing, 0, 0)
+    key_first = np.flatnonzero(np.r_[True, k_s[1:] != k_s[:-1]])
+    lgrid, wgrid, mu, sigma = _key_grids(t, order, key_first, cfg)
+    slot_of_key = np.full(len(t.keys), -1, dtype=np.int64)
+    slot_of_key[k_s[key_first]] = np.arange(key_first.size)
+    dist_slot = np.full(t.dist_rank.size, -1, dtype=np.int64)
+    dist_slot[order] = slot_of_key[k_s]
+    G = cfg.grid_points
+    for n in np.unique(seg_n[scored]).tolist():
+        segs = np.flatnonzero(scored & (seg_n == n))
+        per_chunk = max(1, cfg.block_elements // (n * G))
+        gb = G if per_chunk > 1 else max(1, min(G, cfg.block_elements // n))
+        for c0 in range(0, segs.size, per_chunk):
+            chunk = segs[c0:c0 + per_chunk]
+            dists = order[(seg_first[chunk][:, None] + np.arange(n)).ravel()]
+            gslot = dist_slot[dists]
+            wk = wgrid[slot_of_key[seg_key[chunk]]]
+            acc = np.zeros((chunk.size, n))
+            for g0 in range(0, G, gb):
+                g1 = min(G, g0 + gb)
+                f = _cdf_block(t, dists, gslot, lgrid, mu, sigma, g0, g1)
+                f = f.reshape(chunk.size, n, g1 - g0).transpose(0, 2, 1)
+                acc += abs_dev_sums(f, wk[:, g0:g1])
+            scores = acc / (n - 1)
+            outliers += _flag(t, chunk, dists.reshape(chunk.size, n), scores, seg_key, seg_group, cfg)
+    return L3Result(outliers, missing, int(scored.sum()), int(seg_n[scored].sum()))
+
+
+def _flag(t, chunk, dists, scores, seg_key, seg_group, cfg) -> list[Outliers]:
+    """IQR fence per segment plus the effect floor (step 5)."""
+    q1, med, q3 = np.percentile(scores, [25, 50, 75], axis=1)
+    fence = q3 + cfg.alpha * (q3 - q1)
+    means = t.dist_mean_ns[dists]
+    mean_med = np.median(means, axis=1)
+    maxes = t.dist_max_ns[dists]
+    max_med = np.median(maxes, axis=1)                 # NaN when unknown: that path is off
+    excess = scores - med[:, None]
+    by_mean = np.abs(means - mean_med[:, None]) >= cfg.min_dominance * excess
+    with np.errstate(invalid="ignore"):
+        by_max = maxes >= cfg.tail_factor * max_med[:, None]
+    hit = (scores > fence[:, None]) & (excess >= cfg.min_effect * mean_med[:, None]) & (by_mean | by_max)
+    out = []
+    for i in np.flatnonzero(hit.any(axis=1)).tolist():
+        j = np.flatnonzero(hit[i])
+        j = j[np.argsort(-scores[i, j], kind="stable")]
+        by = tuple("+".join(n for n, b in (("mean", by_mean[i, k]), ("max", by_max[i, k])) if b) for k in j)
+        out.append(Outliers(
+            int(seg_key[chunk[i]]), int(seg_group[chunk[i]]), dists[i, j], scores[i, j],
+            float(q1[i]), float(med[i]), float(q3[i]), float(fence[i]), int(dists.shape[1]),
+            float(np.median(t.dist_p50_ns[dists[i]])), float(mean_med[i]), float(max_med[i]), by))
+    return out
+
+
+def kernel_findings(job_id: str, window: records_pb2.Window, t: KernelTable,
+                    groups: Mapping[int, Sequence[int]], cfg: L3Config = L3Config(),
+                    dim: str | None = None) -> list[Finding]:
+    """L3 findings from a flat table and comparison groups ({group index: ranks})."""
+    dim = dim or cfg.routing.kernel_group_dim
+    rg = rank_to_group(groups)
+    rank_group = np.array([rg.get(r, -1) for r in t.ranks.tolist()], dtype=np.int64)
+    res = score_kernels(t, rank_group, cfg)
+    out = []
+    for o in res.outliers:
+        kernel, stream = t.keys[o.key]
+        suspects = tuple(SuspectRank(int(t.dist_rank[d]), float(s), {
+            "score": float(s), "fence": o.fence, "effect": float(s - o.median),
+            "p50_ns": float(t.dist_p50_ns[d]), "p99_ns": float(t.dist_p99_ns[d]),
+            "group_median_p50_ns": o.median_p50_ns,
+            "ratio": float(t.dist_p50_ns[d] / o.median_p50_ns) if o.median_p50_ns > 0 else 0.0,
+            "mean_ns": float(t.dist_mean_ns[d]), "group_median_mean_ns": o.median_mean_ns,
+            "mean_shift": float(t.dist_mean_ns[d] / o.median_mean_ns - 1) if o.median_mean_ns > 0 else 0.0,
+            "direction": "slower" if t.dist_mean_ns[d] >= o.median_mean_ns else "faster",
+            "count": int(t.dist_count[d]),
+            "max_ns": float(t.dist_max_ns[d]) if np.isfinite(t.dist_max_ns[d]) else 0.0,
+            "group_median_max_ns": o.median_max_ns if np.isfinite(o.median_max_ns) else 0.0,
+            "corroborated_by": by,
+        }) for d, s, by in zip(o.dists.tolist(), o.scores.tolist(), o.by))
+        out.append(Finding(
+            level="L3", kind="degraded_kernel", job_id=job_id, window=window,
+            scope=Scope(kernel=kernel, stream=int(stream), group=dim, group_index=o.group),
+            suspects=suspects,
+            severity=float((o.scores[0] - o.median) / o.median_mean_ns) if o.median_mean_ns > 0 else 0.0,
+            evidence={"group_size": o.group_size, "q1": o.q1, "median_score": o.median, "q3": o.q3,
+                      "fence": o.fence, "alpha": cfg.alpha, "group_median_p50_ns": o.median_p50_ns,
+                      "group_median_mean_ns": o.median_mean_ns},
+        ))
+    for m in res.missing:
+        kernel, stream = t.keys[m.key]
+        out.append(Finding(
+            level="L3", kind="missing_kernel", job_id=job_id, window=window,
+            scope=Scope(kernel=kernel, stream=int(stream), group=dim, group_index=m.group),
+            suspects=tuple(SuspectRank(r, 1.0, {"present_on": m.present, "group_size": m.group_size})
+                           for r in m.absent),
+            severity=1.0 - m.present / m.group_size,
+            evidence={"present_on": m.present, "group_size": m.group_size,
+                      "explanation": "peers ran this kernel in the window; the suspects did not"},
+        ))
+    return out
+
+
+def analyze_kernels(jw: JobWindow, cfg: L3Config = L3Config()) -> list[Finding]:
+    """L3 findings for one window of one job (module steps 1-6)."""
+    if not jw.kernels:
+        return []
+    dim = cfg.routing.kernel_group_dim
+    groups = group_of(resources_with(jw.resources, jw.kernels), dim)
+    return kernel_findings(jw.job_id, jw.window, flatten_kernels(jw.kernels), groups, cfg, dim)

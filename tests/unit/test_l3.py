@@ -1,0 +1,209 @@
+"""L3 kernel-distribution outliers across ranks (ARGUS §6.2)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trainscope.analyzer.cdf import log_grid, mixture_cdfs, trapezoid_weights, w1
+from trainscope.analyzer.l3_kernels import (
+    KernelTable, L3Config, abs_dev_sums, analyze_kernels, flatten_kernels, kernel_findings,
+    mean_w1_to_peers, score_kernels,
+)
+from trainscope.analyzer.model import JobWindow
+from trainscope.proto.errors import ConfigError
+from trainscope.proto.model import Resource, coords_for_rank
+from trainscope.proto.v1 import records_pb2
+
+GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_cublas"
+KEYS = [(GEMM, 7, [(400, 180e3, 230e3)]),
+        ("flash_fwd_kernel", 7, [(200, 95e3, 120e3)]),
+        ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 32, [(40, 2.1e6, 3.3e6), (8, 9e6, 1.3e7)]),
+        ("Memcpy HtoD (Pageable -> Device)", 7, [(10, 12e3, 12e3)])]     # a point mass
+
+
+def job(world, *, tp=1, pp=1, seed=0, noise=0.01, edit=None) -> JobWindow:
+    """Every rank runs KEYS with lognormal rank-to-rank noise; ``edit(rank, key, clusters)`` alters one."""
+    rng = np.random.default_rng(seed)
+    win = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=3, first_iteration=30,
+                             last_iteration=39)
+    jw = JobWindow(job_id="j", window=win)
+    for r in range(world):
+        res = Resource(job_id="j", rank=r, world_size=world, coords=coords_for_rank(r, world, tp=tp, pp=pp))
+        jw.resources[r] = res
+        kw = records_pb2.KernelWindow(resource=res.to_pb(), window=win)
+        for k, (name, stream, clusters) in enumerate(KEYS):
+            cl = []
+            for count, p50, p99 in clusters:
+                f = np.exp(rng.normal(0.0, noise))
+                tail = p99 / p50 * np.exp(rng.normal(0.0, 3 * noise)) if p99 > p50 else 1.0
+                cl.append((int(count), p50 * f, p50 * f * tail))
+            if edit is not None:
+                cl = edit(r, k, cl)
+            if cl is None:
+                continue
+            # exact busy time of lognormal clusters: count · p50 · e^(σ²/2)
+            total = sum(c * p50 * np.exp((np.log(p99 / p50) / 2.326) ** 2 / 2) for c, p50, p99 in cl)
+            ks = kw.kernels.add(kernel=name, stream=stream, count=sum(c for c, _, _ in cl), total_ns=total)
+            for c, p50, p99 in cl:
+                ks.clusters.add(count=c, p50_ns=p50, p99_ns=p99, min_ns=p50 * 0.9, max_ns=p99 * 1.1)
+        jw.kernels[r] = kw
+    return jw
+
+
+def brute_mean_w1(cdfs, grid):
+    n = cdfs.shape[0]
+    return np.array([sum(w1(cdfs[a], cdfs[b], grid) for b in range(n) if b != a) / (n - 1)
+                     for a in range(n)])
+
+
+def test_prefix_sum_mean_w1_equals_all_pairs_on_random_cdfs():
+    rng = np.random.default_rng(7)
+    for n in (2, 3, 5, 64, 257):
+        counts = rng.integers(1, 50, 2 * n)
+        p50 = rng.uniform(1e3, 1e5, 2 * n)
+        p99 = p50 * rng.uniform(1.0, 4.0, 2 * n)
+        owner = np.repeat(np.arange(n), 2)
+        grid = log_grid(500.0, 1e6, 97)
+        f = mixture_cdfs(counts, p50, p99, owner, n, grid)
+        f[n // 2] = f[0]                       # ties must not matter
+        fast = mean_w1_to_peers(f, trapezoid_weights(grid))
+        np.testing.assert_allclose(fast, brute_mean_w1(f, grid), rtol=1e-12, atol=1e-9)
+    # batched (groups × grid × ranks) with one weight row per group
+    v = rng.random((3, 11, 9))
+    w = rng.random((3, 11))
+    expect = np.abs(v[..., :, None] - v[..., None, :]).sum(-1)
+    np.testing.assert_allclose(abs_dev_sums(v, w), (expect * w[..., None]).sum(1), rtol=1e-12)
+
+
+def test_scores_from_the_table_equal_brute_force_on_cdf_module():
+    jw = job(16, seed=3, noise=0.05)
+    t = flatten_kernels(jw.kernels)
+    cfg = L3Config(grid_points=64, min_effect=0.0, alpha=1e9)   # flag nothing: read the scores
+    res = score_kernels(t, np.zeros(16, dtype=np.int64), cfg)
+    assert res.segments_scored == len(KEYS) and res.dists_scored == 16 * len(KEYS)
+    # rebuild one key by hand with cdf.mixture_cdfs on the same kind of grid
+    k = 2
+    d = np.flatnonzero(t.dist_key == k)
+    cl = np.concatenate([np.arange(t.cl_start[i], t.cl_start[i + 1]) for i in d])
+    owner = np.repeat(np.arange(d.size), np.diff(t.cl_start)[d])
+    from trainscope.analyzer.cdf import support
+    grid = log_grid(*support(t.cl_p50[cl], t.cl_p99[cl], cfg.support_z), cfg.grid_points)
+    f = mixture_cdfs(t.cl_count[cl], t.cl_p50[cl], t.cl_p99[cl], owner, d.size, grid)
+    from trainscope.analyzer.l3_kernels import _cdf_block, _key_grids
+    order = np.argsort(t.dist_key, kind="stable")
+    key_first = np.flatnonzero(np.r_[True, np.diff(t.dist_key[order]) != 0])
+    lgrid, wgrid, mu, sigma = _key_grids(t, order, key_first, cfg)
+    mine = _cdf_block(t, d, np.full(d.size, k), lgrid, mu, sigma, 0, cfg.grid_points)
+    np.testing.assert_allclose(mine, f, atol=1e-12)
+    np.testing.assert_allclose(mean_w1_to_peers(mine, wgrid[k]), brute_mean_w1(f, grid), rtol=1e-9)
+
+
+def _flagged(findings, kind="degraded_kernel"):
+    return [(f.scope.kernel, f.scope.group_index, [s.rank for s in f.suspects]) for f in findings
+            if f.kind == kind]
+
+
+def test_shifted_distribution_names_the_rank_and_kernel():
+    def slow(r, k, cl):
+        return [(c, p50 * 1.3, p99 * 1.3) for c, p50, p99 in cl] if (r, k) == (13, 0) else cl
+    jw = job(32, edit=slow)
+    found = analyze_kernels(jw)
+    assert _flagged(found) == [(GEMM, 0, [13])]
+    f = found[0]
+    s = f.suspects[0]
+    assert f.level == "L3" and f.scope.stream == 7 and f.scope.group == "dp"
+    assert s.evidence["ratio"] == pytest.approx(1.3, rel=0.05)
+    assert s.score > s.evidence["fence"] and s.evidence["count"] == 400
+    assert f.to_pb().suspects[0].rank == 13
+
+
+def test_tail_only_inflation_is_found_ecc_like():
+    # same median, p99 three times longer: intermittent tail latency (ARGUS Table 6, ECC)
+    def tail(r, k, cl):
+        return [(c, p50, p50 + 3 * (p99 - p50)) for c, p50, p99 in cl] if (r, k) == (5, 1) else cl
+    found = analyze_kernels(job(24, edit=tail))
+    assert _flagged(found) == [("flash_fwd_kernel", 0, [5])]
+    ev = found[0].suspects[0].evidence
+    assert ev["ratio"] == pytest.approx(1.0, abs=0.05) and "max" in ev["corroborated_by"]
+
+
+def test_a_kde_merge_of_the_same_distribution_is_not_flagged():
+    # the processor merged the two ReduceScatter modes on rank 4 (few samples near the valley): the rebuilt
+    # CDF crosses its peers' and W1 is large, but the exact mean and max did not move (module step 5b)
+    jw = job(32)
+    ks = jw.kernels[4].kernels[2]
+    lo, hi = ks.clusters[0].min_ns, max(c.max_ns for c in ks.clusters)
+    del ks.clusters[:]
+    ks.clusters.add(count=48, p50_ns=2.6e6, p99_ns=1.2e7, min_ns=lo, max_ns=hi)
+    t = flatten_kernels(jw.kernels)
+    loose = score_kernels(t, np.zeros(32, dtype=np.int64), L3Config(min_dominance=0.0, tail_factor=1e9))
+    assert [(o.key, t.dist_rank[o.dists].tolist()) for o in loose.outliers] == [(2, [4])]   # W1 alone flags it
+    assert analyze_kernels(jw) == []
+
+
+def test_a_late_arrivers_shorter_collective_is_flagged_as_faster():
+    def late(r, k, cl):    # peers wait for rank 11 inside the collective kernel: its kernel is the short one
+        return [(c, p50 * 0.6, p99 * 0.6) for c, p50, p99 in cl] if (r, k) == (11, 2) else cl
+    [f] = analyze_kernels(job(16, edit=late))
+    s = f.suspects[0].evidence
+    assert f.suspects[0].rank == 11 and s["direction"] == "faster" and s["mean_shift"] == pytest.approx(-0.4, abs=0.03)
+    assert s["corroborated_by"] == "mean"
+
+
+def test_groups_are_respected_and_each_group_judged_alone():
+    # tp=2: ranks of tp coordinate 1 run a 2x slower kernel (different role): not an outlier
+    def role(r, k, cl):
+        if k == 0 and r % 2 == 1:
+            cl = [(c, p50 * 2, p99 * 2) for c, p50, p99 in cl]
+        if (r, k) == (6, 0):
+            cl = [(c, p50 * 1.25, p99 * 1.25) for c, p50, p99 in cl]
+        return cl
+    found = analyze_kernels(job(32, tp=2, edit=role))
+    assert _flagged(found) == [(GEMM, 0, [6])]
+
+
+@pytest.mark.parametrize("world", [8, 64, 1024])
+def test_healthy_groups_yield_nothing(world):
+    jw = job(world, seed=world, noise=0.01)
+    assert analyze_kernels(jw) == []
+
+
+def test_missing_kernel_is_reported_on_the_absent_rank():
+    def hang(r, k, cl):
+        return None if (r, k) == (9, 2) else cl      # rank 9 stopped entering the ReduceScatter
+    found = analyze_kernels(job(16, tp=2, edit=hang))           # rank 9: tp=1, group 1 of 8 ranks
+    miss = [f for f in found if f.kind == "missing_kernel"]
+    assert [(f.scope.kernel, f.scope.stream, f.scope.group_index, [s.rank for s in f.suspects])
+            for f in miss] == [("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 32, 1, [9])]
+    assert miss[0].evidence["present_on"] == 7 and miss[0].evidence["group_size"] == 8
+    assert not _flagged(found)
+    # absent on too many ranks of the group (a role difference, not a hang): nothing
+    few = analyze_kernels(job(16, tp=2, edit=lambda r, k, cl: None if k == 2 and r in (1, 3, 5) else cl))
+    assert [f for f in few if f.kind == "missing_kernel"] == []
+
+
+def test_low_level_entry_point_and_empty_input():
+    t = KernelTable.from_arrays(keys=[("k", 1)], ranks=[0, 1, 2, 3, 4], dist_rank=[0, 1, 2, 3, 4],
+                                dist_key=[0] * 5, cl_start=[0, 1, 2, 3, 4, 5], cl_count=[10] * 5,
+                                cl_p50=[100.0, 101, 99, 100, 200], cl_p99=[120.0, 121, 119, 120, 240])
+    win = records_pb2.Window()
+    found = kernel_findings("j", win, t, {0: [0, 1, 2, 3, 4]})
+    assert [s.rank for s in found[0].suspects] == [4]
+    assert analyze_kernels(JobWindow(job_id="j", window=win)) == []
+    empty = flatten_kernels({0: records_pb2.KernelWindow()})
+    bad = records_pb2.KernelWindow()
+    ks = bad.kernels.add(kernel="k", stream=1)
+    ks.clusters.add(count=5, p50_ns=0.0, p99_ns=10.0)            # malformed: dropped, with its key
+    ks.clusters.add(count=0, p50_ns=5.0, p99_ns=10.0)            # empty: dropped
+    assert flatten_kernels({0: bad}).dist_rank.size == 0
+    with pytest.raises(ValueError):
+        KernelTable.from_arrays([("k", 1)], [0], [0], [0], [0, 1], [3], [-1.0], [2.0])
+    assert score_kernels(empty, np.zeros(1, dtype=np.int64)).segments_scored == 0
+
+
+def test_config_is_validated():
+    for field, bad in [("alpha", 0), ("grid_points", 4), ("min_ranks", 2), ("missing_min_present", 1.5),
+                       ("min_effect", -1.0), ("grid_points", 64.0), ("min_dominance", 2.0), ("tail_factor", 1.0)]:
+        with pytest.raises(ConfigError) as e:
+            L3Config(**{field: bad})
+        assert e.value.setting == f"l3.{field}"
