@@ -118,6 +118,60 @@ def render_verdicts(verdicts) -> str:
     return "verdict:\n" + "\n".join(lines)
 
 
+def cmd_analyzer(args) -> int:
+    """The analyzer service: Kafka consumer group, or tail of the local store."""
+    from prometheus_client import CollectorRegistry
+
+    from trainscope.analyzer.prom import AnalyzerMetrics
+    from trainscope.analyzer.service import Analyzer, AnalyzerConfig
+    from trainscope.analyzer.sinks import KafkaDiagnosisSink, StoreDiagnosisSink
+    from trainscope.analyzer.sources import KafkaSource, StoreSource
+    from trainscope.analyzer.store import DiagnosisStore
+
+    home = _home(args)
+    store_path = args.store or os.path.join(home, "store.sqlite")
+    bootstrap = args.kafka_bootstrap or os.environ.get(env.KAFKA_BOOTSTRAP)
+    sinks: list = [StoreDiagnosisSink(DiagnosisStore(store_path))]
+    if bootstrap:
+        from trainscope.processor.kafka_sink import KafkaSink, KafkaSinkConfig
+        source = KafkaSource(bootstrap, group_id=args.group_id)
+        sinks.append(KafkaDiagnosisSink(KafkaSink(KafkaSinkConfig(
+            bootstrap=bootstrap, client_id="trainscope-analyzer",
+            spool_dir=os.path.join(home, "analyzer-spool")))))
+        where = f"Kafka {bootstrap} (group {args.group_id})"
+    else:
+        if not os.path.exists(store_path):
+            raise ConfigError("--store", store_path, "no processor store there (start `trainscope processor` "
+                              "first, or give --kafka-bootstrap)")
+        source = StoreSource(store_path)
+        where = f"store {store_path}"
+    metrics = AnalyzerMetrics()
+    analyzer = Analyzer(AnalyzerConfig(window_timeout_s=args.window_timeout_s), source, sinks, metrics=metrics)
+    server = None
+    if args.prometheus_port is not None:
+        from trainscope.processor.prom_exporter import start_metrics_server
+        registry = CollectorRegistry()
+        registry.register(metrics)
+        server = start_metrics_server(registry, "127.0.0.1", args.prometheus_port)
+        print(f"metrics on {server.url}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"trainscope analyzer reading {where}; diagnoses to {store_path}", flush=True)
+    try:
+        while not stop.is_set():
+            for v in analyzer.step(0.5):
+                if v.ranks or v.findings:
+                    print(f"[{v.job_id} window {v.window.index}] {v.summary}", flush=True)
+    finally:
+        source.close()
+        for s in analyzer.sinks:
+            s.close()
+        if server is not None:
+            server.close()
+    return 0
+
+
 def cmd_demo(args) -> int:
     from trainscope.deploy.demo import run_demo
 
@@ -329,6 +383,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ranks", type=int, default=8)
     d.add_argument("--home", help="state directory (default ./.trainscope)")
     d.set_defaults(func=cmd_demo)
+
+    an = sub.add_parser("analyzer", help="run the analyzer service (Kafka consumer group or local store)")
+    an.add_argument("--kafka-bootstrap", help=f"consume from Kafka (env {env.KAFKA_BOOTSTRAP})")
+    an.add_argument("--group-id", default="trainscope-analyzer", help="Kafka consumer group")
+    an.add_argument("--store", help="processor store to tail when there is no broker (default HOME/store.sqlite)")
+    an.add_argument("--prometheus-port", type=int, help="serve flagged-suspect series on 127.0.0.1:PORT")
+    an.add_argument("--window-timeout-s", type=float, default=60.0,
+                    help="analyse a window this long after its first record even if ranks are missing")
+    an.add_argument("--home", help=f"state directory (env {env.HOME}; default ./.trainscope)")
+    an.set_defaults(func=cmd_analyzer)
 
     pr = sub.add_parser("processor", help="run the per-host processor daemon")
     pr.add_argument("--listen", help=f"gRPC address (env {env.PROCESSOR}; default unix socket)")
