@@ -5,8 +5,10 @@ Steps:
    level. A rank's merged score is the number of distinct levels that name it
    (agreement across independent signals is the strongest evidence, ARGUS §6),
    plus the sum of its normalised per-level scores as a tie-break.
-2. Phases come from L2 findings, kernels from L3 findings, ordered by the
-   best score of the suspects that named them.
+2. Phases come from L2 findings, kernels from L3 findings. Those where the
+   top suspect itself is slower than its peers come first; then those where
+   it is *faster* (a late arriver's collectives are its shortest while its
+   peers wait, ARGUS §9.5: evidence, not the degraded part); each by score.
 3. The summary sentence names the top rank with its coordinates, the phase
    and the kernel, and the L1 state of the job when L1 found something.
 """
@@ -25,8 +27,7 @@ def merge(job_id: str, window: records_pb2.Window, findings: list[Finding],
     levels: dict[int, set[str]] = collections.defaultdict(set)
     score: dict[int, float] = collections.defaultdict(float)
     where: dict[int, list[str]] = collections.defaultdict(list)
-    phases: dict[str, float] = {}
-    kernels: dict[str, float] = {}
+    named: list[tuple[Finding, object]] = []
     for f in findings:
         top = max((s.score for s in f.suspects), default=0.0) or 1.0
         for s in f.suspects:
@@ -35,17 +36,24 @@ def merge(job_id: str, window: records_pb2.Window, findings: list[Finding],
             label = f.scope.phase or f.scope.kernel or f.kind
             if label not in where[s.rank]:
                 where[s.rank].append(label)
-            if f.level == "L2" and f.scope.phase:
-                phases[f.scope.phase] = max(phases.get(f.scope.phase, 0.0), s.score)
-            if f.level == "L3" and f.scope.kernel:
-                kernels[f.scope.kernel] = max(kernels.get(f.scope.kernel, 0.0), s.score)
+            named.append((f, s))
     ranked = sorted(levels, key=lambda r: (-len(levels[r]), -score[r], r))
+    top = ranked[0] if ranked else None
+    phases: dict[str, tuple] = {}
+    kernels: dict[str, tuple] = {}
+    for f, s in named:
+        ratio = s.evidence.get("ratio", 1.0)
+        key = (s.rank != top, not (isinstance(ratio, (int, float)) and ratio >= 1.0), -s.score)
+        if f.level == "L2" and f.scope.phase:
+            phases[f.scope.phase] = min(phases.get(f.scope.phase, key), key)
+        if f.level == "L3" and f.scope.kernel:
+            kernels[f.scope.kernel] = min(kernels.get(f.scope.kernel, key), key)
     v = records_pb2.Verdict(job_id=job_id, window=window, created_unix_ns=time.time_ns())
     for r in ranked:
         s = v.ranks.add(rank=r, score=len(levels[r]) + score[r] / (1.0 + score[r]))
         s.evidence.update({"levels": sorted(levels[r]), "where": where[r][:10]})
-    v.phases.extend(sorted(phases, key=lambda p: -phases[p]))
-    v.kernels.extend(sorted(kernels, key=lambda k: -kernels[k]))
+    v.phases.extend(sorted(phases, key=lambda p: phases[p]))
+    v.kernels.extend(sorted(kernels, key=lambda k: kernels[k]))
     v.findings.extend(f.to_pb() for f in findings)
     v.summary = summarize(job_id, v, findings, resources or {})
     return v

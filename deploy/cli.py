@@ -196,12 +196,42 @@ def cmd_sim(args) -> int:
         window_iterations=args.window_iterations, window_length_s=args.window_length_s,
     )
     options = _sink_configs(args) if args.processor is None else {}
-    res = run_sim(cfg, args.processor, processor_options=options)
+    analysis: dict = {}
+    hooks: dict = {}
+    if args.processor is None and not args.no_analyze:
+        from trainscope.deploy.embedded import EmbeddedAnalysis
+
+        def on_start(proc, store_path):
+            analysis["run"] = EmbeddedAnalysis(proc, store_path)
+
+        def on_processor(proc):
+            analysis["verdicts"] = analysis["run"].finish()
+
+        hooks = dict(on_start=on_start, on_processor=on_processor)
+    res = run_sim(cfg, args.processor, processor_options=options, **hooks)
     _render_sim(res, sys.stdout)
+    if "verdicts" in analysis:
+        from trainscope.analyzer.evaluate import evaluate, load_truth
+        print(render_verdicts(analysis["verdicts"]))
+        ev = evaluate(analysis["verdicts"], load_truth(res.ground_truth_path), cfg.window_iterations)
+        print(render_evaluation(ev))
     if args.json_out:
         from trainscope.deploy.replay import write_json
         write_json(res.to_dict(), args.json_out)
     return 0 if not res.dropped else 1
+
+
+def render_evaluation(ev) -> str:
+    """Verdicts against the ground truth, one line per injected fault."""
+    lines = [f"against the ground truth: {ev.false_alarm_windows} of {ev.healthy_windows} healthy windows "
+             "named a suspect"]
+    for f in ev.faults:
+        mark = "caught" if f.caught else "MISSED"
+        lines.append(f"  {f.fault}: {mark}" + (f" at window {f.first_window} (onset {f.onset_window})"
+                                                 if f.caught else "")
+                     + f"; top-1 rank {'right' if f.top1 else 'wrong'}, phase {'right' if f.phase else '-'}, "
+                       f"kernel {'right' if f.kernel else '-'}; levels {'+'.join(f.levels) or '-'}")
+    return "\n".join(lines)
 
 
 def _render_sim(res, out) -> None:
@@ -380,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="run a small multi-rank job through the whole pipeline")
-    d.add_argument("--ranks", type=int, default=8)
+    d.add_argument("--ranks", type=int, default=32, help="simulated ranks (a multiple of 4)")
     d.add_argument("--home", help="state directory (default ./.trainscope)")
     d.set_defaults(func=cmd_demo)
 
@@ -432,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--exporters", type=int, help="collector exporters (gRPC streams) to spread hosts over")
     s.add_argument("--processor", help="send to this processor (ADDR) instead of starting an embedded one")
     s.add_argument("--traces-out", help="also write PyTorch-profiler traces here (for trainscope replay)")
+    s.add_argument("--no-analyze", action="store_true", help="embedded processor only; run no detectors")
     s.add_argument("--ground-truth", help="ground-truth JSON path (default HOME/sim-ground-truth.json)")
     s.add_argument("--json", dest="json_out", help="write the run summary here (JSON)")
     s.add_argument("--window-mode", choices=("iterations", "time"), help="embedded processor windows")

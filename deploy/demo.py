@@ -1,72 +1,54 @@
 """``trainscope demo``: the main job on the embedded default, no broker or server.
 
-Generates a small multi-rank job (synthetic multimodal kernel streams with
-iterations and phases, one rank's compute kernels made slower), writes it as
-PyTorch-profiler traces, and replays it through the real pipeline (exporters →
-gRPC → processor → embedded bus + SQLite store + Perfetto traces). Prints what
-was summarised and where it went.
+Simulates a small hybrid-parallel job (TP=2, PP=2, DP=8: 32 ranks on 4 hosts)
+with one GPU throttled part-way through, streams its telemetry through the
+real path (collector exporters → gRPC → processor → embedded bus → analyzer,
+plus the SQLite store and Perfetto traces), prints the verdict, scores it
+against the simulator's ground truth, and says where everything was written.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import TextIO
 
-from trainscope.collector.sources.kineto_writer import write_kineto_trace
-from trainscope.collector.sources.synthetic import SyntheticSpec, synthesize
-from trainscope.deploy.replay import kernel_stats_json, run_replay, write_json
+from trainscope.analyzer.evaluate import evaluate, load_truth
+from trainscope.collector.sim import run_sim, sim_config
+from trainscope.deploy.embedded import EmbeddedAnalysis
 
-SLOW_RANK = 5
-
-
-def make_demo_job(directory: str, ranks: int = 8, iterations: int = 20, slow_rank: int = SLOW_RANK) -> str:
-    """Write ``rank-<N>.json.gz`` for ``ranks`` ranks plus ``topology.json`` (pure DP)."""
-    os.makedirs(directory, exist_ok=True)
-    keys, modes = 12, 3
-    for r in range(ranks):
-        spec = SyntheticSpec(
-            n_events=iterations * keys * modes, n_keys=keys, modes_per_key=modes, seed=1000, noise_seed=r,
-            start_ns=1_700_000_000_000_000_000 + r * 7_919_000,  # unrelated clocks per rank
-            slow_factor=1.5 if r == slow_rank else 1.0, slow_keys=(0, 1, 2),
-        )
-        t = synthesize(spec)
-        write_kineto_trace(os.path.join(directory, f"rank-{r}.json.gz"), rank=r, world_size=ranks,
-                           kernels=t.kernels, iterations=t.iterations, phases=t.phases)
-    with open(os.path.join(directory, "topology.json"), "w") as f:
-        json.dump({"world_size": ranks, "tp": 1, "pp": 1, "ep": 1, "cp": 1, "order": "tp-cp-ep-dp-pp"}, f)
-    return directory
+FAULT = "gpu_throttle:rank=13,onset=30s,factor=1.4"
 
 
-def run_demo(home: str, ranks: int = 8, out: TextIO | None = None) -> int:
+def run_demo(home: str, ranks: int = 32, out: TextIO | None = None, fault: str = FAULT) -> int:
+    from trainscope.deploy.cli import render_evaluation, render_verdicts
     from trainscope.processor.perfetto_sink import PerfettoConfig
 
     def say(s: str = "") -> None:
         if out is not None:
             print(s, file=out, flush=True)
 
-    job_dir = make_demo_job(os.path.join(home, "demo-job"), ranks=ranks)
     traces = os.path.join(home, "perfetto")
-    say(f"demo job: {ranks} ranks written to {job_dir} (rank {SLOW_RANK} has slower compute kernels)")
-    res = run_replay(job_dir, home=home, window_iterations=10, perfetto=PerfettoConfig(url=traces))
-    stats = kernel_stats_json(res.store_path, res.job_id)
-    stats_path = os.path.join(home, "kernel-stats.json")
-    write_json(stats, stats_path)
-    total = sum(res.kernel_events_sent.values())
-    rows = stats["kernel_stats"]
-    clusters = sum(len(s["clusters"]) for s in rows)
-    say(f"replayed {total:,} kernel events through gRPC → processor in {res.seconds:.2f} s")
-    say(f"summarised into {len(rows):,} (kernel, stream, rank, window) keys with {clusters:,} "
-        f"(count, p50, p99) clusters")
-    # The same key on every rank: the slow rank's p50 stands out.
-    key = rows[0]["kernel"], rows[0]["stream"], rows[0]["window"]["index"]
-    say(f"\n{key[0]!r} on stream {key[1]}, window {key[2]}: clusters per rank (p50 µs)")
-    for s in sorted((s for s in rows if (s["kernel"], s["stream"], s["window"]["index"]) == key),
-                    key=lambda s: s["rank"]):
-        p50s = ", ".join(f"{c['p50_ns'] / 1e3:.1f}×{c['count']}" for c in s["clusters"])
-        say(f"  rank {s['rank']:>3}: {p50s}")
-    m = res.processor
-    say(f"\nprocessor: {int(sum(v for k, v in m.items() if k.startswith('events_in'))):,} records in, "
-        f"{int(sum(v for k, v in m.items() if k.startswith('windows_closed'))):,} windows closed, "
-        f"{int(sum(v for k, v in m.items() if k.startswith('batches_rejected'))):,} batches rejected")
-    say(f"store: {res.store_path}\nkernel stats: {stats_path}\nperfetto traces: {traces}")
-    return 0
+    cfg = sim_config(ranks=ranks, tp=2, pp=2, iterations=40, faults=[fault], job_id="demo",
+                     home=home, window_iterations=10)
+    say(f"demo: simulating job 'demo' ({ranks} ranks, tp=2 pp=2, 40 iterations) with {fault}")
+    analysis: dict = {}
+
+    def on_start(proc, store_path):
+        analysis["run"] = EmbeddedAnalysis(proc, store_path)
+
+    def on_processor(proc):
+        analysis["verdicts"] = analysis["run"].finish()
+
+    res = run_sim(cfg, processor_options={"perfetto": PerfettoConfig(url=traces, max_pending_windows=1024)},
+                  on_start=on_start, on_processor=on_processor)
+    say(f"streamed {res.kernel_events:,} kernel events, {res.phase_events:,} phases, "
+        f"{res.iteration_events:,} iteration marks, {res.stack_snapshots:,} stack snapshots "
+        f"through gRPC → processor → analyzer in {res.wall_s:.1f} s"
+        + (f" ({res.dropped} dropped)" if res.dropped else ""))
+    verdicts = analysis.get("verdicts", [])
+    say(render_verdicts(verdicts))
+    say(render_evaluation(evaluate(verdicts, load_truth(res.ground_truth_path), cfg.window_iterations)))
+    say(f"\nstore (records, diagnoses, verdicts): {res.store_path}")
+    say(f"perfetto traces: {traces}")
+    say(f"ground truth: {res.ground_truth_path}")
+    say(f"next: trainscope query verdict --home {home}")
+    return 0 if not res.dropped else 1

@@ -12,12 +12,12 @@ import json
 import logging
 import os
 import tempfile
-import threading
 import time
 from typing import Any
 
 from trainscope.collector.exporter import BatchExporter, ExporterConfig
 from trainscope.collector.sources.replay import resource_for, scan_replay_dir
+from trainscope.deploy.embedded import EmbeddedAnalysis
 from trainscope.processor.daemon import Processor, ProcessorConfig
 from trainscope.processor.store import SqliteStore
 from trainscope.processor.windows import WindowConfig
@@ -114,39 +114,17 @@ def run_replay(
     drops: dict[int, int] = {}
     verdicts: list = []
     with Processor(cfg) as proc:
-        analyzer = stop = thread = None
-        if analyze:
-            # the analyzer runs continuously beside the processor, on the embedded bus
-            analyzer = embedded_analyzer(proc, store_path, analyzer_config)
-            stop = threading.Event()
-            thread = threading.Thread(target=analyzer.run, args=(stop,), daemon=True)
-            thread.start()
+        analysis = EmbeddedAnalysis(proc, store_path, analyzer_config) if analyze else None
         for rank in sorted(job.files):
             trace = job.load(rank)
             skipped[rank] = dict(trace.skipped)
             sent[rank], drops[rank] = feed_rank(trace, resource_for(trace, job), proc.address)
         proc.drain(300.0)
         metrics = proc.metrics.snapshot()
-        if analyzer is not None:
-            stop.set()
-            thread.join(30)
-            analyzer.finish()
-            verdicts = list(analyzer.verdicts)
-            for s in analyzer.sinks:
-                s.close()
+        if analysis is not None:
+            verdicts = analysis.finish()
     return ReplayResult(job.job_id, sorted(job.files), sent, skipped, drops, metrics,
                         store_path, time.perf_counter() - t0, verdicts)
-
-
-def embedded_analyzer(proc: Processor, store_path: str, config: Any = None):
-    """An analyzer reading ``proc``'s embedded bus, writing diagnoses to the local store."""
-    from trainscope.analyzer.service import Analyzer, AnalyzerConfig
-    from trainscope.analyzer.sinks import BusDiagnosisSink, StoreDiagnosisSink
-    from trainscope.analyzer.sources import BusSource
-    from trainscope.analyzer.store import DiagnosisStore
-
-    return Analyzer(config or AnalyzerConfig(), BusSource(proc.bus),
-                    [StoreDiagnosisSink(DiagnosisStore(store_path)), BusDiagnosisSink(proc.bus)])
 
 
 def kernel_stats_json(store_path: str, job_id: str | None = None) -> dict:

@@ -83,12 +83,15 @@ def run_sim(
     sinks: Sequence[SimSink] = (),
     processor_options: dict[str, Any] | None = None,
     on_processor: Callable | None = None,
+    on_start: Callable | None = None,
 ) -> SimResult:
     """Run ``config`` end to end (module docstring steps); returns what happened.
 
     ``processor_options`` (``kafka``, ``prometheus``, ``perfetto`` sink configs)
     go to the embedded processor; ``on_processor(proc)`` is called with it
-    after draining and before it stops (tests read its bus there).
+    after draining and before it stops (tests read its bus there);
+    ``on_start(proc, store_path)`` right after it starts (an embedded analyzer
+    attaches there).
     """
     t0 = time.perf_counter()
     sim = Simulation(config)  # step 1
@@ -98,6 +101,8 @@ def run_sim(
     if processor_address is None and embedded:  # step 2
         proc, store_path = _start_embedded(config, home, processor_options or {})
         processor_address = proc.address
+        if on_start is not None:
+            on_start(proc, store_path)
     out: list[SimSink] = list(sinks)
     exporter_sink = None
     if processor_address is not None:
@@ -152,7 +157,7 @@ def _start_embedded(config: SimConfig, home: str, options: dict):
     from trainscope.processor.daemon import Processor, ProcessorConfig
     from trainscope.processor.windows import WindowConfig
 
-    store_path = os.path.join(home, "sim-store.sqlite")
+    store_path = os.path.join(home, "store.sqlite")  # where `trainscope query` looks by default
     if os.path.exists(store_path):
         os.unlink(store_path)
     sock = os.path.join(tempfile.mkdtemp(prefix="ts-sim-"), "processor.sock")

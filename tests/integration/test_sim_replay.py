@@ -49,7 +49,7 @@ def test_traces_out_replays_with_matching_counts(tmp_path, capsys):
             generated[(r, k.names[nid], st)] += 1
 
     # what the sim's own embedded processor summarised ...
-    live = counts_from_stats(kernel_stats_json(str(home / "sim-store.sqlite"), "simreplay"))
+    live = counts_from_stats(kernel_stats_json(str(home / "store.sqlite"), "simreplay"))
     assert live == dict(generated)
     # ... and what `trainscope replay` of the written traces summarises
     stats_out = tmp_path / "replayed.json"

@@ -1,0 +1,78 @@
+"""Score verdicts against a simulator ground truth (``collector/sim/truth.py``).
+
+For each injected fault: was it caught, by which levels, was the top-ranked
+suspect of the first verdict that named a culprit one of the fault's ranks
+(top-1), did the verdicts name one of the fault's phases and kernels, and how
+many windows after onset the first correct verdict came. Healthy windows
+(before onset) that still named suspects count as false alarms.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from trainscope.proto.v1 import records_pb2
+
+
+@dataclasses.dataclass(slots=True)
+class FaultScore:
+    fault: str
+    ranks: list[int]
+    caught: bool
+    top1: bool
+    phase: bool
+    kernel: bool
+    levels: list[str]
+    first_window: int | None
+    onset_window: int | None
+    verdict: str
+
+
+@dataclasses.dataclass(slots=True)
+class Evaluation:
+    faults: list[FaultScore]
+    false_alarm_windows: int
+    healthy_windows: int
+
+
+def _window_of(iteration: int | None, per_window: int) -> int | None:
+    return None if iteration is None else iteration // per_window
+
+
+def evaluate(verdicts: list[records_pb2.Verdict], truth: dict, window_iterations: int) -> Evaluation:
+    """Steps: 1. order verdicts by window; 2. per fault, take verdicts at or
+    after its onset window; 3. the first with suspects decides top-1, the
+    union of all decides phase/kernel/levels; 4. verdicts with suspects in
+    windows before every onset are false alarms."""
+    vs = sorted(verdicts, key=lambda v: v.window.index)
+    onsets = [_window_of(f.get("onset_iteration"), window_iterations) for f in truth.get("faults", [])]
+    first_onset = min((o for o in onsets if o is not None), default=None)
+    healthy = [v for v in vs if first_onset is None or v.window.index < first_onset]
+    false_alarms = sum(1 for v in healthy if v.ranks)
+    scores = []
+    for f, onset in zip(truth.get("faults", []), onsets):
+        ranks = set(f.get("ranks", []))
+        phases = set(f.get("phases", []))
+        kernels = {k["name"] for k in f.get("kernels", [])}
+        after = [v for v in vs if onset is None or v.window.index >= onset]
+        named = [v for v in after if v.ranks or v.findings]
+        first = next((v for v in named if v.ranks), None)
+        caught_by = [v for v in named if any(r.rank in ranks for r in v.ranks)
+                     or any(fd.kind in ("stall", "jitter", "regression") for fd in v.findings)]
+        levels = sorted({fd.level for v in caught_by for fd in v.findings
+                         if fd.kind in ("stall", "jitter", "regression")
+                         or any(s.rank in ranks for s in fd.suspects)})
+        scores.append(FaultScore(
+            fault=f.get("spec", f.get("type", "?")), ranks=sorted(ranks), caught=bool(caught_by),
+            top1=first is not None and first.ranks[0].rank in ranks,
+            phase=any(p in phases for v in caught_by for p in v.phases),
+            kernel=any(k in kernels for v in caught_by for k in v.kernels),
+            levels=levels, first_window=caught_by[0].window.index if caught_by else None,
+            onset_window=onset, verdict=(first or (named[0] if named else None) or records_pb2.Verdict()).summary,
+        ))
+    return Evaluation(scores, false_alarms, len(healthy))
+
+
+def load_truth(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
