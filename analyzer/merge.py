@@ -2,9 +2,13 @@
 
 Steps:
 1. Every suspect of every finding votes for its rank with its finding's
-   level. A rank's merged score is the number of distinct levels that name it
-   (agreement across independent signals is the strongest evidence, ARGUS §6),
-   plus the sum of its normalised per-level scores as a tie-break.
+   level. The vote is *culprit* evidence when the rank is slower than its
+   peers in computation, or faster in communication (a late arriver's
+   collectives are its shortest, ARGUS §9.5); it is *victim* evidence when
+   the rank is slower in communication (it waited). Ranks are ordered by the
+   number of distinct levels with culprit evidence (agreement across
+   independent signals is the strongest evidence, ARGUS §6), then by all
+   levels, then by culprit minus victim score.
 2. Phases come from L2 findings, kernels from L3 findings. Those where the
    top suspect itself is slower than its peers come first; then those where
    it is *faster* (a late arriver's collectives are its shortest while its
@@ -15,9 +19,13 @@ Steps:
 from __future__ import annotations
 
 import collections
+import math
 import time
 
 from trainscope.analyzer.model import Finding
+from trainscope.analyzer.topology import RoutingConfig
+
+_ROUTING = RoutingConfig()
 from trainscope.proto.model import Resource
 from trainscope.proto.v1 import records_pb2
 
@@ -25,19 +33,32 @@ from trainscope.proto.v1 import records_pb2
 def merge(job_id: str, window: records_pb2.Window, findings: list[Finding],
           resources: dict[int, Resource] | None = None) -> records_pb2.Verdict:
     levels: dict[int, set[str]] = collections.defaultdict(set)
+    culprit_levels: dict[int, set[str]] = collections.defaultdict(set)
     score: dict[int, float] = collections.defaultdict(float)
+    balance: dict[int, float] = collections.defaultdict(float)
     where: dict[int, list[str]] = collections.defaultdict(list)
     named: list[tuple[Finding, object]] = []
     for f in findings:
         top = max((s.score for s in f.suspects), default=0.0) or 1.0
+        comm = _ROUTING.is_communication(f.scope.phase or f.scope.kernel) if (f.scope.phase or f.scope.kernel) else False
         for s in f.suspects:
             levels[s.rank].add(f.level)
             score[s.rank] += s.score / top
+            ratio = s.evidence.get("ratio", 1.0)
+            has_ratio = isinstance(ratio, (int, float)) and ratio > 0
+            slower = not has_ratio or ratio >= 1.0
+            # strength: how many-fold the rank differs from its peers (|ln ratio|)
+            weight = abs(math.log(ratio)) if has_ratio else s.score / top
+            if comm and slower:
+                balance[s.rank] -= weight
+            else:
+                culprit_levels[s.rank].add(f.level)
+                balance[s.rank] += weight
             label = f.scope.phase or f.scope.kernel or f.kind
             if label not in where[s.rank]:
                 where[s.rank].append(label)
             named.append((f, s))
-    ranked = sorted(levels, key=lambda r: (-len(levels[r]), -score[r], r))
+    ranked = sorted(levels, key=lambda r: (-len(culprit_levels[r]), -balance[r], -score[r], r))
     top = ranked[0] if ranked else None
     phases: dict[str, tuple] = {}
     kernels: dict[str, tuple] = {}
@@ -50,8 +71,9 @@ def merge(job_id: str, window: records_pb2.Window, findings: list[Finding],
             kernels[f.scope.kernel] = min(kernels.get(f.scope.kernel, key), key)
     v = records_pb2.Verdict(job_id=job_id, window=window, created_unix_ns=time.time_ns())
     for r in ranked:
-        s = v.ranks.add(rank=r, score=len(levels[r]) + score[r] / (1.0 + score[r]))
-        s.evidence.update({"levels": sorted(levels[r]), "where": where[r][:10]})
+        s = v.ranks.add(rank=r, score=len(culprit_levels[r]) + len(levels[r]) / 4 + balance[r] / (1.0 + abs(balance[r])) / 8)
+        s.evidence.update({"levels": sorted(levels[r]), "culprit_levels": sorted(culprit_levels[r]),
+                           "where": where[r][:10]})
     v.phases.extend(sorted(phases, key=lambda p: phases[p]))
     v.kernels.extend(sorted(kernels, key=lambda k: kernels[k]))
     v.findings.extend(f.to_pb() for f in findings)
