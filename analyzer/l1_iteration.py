@@ -32,8 +32,10 @@ both (ARGUS §6.1):
    (5) × the recent mean iteration time.
 5. Job level (``l1_findings``): the job's iteration time is, per iteration,
    the max over ranks (the job waits for its slowest rank, and the final
-   gradient sync aligns them, ARGUS §9.3). Suspects are named only when a
-   few ranks' own series carry the anomaly and the others do not.
+   gradient sync aligns them, ARGUS §9.3), built without a ranks × history
+   matrix. Suspects are named only when a few ranks' own series carry the
+   anomaly and the others do not, judged on ``suspect_context`` points
+   around it (so memory is ranks × ~2·context, whatever the history).
 """
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ class L1Config:
     exceed_factor: float = 1.1
     """Floor of e: a point significantly exceeds the baseline at ≥ e × baseline (phase 2, despiking)."""
     noise_sigmas: float = 5.0
-    """e = max(exceed_factor, exp(noise_sigmas · σ̂)): how many robust σ of log noise a point must clear."""
+    """e = max(exceed_factor, exp(noise_sigmas · σ̂)): robust σ of log noise a point must clear."""
     min_regression_ratio: float = 1.1
     """Smallest μR/μL that counts as a regression."""
     max_rel_std: float = 0.1
@@ -75,6 +77,8 @@ class L1Config:
     """A job stalls when no iteration has ended for this × the recent mean (EROICA §4.1)."""
     max_suspect_fraction: float = 0.25
     """Name suspects only when at most this fraction of ranks (at least one) carry the anomaly."""
+    suspect_context: int = 64
+    """Points either side of an anomaly read from each rank's own series to judge who carries it."""
 
     def __post_init__(self) -> None:
         check_number("l1.window", self.window, lambda v: v >= 2, "must be an integer >= 2", int)
@@ -86,6 +90,8 @@ class L1Config:
         check_number("l1.max_rel_std", self.max_rel_std, lambda v: v > 0, "must be > 0")
         check_number("l1.min_segment", self.min_segment, lambda v: v >= 2,
                      "must be an integer >= 2", int)
+        check_number("l1.suspect_context", self.suspect_context, lambda v: v >= 1,
+                     "must be an integer >= 1", int)
         check_number("l1.stall_factor", self.stall_factor, lambda v: v > 1, "must be > 1")
         check_number("l1.max_suspect_fraction", self.max_suspect_fraction, lambda v: 0 < v <= 1,
                      "must be in (0, 1]")
@@ -251,8 +257,8 @@ def detect_stall(now_ns: int, last_end_ns: int, recent_mean_ns: float, factor: f
 # ---------------------------------------------------------------- job level (step 5)
 
 
-def _matrix(series_by_rank) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """Ranks, union of iterations, (ranks × iterations) durations with NaN where missing."""
+def _clean(series_by_rank) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray]]]:
+    """Ranks and their (iterations, durations) sorted by iteration, without bad points."""
     ranks = sorted(series_by_rank)
     cols = []
     for r in ranks:
@@ -261,12 +267,46 @@ def _matrix(series_by_rank) -> tuple[list[int], np.ndarray, np.ndarray]:
         if it.shape != d.shape:
             raise ValueError(f"rank {r}: iterations and durations differ in length")
         ok = np.isfinite(d) & (d > 0)
-        cols.append((it[ok], d[ok]))
-    iters = np.unique(np.concatenate([c[0] for c in cols])) if cols else np.empty(0, np.int64)
-    m = np.full((len(ranks), iters.size), np.nan)
+        it, d = it[ok], d[ok]
+        if it.size > 1 and not np.all(it[1:] > it[:-1]):
+            o = np.argsort(it, kind="stable")
+            it, d = it[o], d[o]
+        cols.append((it, d))
+    return ranks, cols
+
+
+def _job_series(cols) -> tuple[np.ndarray, np.ndarray]:
+    """Union of iterations and, per iteration, the max over ranks (step 5), in O(points) memory."""
+    cols = [c for c in cols if c[0].size]
+    if not cols:
+        return np.empty(0, np.int64), np.empty(0)
+    lo, hi = min(int(c[0][0]) for c in cols), max(int(c[0][-1]) for c in cols)
+    if hi - lo + 1 <= 4 * max(c[0].size for c in cols) + 1024:     # dense range: a bitmap
+        job = np.full(hi - lo + 1, -np.inf)
+        for it, d in cols:
+            if np.any(it[1:] == it[:-1]):          # repeated marks: a rank's own max
+                np.maximum.at(job, it - lo, d)
+            else:
+                job[it - lo] = np.maximum(job[it - lo], d)
+        iters = np.flatnonzero(job > -np.inf)
+        return iters + lo, job[iters]
+    iters = np.unique(np.concatenate([c[0] for c in cols]))
+    job = np.full(iters.size, -np.inf)
+    for it, d in cols:
+        np.maximum.at(job, np.searchsorted(iters, it), d)
+    return iters, job
+
+
+def _columns(cols, want: np.ndarray) -> np.ndarray:
+    """(ranks × len(want)) durations at the iterations ``want`` (sorted), NaN where missing."""
+    m = np.full((len(cols), want.size), np.nan)
     for i, (it, d) in enumerate(cols):
-        m[i, np.searchsorted(iters, it)] = d
-    return ranks, iters, m
+        a, b = np.searchsorted(it, [want[0], want[-1] + 1])
+        it, d = it[a:b], d[a:b]
+        pos = np.searchsorted(want, it)
+        ok = want[np.minimum(pos, want.size - 1)] == it
+        m[i, pos[ok]] = d[ok]
+    return m
 
 
 @contextlib.contextmanager
@@ -308,10 +348,10 @@ def l1_findings(
     ``since_iteration`` is the window's first iteration for an iterations
     window, and None (report everything in the series) for a time window.
     """
-    ranks, iters, m = _matrix(series_by_rank)
+    ranks, cols = _clean(series_by_rank)
+    iters, job = _job_series(cols)
     if iters.size == 0:
         return []
-    job = np.nanmax(m, axis=0)
     res = classify(job, cfg)
     if res.state == "stable":
         return []
@@ -321,8 +361,8 @@ def l1_findings(
     since = -np.inf if since_iteration is None else since_iteration
     out = []
     it = iters.tolist()
+    n, ctx = iters.size, cfg.suspect_context
     split = res.regression.split if res.regression else None
-    cols = np.arange(iters.size)
     jits = [j for j in res.jitter if it[j.effective_end - 1] >= since]
     if jits:
         theta, exceed, sigma = thresholds(job, cfg)
@@ -334,13 +374,18 @@ def l1_findings(
                 "effective_last_iteration": it[j.effective_end - 1],
                 "effective_width": j.effective_width, "peak_ratio": j.peak_ratio,
             })
-            outside = (cols < j.start) | (cols >= j.end)
+            # each rank's own baseline: its points within ctx of the interval, outside it
+            # (on the anomaly's side of a change point)
+            lo, hi = max(0, j.start - ctx), min(n, j.end + ctx)
             if split is not None:
-                side = (cols < split) if j.effective_start < split else (cols >= split)
-                outside = outside & side if (outside & side).any() else outside
+                lo, hi = (lo, min(hi, split)) if j.effective_start < split else (max(lo, split), hi)
+            cols_at = np.arange(lo, hi)
+            outside = (cols_at < j.start) | (cols_at >= j.end)
+            m = _columns(cols, iters[cols_at])
+            eff = (cols_at >= j.effective_start) & (cols_at < j.effective_end)
             with _quiet():     # a rank with no point in a slice gives NaN, not a warning
                 base = np.nanmedian(m[:, outside] if outside.any() else m, axis=1)
-                own = np.nanmax(m[:, j.effective_start:j.effective_end], axis=1) / base
+                own = np.nanmax(m[:, eff], axis=1) / base
             for s in _carriers(ranks, own, exceed, cfg):
                 if s.rank not in best or s.score > best[s.rank].score:
                     best[s.rank] = s
@@ -348,23 +393,26 @@ def l1_findings(
         out.append(Finding(
             level="L1", kind="jitter", job_id=job_id, window=window, suspects=suspects,
             severity=max(j.peak_ratio for j in jits),
-            evidence={"state": res.state, "intervals": intervals, "series_points": int(iters.size),
+            evidence={"state": res.state, "intervals": intervals, "series_points": int(n),
                       "start_iteration": intervals[0]["effective_first_iteration"],
                       "end_iteration": intervals[-1]["effective_last_iteration"],
                       "baseline_ns": float(np.median(job)), "window_points": cfg.window,
                       "ratio_threshold": theta, "exceed_factor": exceed, "noise_sigma": sigma},
         ))
     reg = res.regression
-    if reg is not None and it[min(reg.split + cfg.min_segment - 1, iters.size - 1)] >= since:
+    if reg is not None and it[min(reg.split + cfg.min_segment - 1, n - 1)] >= since:
+        cols_at = np.arange(max(0, reg.split - ctx), min(n, reg.split + ctx))
+        m = _columns(cols, iters[cols_at])
+        after = cols_at >= reg.split
         with _quiet():
-            own = np.nanmean(m[:, reg.split:], axis=1) / np.nanmean(m[:, :reg.split], axis=1)
+            own = np.nanmean(m[:, after], axis=1) / np.nanmean(m[:, ~after], axis=1)
         out.append(Finding(
             level="L1", kind="regression", job_id=job_id, window=window,
             suspects=_carriers(ranks, own, cfg.min_regression_ratio, cfg), severity=reg.ratio,
             evidence={"state": res.state, "split_iteration": it[reg.split],
                       "last_iteration_before": it[reg.split - 1], "ratio": reg.ratio,
                       "mean_before_ns": reg.mean_before, "mean_after_ns": reg.mean_after,
-                      "points_before": reg.split, "points_after": int(iters.size - reg.split)},
+                      "points_before": reg.split, "points_after": int(n - reg.split)},
         ))
     return out
 

@@ -31,11 +31,12 @@ ARGUS Table 3):
    also hold tensor-parallel collectives and so grow when a peer is slow),
    each relative to its own group: ``cause`` is ``own_compute`` when one is
    ≥ 1 + ``min_excess``, else ``delayed_by_dependency`` (the delay reached
-   it through a pipeline or tensor-parallel peer). Other slow non-collective
-   phases are listed as ``other_phases_slower``. When no group of the phase has a late arriver, slow
-   communication outliers are reported as kind ``slow_communication`` (own
-   link, or waiting on a peer outside the comparison group); when one has,
-   long durations elsewhere are taken as waiting and not reported.
+   it through a pipeline or tensor-parallel peer). Other slow
+   non-collective phases are listed as ``other_phases_slower``. When no
+   group of the phase has a late arriver, slow communication outliers are
+   reported as kind ``slow_communication`` (own link, or waiting on a peer
+   outside the comparison group); when one has, long durations elsewhere
+   are taken as waiting and not reported.
 """
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ class L2Config:
             try:
                 re.compile(getattr(self, name))
             except (re.error, TypeError) as e:
-                raise ConfigError(f"l2.{name}", getattr(self, name), f"not a regular expression: {e}") from None
+                raise ConfigError(f"l2.{name}", getattr(self, name),
+                                  f"not a regular expression: {e}") from None
         if not isinstance(self.routing, RoutingConfig):
             raise ConfigError("l2.routing", self.routing, "must be a RoutingConfig")
 
@@ -190,15 +192,13 @@ def analyze_phases(jw: JobWindow, cfg: L2Config = L2Config()) -> list[Finding]:
         return []
     resources = resources_with(jw.resources, jw.phases)
     labels: dict[str, np.ndarray] = {}
-    groups_by_dim: dict[str, dict[int, list[int]]] = {}
     imbalance = re.compile(cfg.imbalance, re.IGNORECASE)
     pure = re.compile(cfg.pure_compute, re.IGNORECASE)
     phases = []
     for j, name in enumerate(names):
         dim = cfg.routing.route(name)
         if dim not in labels:
-            groups_by_dim[dim] = group_of(resources, dim)
-            g = rank_to_group(groups_by_dim[dim])
+            g = rank_to_group(group_of(resources, dim))
             labels[dim] = np.array([g.get(r, -1) for r in ranks], dtype=np.int64)
         ph = _phase(name, dim, cfg.routing.is_communication(name), m[:, j], labels[dim], cfg)
         if ph is not None:

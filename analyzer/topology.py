@@ -34,7 +34,7 @@ import re
 from typing import Mapping
 
 from trainscope.proto.errors import ConfigError
-from trainscope.proto.model import DEFAULT_ORDER, DIMS, Resource
+from trainscope.proto.model import DEFAULT_ORDER, DIMS, ParallelCoords, Resource
 
 #: Dimensions a phase or kernel may be compared along; "job" = every rank.
 GROUP_DIMS = (*DIMS, "job")
@@ -163,6 +163,28 @@ def group_of(resources: Mapping[int, Resource], dim: str) -> dict[int, list[int]
             scale *= radix[d]
         groups.setdefault(index, []).append(r)
     return dict(sorted(groups.items()))
+
+
+def group_index(coords: ParallelCoords, dim: str) -> int:
+    """Index of the ``dim`` group holding a rank with ``coords`` (step 2).
+
+    Equals ``group_of``'s numbering when every rank declares the same sizes;
+    0 for ``"job"``.
+    """
+    if dim not in GROUP_DIMS:
+        raise ConfigError("topology.dim", dim, f"must be one of {GROUP_DIMS}")
+    if dim == "job":
+        return 0
+    order = (coords.order or DEFAULT_ORDER).split("-")
+    if sorted(order) != sorted(DIMS):
+        order = DEFAULT_ORDER.split("-")
+    index, scale = 0, 1
+    for d in order:
+        if d != dim:
+            c = getattr(coords, d)
+            index += c * scale
+            scale *= max(getattr(coords, f"{d}_size"), c + 1, 1)
+    return index
 
 
 def rank_to_group(groups: Mapping[int, list[int]]) -> dict[int, int]:

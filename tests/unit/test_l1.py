@@ -116,7 +116,8 @@ def test_job_level_findings_have_no_suspects_when_all_ranks_carry_it():
     for r in d:
         d[r][90:] *= 1.3                          # synchronised slowdown: every rank sees it
         d[r][40] *= 2.5
-    win = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, first_iteration=100, last_iteration=219)
+    win = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, first_iteration=100,
+                             last_iteration=219)
     found = {f.kind: f for f in l1_findings("j", {r: (its, v) for r, v in d.items()}, win)}
     assert set(found) == {"jitter", "regression"}
     reg, jit = found["regression"], found["jitter"]
@@ -130,7 +131,7 @@ def test_job_level_findings_have_no_suspects_when_all_ranks_carry_it():
 
 def test_a_rank_that_carries_the_anomaly_alone_is_the_suspect():
     its, d = ranks_series(8, 120, seed=1)
-    d[5][60:63] *= 3.0                            # only rank 5 reports slow iterations (job = max over ranks)
+    d[5][60:63] *= 3.0                  # only rank 5 reports slow iterations (job = max over ranks)
     [f] = l1_findings("j", {r: (its, v) for r, v in d.items()}, records_pb2.Window())
     assert f.kind == "jitter" and [s.rank for s in f.suspects] == [5]
     assert f.suspects[0].evidence["own_ratio"] == pytest.approx(3.0, rel=0.1)
@@ -142,11 +143,23 @@ def test_only_new_anomalies_are_reported_for_an_iterations_window():
         d[r][30:] *= 1.3                          # change point at iteration 130: detectable from 139
         d[r][35] *= 3.0                           # spike at iteration 135
     s = {r: (its, v) for r, v in d.items()}
-    old = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, first_iteration=200, last_iteration=219)
+    it_win = records_pb2.WINDOW_KIND_ITERATIONS
+    old = records_pb2.Window(kind=it_win, first_iteration=200, last_iteration=219)
     assert l1_findings("j", s, old) == []         # both belong to earlier windows
-    new = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, first_iteration=130, last_iteration=149)
+    new = records_pb2.Window(kind=it_win, first_iteration=130, last_iteration=149)
     assert {f.kind for f in l1_findings("j", s, new)} == {"jitter", "regression"}
     assert {f.kind for f in l1_findings("j", s, old, since_iteration=0)} == {"jitter", "regression"}
+
+
+def test_job_series_is_the_max_over_ranks_without_a_dense_matrix():
+    from trainscope.analyzer.l1_iteration import _clean, _job_series
+    for step in (1, 10**6):                        # a dense iteration range (bitmap) and a sparse one
+        a = (np.array([3, 1, 2]) * step, np.array([30.0, 10.0, 20.0]))    # unsorted
+        b = (np.array([2, 3, 4, 4]) * step, np.array([25.0, 5.0, 7.0, 9.0]))  # a repeated mark
+        c = (np.array([1, 5]) * step, np.array([np.nan, -1.0]))              # bad points dropped
+        iters, job = _job_series(_clean({0: a, 1: b, 2: c})[1])
+        assert iters.tolist() == [step, 2 * step, 3 * step, 4 * step]
+        assert job.tolist() == [10.0, 25.0, 30.0, 9.0]
 
 
 def test_config_and_input_are_validated():

@@ -4,10 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainscope.analyzer.cdf import log_grid, mixture_cdfs, trapezoid_weights, w1
+from trainscope.analyzer.cdf import log_grid, mixture_cdfs, support, trapezoid_weights, w1
 from trainscope.analyzer.l3_kernels import (
-    KernelTable, L3Config, abs_dev_sums, analyze_kernels, flatten_kernels, kernel_findings,
-    mean_w1_to_peers, score_kernels,
+    KernelTable, L3Config, _cdf_block, _key_grids, abs_dev_sums, analyze_kernels, flatten_kernels,
+    kernel_findings, mean_w1_to_peers, score_kernels,
 )
 from trainscope.analyzer.model import JobWindow
 from trainscope.proto.errors import ConfigError
@@ -86,10 +86,8 @@ def test_scores_from_the_table_equal_brute_force_on_cdf_module():
     d = np.flatnonzero(t.dist_key == k)
     cl = np.concatenate([np.arange(t.cl_start[i], t.cl_start[i + 1]) for i in d])
     owner = np.repeat(np.arange(d.size), np.diff(t.cl_start)[d])
-    from trainscope.analyzer.cdf import support
     grid = log_grid(*support(t.cl_p50[cl], t.cl_p99[cl], cfg.support_z), cfg.grid_points)
     f = mixture_cdfs(t.cl_count[cl], t.cl_p50[cl], t.cl_p99[cl], owner, d.size, grid)
-    from trainscope.analyzer.l3_kernels import _cdf_block, _key_grids
     order = np.argsort(t.dist_key, kind="stable")
     key_first = np.flatnonzero(np.r_[True, np.diff(t.dist_key[order]) != 0])
     lgrid, wgrid, mu, sigma = _key_grids(t, order, key_first, cfg)
@@ -137,16 +135,18 @@ def test_a_kde_merge_of_the_same_distribution_is_not_flagged():
     ks.clusters.add(count=48, p50_ns=2.6e6, p99_ns=1.2e7, min_ns=lo, max_ns=hi)
     t = flatten_kernels(jw.kernels)
     loose = score_kernels(t, np.zeros(32, dtype=np.int64), L3Config(min_dominance=0.0, tail_factor=1e9))
-    assert [(o.key, t.dist_rank[o.dists].tolist()) for o in loose.outliers] == [(2, [4])]   # W1 alone flags it
+    # W1 alone would flag it
+    assert [(o.key, t.dist_rank[o.dists].tolist()) for o in loose.outliers] == [(2, [4])]
     assert analyze_kernels(jw) == []
 
 
 def test_a_late_arrivers_shorter_collective_is_flagged_as_faster():
-    def late(r, k, cl):    # peers wait for rank 11 inside the collective kernel: its kernel is the short one
+    def late(r, k, cl):    # peers wait for rank 11 inside the collective: its kernel is the short one
         return [(c, p50 * 0.6, p99 * 0.6) for c, p50, p99 in cl] if (r, k) == (11, 2) else cl
     [f] = analyze_kernels(job(16, edit=late))
     s = f.suspects[0].evidence
-    assert f.suspects[0].rank == 11 and s["direction"] == "faster" and s["mean_shift"] == pytest.approx(-0.4, abs=0.03)
+    assert f.suspects[0].rank == 11 and s["direction"] == "faster"
+    assert s["mean_shift"] == pytest.approx(-0.4, abs=0.03)
     assert s["corroborated_by"] == "mean"
 
 
@@ -203,7 +203,8 @@ def test_low_level_entry_point_and_empty_input():
 
 def test_config_is_validated():
     for field, bad in [("alpha", 0), ("grid_points", 4), ("min_ranks", 2), ("missing_min_present", 1.5),
-                       ("min_effect", -1.0), ("grid_points", 64.0), ("min_dominance", 2.0), ("tail_factor", 1.0)]:
+                       ("min_effect", -1.0), ("grid_points", 64.0), ("min_dominance", 2.0),
+                       ("tail_factor", 1.0)]:
         with pytest.raises(ConfigError) as e:
             L3Config(**{field: bad})
         assert e.value.setting == f"l3.{field}"

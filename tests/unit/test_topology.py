@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from trainscope.analyzer.topology import (
-    RoutingConfig, check_number, group_of, rank_to_group, resources_with,
+    RoutingConfig, check_number, group_index, group_of, rank_to_group, resources_with,
 )
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import ParallelCoords, Resource, coords_for_rank
@@ -26,6 +26,9 @@ def test_dp_groups_share_every_other_coordinate():
     assert group_of(res, "tp") == {g: [2 * g, 2 * g + 1] for g in range(8)}
     assert group_of(res, "pp")[0] == [0, 8]
     assert group_of(res, "job") == {0: list(range(16))}
+    for dim in ("dp", "tp", "pp", "ep", "cp", "job"):     # one rank's index = group_of's numbering
+        rg = rank_to_group(group_of(res, dim))
+        assert all(group_index(res[r].coords, dim) == rg[r] for r in res)
 
 
 def test_ep_groups_and_other_orders():
