@@ -46,7 +46,8 @@ def merge(job_id: str, window: records_pb2.Window, findings: list[Finding],
             score[s.rank] += s.score / top
             ratio = s.evidence.get("ratio", 1.0)
             has_ratio = isinstance(ratio, (int, float)) and ratio > 0
-            slower = not has_ratio or ratio >= 1.0
+            direction = s.evidence.get("direction")  # L3: from the exact mean, more reliable than p50
+            slower = direction == "slower" if direction else (not has_ratio or ratio >= 1.0)
             # strength: how many-fold the rank differs from its peers (|ln ratio|)
             weight = abs(math.log(ratio)) if has_ratio else s.score / top
             if comm and slower:
@@ -64,7 +65,9 @@ def merge(job_id: str, window: records_pb2.Window, findings: list[Finding],
     kernels: dict[str, tuple] = {}
     for f, s in named:
         ratio = s.evidence.get("ratio", 1.0)
-        key = (s.rank != top, not (isinstance(ratio, (int, float)) and ratio >= 1.0), -s.score)
+        direction = s.evidence.get("direction")
+        slower = direction == "slower" if direction else (isinstance(ratio, (int, float)) and ratio >= 1.0)
+        key = (s.rank != top, not slower, -s.score)
         if f.level == "L2" and f.scope.phase:
             phases[f.scope.phase] = min(phases.get(f.scope.phase, key), key)
         if f.level == "L3" and f.scope.kernel:

@@ -4,8 +4,9 @@ Steps, continuously (``step`` / ``run``):
 1. Poll the source (embedded bus, local store or Kafka) and file every record
    under (job, window) with its rank; remember each rank's iteration times
    (bounded history) and when iterations last arrived.
-2. A window is analysed once every rank of the job has reported it and
-   ``grace_s`` passed without more records for it, or once most ranks are
+2. A window is analysed once every rank of the job has reported it in every
+   signal the job sends (stacks excepted) and ``grace_s`` passed without more
+   records for it, or once most ranks are
    ``progress_windows`` windows further on, or ``window_timeout_s`` after its
    first record (then the ranks that never reported are evidence too).
 3. L2 (phases across ranks) and L3 (kernel distributions across ranks) run on
@@ -119,6 +120,7 @@ class _Job:
         self.stalled = False
         self.last_seen = 0.0
         self.ended: set[int] = set()   # ranks whose process shut down normally (Window.final)
+        self.signals: set[str] = set()  # signals this job sends (a window waits for all of them)
 
 
 class Analyzer:
@@ -143,6 +145,10 @@ class Analyzer:
         job.resources[res.rank] = res
         w = rec.window
         key = (w.kind, w.index)
+        if signal != "stacks":  # stacks come from an optional sidecar: never waited for
+            job.signals.add(signal)
+        if signal == "iterations":
+            self._note_iterations(job, rec, now)
         if w.index <= job.done_upto.get(w.kind, -1) and key not in job.open:
             self.metrics.counters["late_records"] += 1
             return
@@ -161,20 +167,23 @@ class Analyzer:
         job.latest[res.rank] = max(job.latest.get(res.rank, -1), w.index)
         if w.final:
             job.ended.add(res.rank)
-        if signal == "iterations":
-            hist = job.history[res.rank]
-            for m in rec.marks:
-                hist.append((m.iteration, m.end_ns - m.start_ns))
-            # the job made progress when a newer window's iterations arrive (any rank)
-            if w.index > job.newest_iteration_window:
-                job.newest_iteration_window = w.index
-                if job.last_iteration_at:
-                    job.iteration_gaps.append(now - job.last_iteration_at)
-                job.last_iteration_at = now
-                if job.stalled:
-                    job.stalled = False
-                    self.metrics.set_stalled(job.job_id, False)
         self.metrics.counters["records_in"] += 1
+
+    def _note_iterations(self, job: _Job, rec, now: float) -> None:
+        """Iteration history (L1) and progress (stall rule); late records count too."""
+        w = rec.window
+        hist = job.history[rec.resource.rank]
+        for m in rec.marks:
+            hist.append((m.iteration, m.end_ns - m.start_ns))
+        # the job made progress when a newer window's iterations arrive (any rank)
+        if rec.marks and w.index > job.newest_iteration_window:
+            job.newest_iteration_window = w.index
+            if job.last_iteration_at:
+                job.iteration_gaps.append(now - job.last_iteration_at)
+            job.last_iteration_at = now
+            if job.stalled:
+                job.stalled = False
+                self.metrics.set_stalled(job.job_id, False)
 
     def _job(self, job_id: str, now: float) -> _Job:
         job = self._jobs.get(job_id)
@@ -220,7 +229,9 @@ class Analyzer:
                 for job in list(self._jobs.values()) for key in sorted(job.open)]
 
     def _ready(self, job: _Job, o: _Open, now: float) -> str | None:
-        if job.world_size and len(o.jw.resources) >= job.world_size and now - o.last_seen >= self.config.grace_s:
+        jw = o.jw
+        if (job.world_size and now - o.last_seen >= self.config.grace_s
+                and all(len(getattr(jw, sig)) >= job.world_size for sig in job.signals)):
             return "complete"
         ahead = sum(1 for r, idx in job.latest.items() if idx >= o.jw.window.index + self.config.progress_windows)
         if job.world_size and ahead * 2 > job.world_size:
@@ -277,7 +288,14 @@ class Analyzer:
             state = next(iter(kinds & {"jitter", "regression"}))
         self.metrics.set_l1_state(job.job_id, state)
         new = []
+        w = jw.window
         for f in found:
+            # history may run ahead of this window (a backlog read at once):
+            # an anomaly that starts after it is reported with its own window
+            at = f.evidence.get("start_iteration", f.evidence.get("split_iteration"))
+            if (w.kind == records_pb2.WINDOW_KIND_ITERATIONS and w.last_iteration >= w.first_iteration
+                    and isinstance(at, (int, float)) and at > w.last_iteration):
+                continue
             mark = (f.kind, f.evidence.get("start_iteration"), f.evidence.get("split_iteration"),
                     tuple(s.rank for s in f.suspects))
             if mark not in job.reported_l1:
