@@ -46,6 +46,9 @@ def evaluate(verdicts: list[records_pb2.Verdict], truth: dict, window_iterations
     windows before every onset are false alarms."""
     vs = sorted(verdicts, key=lambda v: v.window.index)
     onsets = [_window_of(f.get("onset_iteration"), window_iterations) for f in truth.get("faults", [])]
+    if truth.get("hung") and vs:
+        # a hang at a window boundary shows in the last window there is (no later one exists)
+        onsets = [None if o is None else min(o, vs[-1].window.index) for o in onsets]
     first_onset = min((o for o in onsets if o is not None), default=None)
     healthy = [v for v in vs if first_onset is None or v.window.index < first_onset]
     false_alarms = sum(1 for v in healthy if v.ranks)

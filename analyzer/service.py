@@ -121,6 +121,8 @@ class _Job:
         self.last_seen = 0.0
         self.ended: set[int] = set()   # ranks whose process shut down normally (Window.final)
         self.signals: set[str] = set()  # signals this job sends (a window waits for all of them)
+        self.last_iter_end: dict[int, int] = {}   # rank -> end of its last iteration (rank clock)
+        self.watermark: dict[int, int] = {}       # rank -> latest end of anything it reported
 
 
 class Analyzer:
@@ -167,14 +169,19 @@ class Analyzer:
         job.latest[res.rank] = max(job.latest.get(res.rank, -1), w.index)
         if w.final:
             job.ended.add(res.rank)
+        if w.end_ns > job.watermark.get(res.rank, 0):
+            job.watermark[res.rank] = w.end_ns
         self.metrics.counters["records_in"] += 1
 
     def _note_iterations(self, job: _Job, rec, now: float) -> None:
         """Iteration history (L1) and progress (stall rule); late records count too."""
         w = rec.window
-        hist = job.history[rec.resource.rank]
+        rank = rec.resource.rank
+        hist = job.history[rank]
         for m in rec.marks:
             hist.append((m.iteration, m.end_ns - m.start_ns))
+            if m.end_ns > job.last_iter_end.get(rank, 0):
+                job.last_iter_end[rank] = m.end_ns
         # the job made progress when a newer window's iterations arrive (any rank)
         if rec.marks and w.index > job.newest_iteration_window:
             job.newest_iteration_window = w.index
@@ -259,6 +266,12 @@ class Analyzer:
         missing = self._missing_ranks(job, jw, reason)
         if missing is not None:
             findings.append(missing)
+        if "L1" in levels and not job.stalled:
+            hang = self._telemetry_stall(job, jw)
+            if hang is not None:
+                job.stalled = True
+                self.metrics.set_stalled(job.job_id, True)
+                findings.append(hang)
         verdict = merge(job.job_id, jw.window, findings, jw.resources)
         diagnoses = list(verdict.findings)
         for s in self.sinks:
@@ -317,6 +330,45 @@ class Analyzer:
                        suspects=tuple(SuspectRank(r, 1.0, {"reported_ranks": len(seen)}) for r in missing),
                        severity=len(missing) / max(len(known), 1),
                        evidence={"missing": missing, "reason": reason})
+
+    def _telemetry_stall(self, job: _Job, jw: JobWindow) -> Finding | None:
+        """EROICA §4.1's stall rule on each rank's own clock.
+
+        1. Per rank: how far its telemetry (aborted collectives, stacks) ran
+           past the end of its last complete iteration, in units of its median
+           iteration time; stalled past ``stall_factor``.
+        2. A job stall needs at least half of the ranks stalled (a hang stops
+           everyone: the peers wait in the collective the culprit never joins).
+        3. The culprit stopped producing activity first: ranks whose telemetry
+           ends at least one iteration earlier than the stalled ranks' median
+           are the suspects. Works on backlogs and simulated clocks alike,
+           where the arrival-time rule (``_check_stall``) cannot.
+        """
+        gaps, marks, iters = {}, {}, {}
+        for rank, end in job.last_iter_end.items():
+            hist = job.history.get(rank)
+            if not hist or rank in job.ended:
+                continue
+            med = float(np.median([d for _, d in hist]))
+            wm = job.watermark.get(rank, 0)
+            if med > 0:
+                gaps[rank], marks[rank], iters[rank] = (wm - end) / med, wm, med
+        if not gaps:
+            return None
+        stalled = [r for r, g in gaps.items() if g >= self.config.stall_factor]
+        if len(stalled) * 2 < len(gaps):
+            return None
+        ref = float(np.median([marks[r] for r in stalled]))
+        med_iter = float(np.median([iters[r] for r in stalled]))
+        early = sorted(((ref - marks[r]) / med_iter, r) for r in gaps if ref - marks[r] >= med_iter)
+        suspects = tuple(SuspectRank(r, float(sc), {"stopped_iterations_before_peers": round(sc, 2),
+                                                    "last_iteration_end_ns": job.last_iter_end[r]})
+                         for sc, r in sorted(early, reverse=True))
+        return Finding(level="L1", kind="stall", job_id=job.job_id, window=jw.window, scope=Scope(group="job"),
+                       suspects=suspects, severity=float(np.median([gaps[r] for r in stalled])),
+                       evidence={"stalled_ranks": len(stalled), "ranks": len(gaps),
+                                 "iterations_without_progress": round(float(np.median([gaps[r] for r in stalled])), 1),
+                                 "rule": "telemetry clock"})
 
     def _forget(self, job: _Job) -> None:
         self._jobs.pop(job.job_id, None)

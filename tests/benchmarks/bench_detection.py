@@ -35,8 +35,8 @@ SCENARIOS = {
     "gc_pause": ("rank={r}", ["prob=0.05,delay=0.5", "prob=0.1,delay=1"]),
     "dataloader_stall": ("rank={r}", ["delay=0.3", "delay=1"]),
     "cpu_contention": ("host=1", ["factor=3", "factor=10"]),
-    "moe_imbalance": ("group=ep:{r}", ["factor=1.5", "factor=2"]),
-    "hang": ("rank={r}", [""]),
+    "moe_imbalance": ("rank={r}", ["factor=1.5", "factor=2"]),
+    "hang": ("rank={r}", ["timeout=60", "timeout=60"]),
     "jit_stall": ("rank={r}", ["prob=0.05,delay=3", "prob=0.1,delay=5"]),
 }
 

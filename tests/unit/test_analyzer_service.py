@@ -196,3 +196,23 @@ def test_a_job_that_ended_normally_is_not_a_stall_and_is_forgotten(tmp_path):
     clock.t += 100
     a.step(0)
     assert "j" not in a._jobs
+
+
+def test_hang_is_a_stall_on_the_ranks_own_clocks_naming_who_stopped_first(tmp_path):
+    """A backlog read at once (no wall time passes): the telemetry-clock rule.
+    Every rank's last iteration ended at ~1 s; the peers' aborted collectives
+    ran on to ~60 s, the culprit's activity stopped at ~1.1 s."""
+    a, bus, clock, store = make(tmp_path)
+    for r in range(8):
+        publish(bus, r, 0, signals=("iterations",))
+        end = (1 * 10**9 + 200 * MS) if r == 6 else 60 * 10**9
+        kw = records_pb2.KernelWindow(resource=res(r), window=records_pb2.Window(
+            kind=records_pb2.WINDOW_KIND_ITERATIONS, index=0, first_iteration=0, last_iteration=9,
+            start_ns=0, end_ns=end))
+        kw.kernels.add(kernel="nccl_allreduce", stream=7, count=1).clusters.add(
+            count=1, p50_ns=1e6, p99_ns=1e6, min_ns=1e6, max_ns=1e6)
+        bus.publish(topic_for("kernels"), b"j", kw.SerializeToString())
+    (v,) = settle(a, clock)
+    stall = [f for f in v.findings if f.kind == "stall"]
+    assert stall and stall[0].level == "L1" and stall[0].suspects[0].rank == 6
+    assert v.ranks[0].rank == 6
