@@ -53,8 +53,53 @@ def run_one(ranks: int, fault: str | None, seed: int, iterations: int, home: str
     return cfg, res, verdicts
 
 
+def latency_at_scale(ranks: int = 1024, iterations: int = 60) -> None:
+    """Onset -> first diagnosis per level on a large job, in windows and simulated
+    seconds, plus the analyzer's wall time per window (replayed from the store)."""
+    from trainscope.analyzer.service import Analyzer, AnalyzerConfig
+    from trainscope.analyzer.sources import StoreSource
+
+    culprit = 137
+    spec = f"gpu_throttle:rank={culprit},onset=60s,factor=1.4"
+    with tempfile.TemporaryDirectory() as home:
+        cfg = sim_config(ranks=ranks, tp=8, pp=4, iterations=iterations, faults=[spec], job_id="big",
+                         home=home, window_iterations=10)
+        t0 = time.perf_counter()
+        box: dict = {}
+        res = run_sim(cfg, on_start=lambda p, s: box.setdefault("a", EmbeddedAnalysis(p, s)),
+                      on_processor=lambda p: box.setdefault("v", box["a"].finish()))
+        wall = time.perf_counter() - t0
+        truth = load_truth(res.ground_truth_path)
+        onset_it = truth["faults"][0]["onset_iteration"]
+        iters = truth["iterations"]
+        print(f"\n{ranks} ranks (tp=8 pp=4), {iterations} iterations, {res.kernel_events:,} kernel events, "
+              f"{spec}: whole run {wall:.0f} s wall")
+        for level in ("L1", "L2", "L3"):
+            hit = None
+            for v in sorted(box["v"], key=lambda v: v.window.index):
+                if any(f.level == level and (f.kind in ("jitter", "regression", "stall")
+                                             or any(s.rank == culprit for s in f.suspects)) for f in v.findings):
+                    hit = v
+                    break
+            if hit is None:
+                print(f"  {level}: no diagnosis")
+                continue
+            last_it = min(hit.window.last_iteration, iters["count"] - 1)
+            sim_lat = iters["end_s"][last_it] - iters["start_s"][onset_it]
+            print(f"  {level}: first diagnosis in window {hit.window.index} (onset window "
+                  f"{onset_it // cfg.window_iterations}); fault onset -> window close = {sim_lat:.0f} simulated s")
+        src = StoreSource(res.store_path)
+        a = Analyzer(AnalyzerConfig(), src, [])
+        t1 = time.perf_counter()
+        n = len(a.finish())
+        dt = time.perf_counter() - t1
+        print(f"  analyzer, re-reading the store: {n} windows of {ranks} ranks in {dt:.1f} s = "
+              f"{dt / max(n, 1):.2f} s per window (L1+L2+L3, records decoding included)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--big", action="store_true", help="also the 1,024-rank latency run")
     ap.add_argument("--ranks", type=int, nargs="+", default=[32])
     ap.add_argument("--magnitudes", type=int, nargs="+", default=[0, 1], help="indices into each ladder")
     ap.add_argument("--iterations", type=int, default=40)
@@ -101,6 +146,8 @@ def main(argv=None) -> int:
     print(f"healthy: {false_windows} of {healthy_windows} windows with a finding over {sim_seconds:.0f} "
           f"simulated s = {false_windows / hours if hours else 0:.1f} false alarms per healthy hour")
     print(f"total wall time {time.perf_counter() - t0:.0f} s")
+    if args.big:
+        latency_at_scale()
     return 0
 
 
