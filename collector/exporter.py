@@ -16,8 +16,12 @@ Design rule (ARCHITECTURE.md, torchtitan): never hurt the training job.
   old one broke. The processor drops re-sent duplicates by (pid, seq).
 * Reconnects use exponential backoff with full jitter; ``shutdown`` cuts the
   backoff short (after opentelemetry-python's OTLP exporter).
-* After ``fork()`` the child gets an empty queue and a fresh worker on first
-  use; the parent's channel is never touched from the child.
+* After ``fork()`` the child's exporter is off: it drops and counts
+  (``dropped["forked"]``) instead of touching gRPC, whose threads and
+  sockets did not survive the fork (a gRPC channel created in a forked child
+  can hang it). Forked children are data-loader workers and the like, which
+  the collector does not trace anyway (ARGUS Appendix A); the parent is
+  untouched.
 """
 from __future__ import annotations
 
@@ -162,11 +166,14 @@ class BatchExporter:
         self._seq = 0
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._forked = False
 
     def _after_fork_in_child(self) -> None:
-        # The child must not reuse the parent's channel, thread or data.
+        # The child must not reuse the parent's channel, thread or data, nor
+        # start gRPC anew in a process forked from a threaded gRPC parent.
         self.stats = ExporterStats()
         self._init_state()
+        self._forked = True
 
     # ------------------------------------------------------------------ API
     def submit(self, payload, nbytes: int, resource: Resource | None = None) -> bool:
@@ -185,6 +192,9 @@ class BatchExporter:
             with self._lock:
                 if self._closed:
                     self.stats.dropped["closed"] += 1
+                    return False
+                if self._forked:
+                    self.stats.dropped["forked"] += 1
                     return False
                 self.stats.submitted += 1
                 if nbytes > cfg.max_batch_bytes:

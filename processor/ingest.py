@@ -177,8 +177,9 @@ class IngestServicer:
             self.metrics.inc("batches_in", signal=d.signal)
             self.metrics.inc("events_in", d.records, signal=d.signal)
             self.metrics.inc("bytes_in", d.nbytes, signal=d.signal)
-            self.metrics.set("collector_dropped", d.dropped_total, job=d.resource.job_id,
-                             rank=str(d.resource.rank))
+            # a running total; re-sent batches carry older values, so keep the highest
+            self.metrics.set_max("collector_dropped", d.dropped_total, job=d.resource.job_id,
+                                 rank=str(d.resource.rank))
             if d.sent_unix_ns:
                 lag = (time.time_ns() - d.sent_unix_ns) / 1e9
                 if math.isfinite(lag):
