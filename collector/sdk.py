@@ -58,6 +58,9 @@ class CollectorConfig:
     """Phases buffered before they are handed to the exporter (also at every iteration)."""
     max_buffered: int = 65_536
     """Bound on phases/iterations buffered between hand-overs; beyond it they are counted drops."""
+    ship_interval_s: float = 0.0
+    """At an iteration mark, hand buffered phases and marks over only if this long passed since the
+    last hand-over (0: at every mark). Each hand-over is one gRPC message per signal."""
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -68,6 +71,8 @@ class CollectorConfig:
             raise ConfigError("collector.rank", self.rank, f"must be in [0, {self.world_size})")
         if self.phase_batch < 1 or self.max_buffered < self.phase_batch:
             raise ConfigError("collector.phase_batch", self.phase_batch, "must be >= 1 and <= max_buffered")
+        if not self.ship_interval_s >= 0:
+            raise ConfigError("collector.ship_interval_s", self.ship_interval_s, "must be >= 0")
 
     @classmethod
     def from_env(cls, environ=os.environ, **overrides) -> "CollectorConfig":
@@ -127,6 +132,7 @@ class Collector:
         self._marks: list[tuple] = []
         self._iteration = 0
         self._iter_start = time.time_ns()
+        self._last_ship = 0.0
         self.dropped = 0
         self._sources: list[KernelSource] = []
 
@@ -170,8 +176,11 @@ class Collector:
                     self.dropped += 1
             self._iteration = n + 1
             self._iter_start = end
-            self._ship_phases()
-            self._ship_marks()
+            now = time.monotonic()
+            if now - self._last_ship >= self.config.ship_interval_s:
+                self._last_ship = now
+                self._ship_phases()
+                self._ship_marks()
         except Exception:
             self.dropped += 1
 

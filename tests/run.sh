@@ -9,6 +9,13 @@ PY=${PYTHON:-python3}
 
 "$PY" -m pip install --disable-pip-version-check -q -e '.[test]'
 
+# PyTorch (CPU) for the real training-job tests of the collector; a test-only
+# dependency: the collector imports torch lazily and runs without it.
+if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
+  "$PY" -m pip install --disable-pip-version-check -q torch==2.13.0 \
+    || echo "WARNING: could not install torch; the PyTorch collector tests will be skipped" >&2
+fi
+
 # Prometheus + promtool (Debian) for the real-Prometheus integration tests and
 # `promtool test rules`. Installed when we can; the tests say loudly when not.
 if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then

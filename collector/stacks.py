@@ -1,0 +1,344 @@
+"""The per-host stack sidecar: py-spy samples of every rank process in fixed windows (ARGUS §4.1).
+
+    python -m trainscope.collector.stacks --run-dir DIR [--processor ADDR] [--window-s 10]
+
+py-spy reads a process's memory from outside, so the sampling cost stays out
+of the training process (and so does a py-spy crash). The sidecar:
+
+1. Finds the rank processes of this host in the run directory: each rank's
+   collector writes ``rank-<pid>.json`` holding its ``Resource`` (job, rank,
+   coordinates) when it starts and when its coordinates change
+   (``write_rank_file``). Files of dead processes are ignored and removed.
+2. Per rank, back-to-back windows of ``window_s`` seconds: two
+   ``py-spy record --format raw --nonblocking --threads`` runs over the same
+   window, one with ``--idle`` (every thread, every sample) and one without
+   (only threads that were running). Their difference per stack is the idle
+   count: py-spy's raw output has no idle marker of its own.
+3. Each window becomes one ``StackSnapshot``: folded stacks (``thread
+   name;outermost frame;...;innermost frame``) with counts, thread id and
+   idle flag, the ``max_stacks`` most frequent kept, the sample total exact.
+4. Snapshots go to the processor through the sidecar's own bounded exporter,
+   each batch with the rank's ``Resource`` (``pid`` is the sidecar's, so the
+   processor's per-process sequence check does not mix the two exporters; the
+   rank's pid is in ``attributes["sampled_pid"]``).
+5. The sidecar exits on SIGTERM/SIGINT, or after ``idle_exit_s`` without a
+   live rank once it has seen one.
+
+py-spy needs ptrace rights over the ranks (root, CAP_SYS_PTRACE, or
+``kernel.yama.ptrace_scope=0``); without them each window fails, is counted in
+``stats["errors"]`` and logged once.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Sequence
+
+from trainscope.proto.errors import ConfigError
+from trainscope.proto.model import ParallelCoords, Resource
+from trainscope.proto.v1 import telemetry_pb2
+
+log = logging.getLogger(__name__)
+
+_THREAD = re.compile(r"^thread \((0x[0-9a-fA-F]+|\d+)\)(?::\s*(.*))?$")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StackSamplerConfig:
+    window_s: float = 10.0
+    """Length of one sampling window per rank."""
+    rate_hz: int = 20
+    """py-spy samples per second."""
+    max_stacks: int = 200
+    """Folded stacks kept per window (most frequent first); the sample total stays exact."""
+    py_spy: str = "py-spy"
+    """The py-spy executable (a name on PATH or a path)."""
+    idle_exit_s: float = 30.0
+    """Exit after this long without a live rank, once one was seen."""
+    poll_s: float = 0.2
+    """How often the sidecar checks for finished windows and new ranks."""
+
+    def __post_init__(self) -> None:
+        for name in ("window_s", "idle_exit_s", "poll_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"stacks.{name}", getattr(self, name), "must be > 0")
+        if type(self.rate_hz) is not int or not 1 <= self.rate_hz <= 1000:
+            raise ConfigError("stacks.rate_hz", self.rate_hz, "must be an integer in [1, 1000]")
+        if type(self.max_stacks) is not int or self.max_stacks < 1:
+            raise ConfigError("stacks.max_stacks", self.max_stacks, "must be an integer >= 1")
+
+
+# ------------------------------------------------------------ rank registry
+def write_rank_file(run_dir: str, resource: Resource) -> str:
+    """Announce a rank process to the host's sidecar (atomic replace)."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, f"rank-{resource.pid}.json")
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(dataclasses.asdict(resource), f)
+    os.replace(tmp, path)
+    return path
+
+
+def read_rank_files(run_dir: str) -> dict[int, Resource]:
+    """Live rank processes announced in ``run_dir``, by pid; stale files are removed."""
+    out: dict[int, Resource] = {}
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return out
+    for name in names:
+        if not (name.startswith("rank-") and name.endswith(".json")):
+            continue
+        path = os.path.join(run_dir, name)
+        try:
+            with open(path) as f:
+                d = json.load(f)
+            res = Resource(**{**d, "coords": ParallelCoords(**d["coords"])})
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+        if _alive(res.pid):
+            out[res.pid] = res
+        else:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is not a rank any more
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+# ------------------------------------------------------------------ parsing
+def parse_raw(text: str) -> collections.Counter:
+    """py-spy ``--format raw --threads`` output -> Counter{(thread_id, folded stack): count}.
+
+    A line is ``thread (TID): NAME;frame;...;frame COUNT`` (outermost frame
+    first). The folded stack keeps the thread name as its root.
+    """
+    out: collections.Counter = collections.Counter()
+    for line in text.splitlines():
+        line = line.strip()
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        head, _, frames = stack.partition(";")
+        m = _THREAD.match(head)
+        if m:
+            tid = int(m.group(1), 0)
+            name = m.group(2) or f"thread-{tid}"
+            stack = f"{name};{frames}" if frames else name
+        else:
+            tid = 0
+        out[(tid, stack)] += int(count)
+    return out
+
+
+def snapshot(all_samples: collections.Counter, active: collections.Counter, start_ns: int, end_ns: int,
+             max_stacks: int) -> telemetry_pb2.StackSnapshot:
+    """Merge the ``--idle`` and the active-only run of one window into a snapshot."""
+    rows = []
+    for key, n in all_samples.items():
+        a = min(active.get(key, 0), n)
+        if a:
+            rows.append((a, key, False))
+        if n - a:
+            rows.append((n - a, key, True))
+    for key, a in active.items():  # sampled as active but missed by the --idle run
+        if key not in all_samples:
+            rows.append((a, key, False))
+    rows.sort(key=lambda r: -r[0])
+    snap = telemetry_pb2.StackSnapshot(window_start_ns=start_ns, window_end_ns=end_ns,
+                                       samples=sum(r[0] for r in rows))
+    for n, (tid, stack), idle in rows[:max_stacks]:
+        snap.stacks.append(telemetry_pb2.FoldedStack(stack=stack, count=n, thread_id=tid & 0xFFFFFFFF,
+                                                     idle=idle))
+    return snap
+
+
+# ------------------------------------------------------------------ sidecar
+@dataclasses.dataclass
+class _Window:
+    pid: int
+    start_ns: int
+    procs: list  # [(Popen, output path)] for the --idle and the active-only run
+
+
+class StackSidecar:
+    """Samples every rank announced in ``run_dir`` and exports StackBatch per window.
+
+    ``submit(batch, nbytes, resource)`` is the exporter's ``submit``; tests may
+    pass a list's ``append``-like callable instead of a real exporter.
+    """
+
+    def __init__(self, run_dir: str, submit, config: StackSamplerConfig = StackSamplerConfig()) -> None:
+        self.run_dir = run_dir
+        self.config = config
+        self._submit = submit
+        self._stop = threading.Event()
+        self._windows: dict[int, _Window] = {}
+        self._ranks: dict[int, Resource] = {}
+        self._tmp = tempfile.mkdtemp(prefix="trainscope-stacks-")
+        self.stats: collections.Counter[str] = collections.Counter()
+        """windows, samples, errors, submitted, dropped."""
+        self._warned = False
+        self._closing = False
+        self.py_spy = shutil.which(config.py_spy) or (config.py_spy if os.path.exists(config.py_spy) else None)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> int:
+        """Loop until stopped or idle; returns 0, or 2 when py-spy is missing."""
+        if self.py_spy is None:
+            log.error("trainscope stacks: py-spy not found (%s); no stacks will be sampled", self.config.py_spy)
+            return 2
+        seen_at, start = None, time.monotonic()
+        try:
+            while not self._stop.is_set():
+                self._ranks = read_rank_files(self.run_dir)
+                now = time.monotonic()
+                if self._ranks:
+                    seen_at = now
+                elif now - (seen_at if seen_at is not None else start) > self.config.idle_exit_s:
+                    break
+                self.tick()
+                self._stop.wait(self.config.poll_s)
+        finally:
+            self._close_windows()
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        return 0
+
+    def tick(self) -> None:
+        """Collect finished windows and start new ones for ranks without one."""
+        for pid, w in list(self._windows.items()):
+            if all(p.poll() is not None for p, _ in w.procs):
+                del self._windows[pid]
+                self._finish(w)
+        for pid in self._ranks:
+            if pid not in self._windows:
+                self._windows[pid] = self._begin(pid)
+
+    def _begin(self, pid: int) -> _Window:
+        cfg = self.config
+        procs = []
+        for tag, extra in (("all", ["--idle"]), ("active", [])):
+            out = os.path.join(self._tmp, f"{pid}-{tag}.txt")
+            cmd = [self.py_spy, "record", "--pid", str(pid), "--duration", str(max(1, round(cfg.window_s))),
+                   "--rate", str(cfg.rate_hz), "--format", "raw", "--threads", "--nonblocking",
+                   "--output", out, *extra]
+            procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                           start_new_session=True), out))
+        return _Window(pid, time.time_ns(), procs)
+
+    def _finish(self, w: _Window) -> None:
+        end_ns = time.time_ns()
+        texts = []
+        for p, out in w.procs:
+            err = p.stderr.read().decode(errors="replace") if p.stderr else ""
+            if p.stderr:
+                p.stderr.close()
+            try:
+                with open(out) as f:
+                    texts.append(f.read())
+                os.unlink(out)
+            except OSError:
+                texts.append(None)
+            if p.returncode != 0 and not self._closing:
+                self.stats["errors"] += 1
+                if not self._warned:
+                    self._warned = True
+                    log.warning("trainscope stacks: py-spy failed on pid %d (rc %s): %s",
+                                w.pid, p.returncode, err.strip()[-300:])
+        res = self._ranks.get(w.pid)
+        if res is None or texts[0] is None:
+            return
+        snap = snapshot(parse_raw(texts[0]), parse_raw(texts[1] or ""), w.start_ns, end_ns,
+                        self.config.max_stacks)
+        if not snap.samples:
+            return
+        self.stats["windows"] += 1
+        self.stats["samples"] += snap.samples
+        res = dataclasses.replace(res, pid=os.getpid(),
+                                  attributes={**res.attributes, "sampled_pid": str(w.pid),
+                                              "source": "py-spy"})
+        batch = telemetry_pb2.StackBatch(snapshots=[snap])
+        ok = self._submit(batch, batch.ByteSize(), res)
+        self.stats["submitted" if ok is not False else "dropped"] += 1
+
+    def _close_windows(self) -> None:
+        """Stop the open windows early (py-spy writes what it has on SIGINT) and export them."""
+        for w in self._windows.values():
+            for p, _ in w.procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGINT)
+        self._closing = True  # py-spy's exit status means nothing after SIGINT
+        for w in list(self._windows.values()):
+            for p, _ in w.procs:
+                try:
+                    p.wait(timeout=3)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            self._finish(w)
+        self._windows.clear()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m trainscope.collector.stacks``: run the sidecar for one run directory."""
+    from trainscope.collector.exporter import BatchExporter, ExporterConfig
+    from trainscope.deploy import env
+
+    ap = argparse.ArgumentParser(prog="trainscope-stacks", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run-dir", required=True, help="directory where ranks announce themselves")
+    d = StackSamplerConfig()
+    ap.add_argument("--processor", default=os.environ.get(env.PROCESSOR) or ExporterConfig().target)
+    ap.add_argument("--window-s", type=float, default=d.window_s)
+    ap.add_argument("--rate", type=int, default=d.rate_hz)
+    ap.add_argument("--idle-exit-s", type=float, default=d.idle_exit_s)
+    ap.add_argument("--py-spy", default=d.py_spy)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = StackSamplerConfig(window_s=args.window_s, rate_hz=args.rate, idle_exit_s=args.idle_exit_s,
+                                 py_spy=args.py_spy)
+        exporter = BatchExporter(Resource(job_id="stacks-sidecar", rank=0, world_size=1, pid=os.getpid()),
+                                 ExporterConfig(target=args.processor, shutdown_timeout_s=3.0))
+    except ConfigError as e:
+        print(f"trainscope-stacks: {e}", file=sys.stderr)
+        return 2
+    car = StackSidecar(args.run_dir, exporter.submit, cfg)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: car.stop())
+    rc = car.run()
+    from trainscope.collector.launch import reachable
+    exporter.shutdown(3.0 if reachable(args.processor) else 0.2)  # nobody to flush to: do not linger
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

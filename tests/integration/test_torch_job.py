@@ -1,0 +1,245 @@
+"""A real 4-rank PyTorch job (CPU, gloo, 127.0.0.1) under ``trainscope run``, through a real processor.
+
+Each fixture runs ``tests/support/train_small.py`` with torchrun once per
+module: without trainscope (the reference result), under ``trainscope run``
+with a live processor and one rank's data loading slowed on purpose (a sleep
+changes no numerics, so the result must still equal the reference), and with
+the processor killed mid-run. Nothing in the training script knows trainscope.
+Three 4-rank jobs in all, to stay near a minute on a 2-core machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from support.pipeline import bus_records, start_processor
+from trainscope.processor.windows import WindowConfig
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.integration
+
+TRAIN = Path(__file__).resolve().parents[1] / "support" / "train_small.py"
+#: torch 2.13's gloo sometimes aborts a rank at exit (std::terminate, no Python frame; seen in
+#: about 1 of 15 plain torchrun runs of train_small.py on a loaded 2-core host, without
+#: trainscope too). A job that died of exactly that is run once more.
+TORCH_EXIT_ABORT = "terminate called without an active exception"
+WORLD, STEPS = 4, 30
+SLOW_RANK, SLOW_S = 2, 0.03
+CPU_OPS = "TRAINSCOPE_CPU_OPS=period_s=0.5,window_s=0.05,first_after_s=0"
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+            str(TRAIN), *args]
+
+
+def clean_env() -> dict:
+    return {k: v for k, v in os.environ.items() if not k.startswith("TRAINSCOPE_") and k != "PYTHONPATH"}
+
+
+def retry_torch_abort(run):
+    """``run()`` -> CompletedProcess; once more if a rank died of torch's exit-time abort."""
+    p = run()
+    if p.returncode != 0 and TORCH_EXIT_ABORT in (p.stdout or "") + (p.stderr or ""):
+        p = run()
+    return p
+
+
+def trainscope_run(processor: str, run_dir: Path, *job_args: str, popen: bool = False):
+    cmd = [sys.executable, "-m", "trainscope.deploy.cli", "run", "--processor", processor, "--no-processor",
+           "--stacks-window-s", "1", "--run-dir", str(run_dir), "--job-id", "torchjob", "--set", CPU_OPS,
+           "--", *torchrun(*job_args)]
+    if popen:
+        return subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=180)
+
+
+def rank_stats(run_dir: Path) -> dict[int, dict]:
+    out = {}
+    for f in run_dir.glob("stats-*.json"):
+        s = json.loads(f.read_text())
+        out[s["resource"]["rank"]] = s
+    return out
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("baseline") / "result.json"
+    p = retry_torch_abort(lambda: subprocess.run(torchrun("--steps", str(STEPS), "--out", str(out)),
+                                                 env=clean_env(), capture_output=True, text=True, timeout=180))
+    assert p.returncode == 0, p.stdout + p.stderr
+    return json.loads(out.read_text())
+
+
+def collect(tmp: Path, *job_args: str, attempts: int = 2) -> dict:
+    tmp.mkdir(exist_ok=True)
+    proc = start_processor(window=WindowConfig(length_s=5, lateness_s=1))
+    try:
+        t0 = time.monotonic()
+        p = trainscope_run(proc.address, tmp / "run", "--steps", str(STEPS), "--out", str(tmp / "r.json"),
+                           *job_args)
+        seconds = time.monotonic() - t0
+        retry = p.returncode != 0 and TORCH_EXIT_ABORT in p.stdout + p.stderr and attempts > 1
+        if not retry:
+            assert p.returncode == 0, p.stdout + p.stderr
+            assert proc.drain(30)
+            records = {s: bus_records(proc, s) for s in ("iterations", "phases", "stacks", "kernels")}
+    finally:
+        proc.stop()
+    if retry:  # a fresh processor and directory: the retry's records stand alone
+        return collect(tmp / "retry", *job_args, attempts=attempts - 1)
+    return {"records": records, "result": json.loads((tmp / "r.json").read_text()),
+            "stats": rank_stats(tmp / "run"), "output": p.stdout + p.stderr, "seconds": seconds}
+
+
+@pytest.fixture(scope="module")
+def collected(tmp_path_factory) -> dict:
+    return collect(tmp_path_factory.mktemp("collected"), "--slow-rank", str(SLOW_RANK), "--slow-s", str(SLOW_S))
+
+
+def test_every_rank_reports_every_signal_with_its_identity(collected):
+    recs = collected["records"]
+    for signal_name, windows in recs.items():
+        assert {w.resource.rank for w in windows} == set(range(WORLD)), signal_name
+        for w in windows:
+            r = w.resource
+            assert (r.job_id, r.world_size) == ("torchjob", WORLD)
+            # pure data parallel: dp coordinate = rank, every other dimension of size 1
+            assert (r.coords.dp, r.coords.dp_size, r.coords.tp_size, r.coords.pp_size) == (r.rank, WORLD, 1, 1)
+    # iterations: EROICA detection found every optimizer step, numbered 0..STEPS-1 on each rank
+    for rank in range(WORLD):
+        marks = sorted(m.iteration for w in recs["iterations"] if w.resource.rank == rank for m in w.marks)
+        assert marks == list(range(STEPS)), rank
+    # phases from the automatic hooks, including the collective named by its group's role
+    names = {(w.resource.rank, p.phase) for w in recs["phases"] for p in w.phases}
+    for rank in range(WORLD):
+        for phase in ("dataloader", "forward", "backward", "optimizer", "dp-allreduce"):
+            assert (rank, phase) in names
+    # CPU-fallback kernels: leaf ATen operators
+    for rank in range(WORLD):
+        kernels = {k.kernel for w in recs["kernels"] if w.resource.rank == rank for k in w.kernels}
+        assert any(k.startswith("aten::") for k in kernels), kernels
+    # stacks from the sidecar: the training script's frames, active and idle samples
+    for rank in range(WORLD):
+        stacks = [s for w in recs["stacks"] if w.resource.rank == rank for s in w.stacks]
+        assert stacks and any("train_small.py" in s.stack for s in stacks)
+    assert any(s.idle for w in recs["stacks"] for s in w.stacks)  # e.g. gloo / exporter threads
+
+
+def test_training_result_is_identical_with_and_without_the_collector(baseline, collected):
+    assert collected["result"]["hash"] == baseline["hash"]
+    assert collected["result"]["loss"] == baseline["loss"]
+    assert collected["result"]["steps"] == STEPS
+
+
+def test_each_rank_reports_its_counters_without_drops(collected):
+    stats = collected["stats"]
+    assert set(stats) == set(range(WORLD)), collected["output"]
+    for s in stats.values():
+        assert s["collector"]["dropped_total"] == 0
+        assert s["hooks"]["errors"] == 0 and s["hooks"]["pattern"] == "DO"
+        assert s["kernel_source"]["name"] == "cpu-ops" and s["kernel_source"]["kept"] > 0
+    assert "rank 3:" in collected["output"]
+
+
+def test_the_slowed_ranks_dataloader_phase_is_the_longest(collected):
+    slow = SLOW_RANK
+    by_rank: dict[int, list[float]] = {}
+    for w in collected["records"]["phases"]:
+        for p in w.phases:
+            if p.phase == "dataloader":
+                by_rank.setdefault(w.resource.rank, []).append(p.total_ns / max(p.count, 1))
+    mean = {r: sum(v) / len(v) for r, v in by_rank.items()}
+    assert max(mean, key=mean.get) == slow, mean
+    assert mean[slow] >= 0.9 * SLOW_S * 1e9
+    assert all(mean[r] < 0.5 * mean[slow] for r in mean if r != slow)
+
+
+def test_killing_the_processor_does_not_break_or_slow_training(tmp_path):
+    try:
+        _kill_processor_mid_run(tmp_path / "a")
+    except _TorchAbort:
+        _kill_processor_mid_run(tmp_path / "b")
+
+
+class _TorchAbort(Exception):
+    pass
+
+
+def _kill_processor_mid_run(tmp_path: Path) -> None:
+    tmp_path.mkdir()
+    port = _free_port()
+    addr = f"127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "trainscope.deploy.cli", "processor", "--listen", addr,
+                             "--home", str(tmp_path / "home")], env=clean_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        from trainscope.collector.launch import reachable
+        deadline = time.monotonic() + 30
+        while not reachable(addr):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        times, progress = tmp_path / "times", tmp_path / "progress"
+        job = trainscope_run(addr, tmp_path / "run", "--steps", str(2 * STEPS), "--out", str(tmp_path / "r.json"),
+                             "--times", str(times), "--progress", str(progress), popen=True)
+        deadline = time.monotonic() + 120
+        while _steps_done(progress) < STEPS:  # collected for a while: the processor has data to lose
+            if job.poll() is not None or time.monotonic() > deadline:
+                job.kill()
+                out = job.communicate()[0]
+                if TORCH_EXIT_ABORT in out:
+                    raise _TorchAbort()
+                pytest.fail(f"the job ended early (rc {job.returncode}):\n{out[-4000:]}")
+            time.sleep(0.02)
+        killed_at = time.perf_counter()
+        proc.send_signal(signal.SIGKILL)
+        out, _ = job.communicate(timeout=180)
+        if job.returncode != 0 and TORCH_EXIT_ABORT in out:
+            raise _TorchAbort()
+        assert job.returncode == 0, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["steps"] == 2 * STEPS
+    for rank in range(WORLD):
+        t = json.loads(Path(f"{times}.{rank}").read_text())
+        assert len(t) == 2 * STEPS
+        before = [b - a for a, b in zip(t, t[1:]) if b < killed_at]
+        after = [b - a for a, b in zip(t, t[1:]) if a > killed_at + 0.5]
+        if len(before) >= 5 and len(after) >= 5:
+            assert _median(after) < 3 * _median(before) + 0.01, (rank, _median(before), _median(after))
+    stats = rank_stats(tmp_path / "run")
+    assert set(stats) == set(range(WORLD)), out
+    for s in stats.values():
+        c = s["collector"]
+        assert c["dropped_total"] > 0, c  # what the dead processor never received is counted
+        assert c["confirmed"] + c["dropped_total"] >= c["submitted"], c
+    assert "dropped" in out
+
+
+def _steps_done(progress: Path) -> int:
+    try:
+        return len(progress.read_text().split())
+    except OSError:
+        return 0
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
