@@ -221,6 +221,11 @@ class BatchExporter:
             self.stats.dropped["internal_error"] += 1
             return False
 
+    def set_resource(self, resource: Resource) -> None:
+        """Replace the exporter's identity (e.g. once torch.distributed knows the
+        rank's groups); batches serialised from now on carry it."""
+        self._resource_pb = resource.to_pb()
+
     def submit_final(self, resource: Resource | None = None) -> bool:
         """Queue the end-of-process marker (``TelemetryBatch.final``) for ``resource``.
 

@@ -54,16 +54,9 @@ from trainscope.proto.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# Environment variables of enablement (the shared ones are in deploy/env.py).
-RUN_DIR = "TRAINSCOPE_RUN_DIR"            # where ranks announce themselves and leave their counters
-STACKS = "TRAINSCOPE_STACKS"              # "0" off, "1" local rank 0 starts the sidecar, "external"
-STACKS_WINDOW_S = "TRAINSCOPE_STACKS_WINDOW_S"
-CPU_OPS = "TRAINSCOPE_CPU_OPS"            # "0" off, or "period_s=30,window_s=0.05,first_after_s=5"
-CUPTI = "TRAINSCOPE_CUPTI"                # "0" never try CUPTI
-HOOKS = "TRAINSCOPE_HOOKS"                # "0" off, or a subset "dataloader,optimizer,module,collectives"
-SHUTDOWN_TIMEOUT_S = "TRAINSCOPE_SHUTDOWN_TIMEOUT_S"
-SHIP_INTERVAL_S = "TRAINSCOPE_SHIP_INTERVAL_S"  # phases/iterations handed to the exporter at most this often
-NCCL_TIMING = "TORCH_NCCL_ENABLE_TIMING"  # read by PyTorch: NCCL work times itself on its stream
+# Environment variables of enablement: named once, in deploy/env.py.
+from trainscope.deploy.env import (  # noqa: E402
+    CPU_OPS, CUPTI, HOOKS, NCCL_TIMING, RUN_DIR, SHIP_INTERVAL_S, SHUTDOWN_TIMEOUT_S, STACKS, STACKS_WINDOW_S)
 _OFF = ("0", "false", "no", "off")
 
 

@@ -483,8 +483,8 @@ class TorchHooks:
         self.collector.resource = new
         self._role_cache.clear()
         exp = getattr(self.collector, "exporter", None)
-        if exp is not None and hasattr(exp, "_resource_pb"):
-            exp._resource_pb = new.to_pb()
+        if exp is not None and hasattr(exp, "set_resource"):
+            exp.set_resource(new)
         if self._on_resource is not None:
             self._guard(self._on_resource, new)
         return new

@@ -182,8 +182,10 @@ class Windower:
         if st is None:
             st = self._ranks[key] = _RankState(resource)
             self.metrics.set("ranks", len(self._ranks))
-        elif st.resource != resource:
-            st.resource = resource  # a restarted process of the same rank
+        elif progress and st.resource != resource:
+            # a restarted process of the same rank (not the py-spy sidecar, which
+            # sends the rank's stacks under its own pid)
+            st.resource = resource
         if progress:
             st.last_seen = self._clock()
         return st

@@ -176,3 +176,13 @@ def test_stacks_per_window_are_bounded():
     w.add_stacks(RES, [stack(i, i + 1) for i in range(5)])
     w.flush()
     assert len(closed[0].stacks) == 3 and m.get("drops", where="stacks") == 2
+
+
+def test_stacks_from_the_sidecar_do_not_replace_the_ranks_identity():
+    w, closed, _, _ = make(length_s=10)
+    rank_proc = Resource(job_id="j", rank=0, world_size=2, pid=111)
+    sidecar = Resource(job_id="j", rank=0, world_size=2, pid=999)
+    w.add_kernels(rank_proc, kernels([1 * S]))
+    w.add_stacks(sidecar, [stack(1 * S, 2 * S)])
+    w.flush()
+    assert closed[0].resource.pid == 111 and len(closed[0].stacks) == 1
