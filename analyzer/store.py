@@ -7,11 +7,10 @@ re-analysing a window replaces rather than duplicates it.
 """
 from __future__ import annotations
 
-import os
-import sqlite3
 import threading
 from typing import Iterator
 
+from trainscope.processor.store import open_sqlite
 from trainscope.proto.v1 import records_pb2
 
 SCHEMA = """
@@ -40,15 +39,10 @@ CREATE TABLE IF NOT EXISTS verdicts (
 
 class DiagnosisStore:
     def __init__(self, path: str, *, max_rows: int = 1_000_000) -> None:
-        if path != ":memory:":
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
         self.max_rows = max_rows
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
+        self._db = open_sqlite(path, SCHEMA)
         self._writes = 0
 
     def put(self, diagnoses: list[records_pb2.Diagnosis], verdict: records_pb2.Verdict | None) -> None:

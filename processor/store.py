@@ -39,19 +39,27 @@ CREATE INDEX IF NOT EXISTS records_by_job ON records (signal, job, window_index,
 """
 
 
+def open_sqlite(path: str, schema: str) -> sqlite3.Connection:
+    """The local store's connection, shared by the processor and the analyzer
+    (one file, several writers): WAL so readers never block writers, NORMAL
+    sync (a crash may lose the last transactions, never corrupts; a full fsync
+    per record would cap the processor at a few hundred windows/s), a busy
+    timeout for the other process's transactions."""
+    if path != ":memory:":
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.executescript(schema)
+    return db
+
+
 class SqliteStore:
     def __init__(self, path: str, *, max_rows: int = 2_000_000) -> None:
-        if path != ":memory:":
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
         self.max_rows = max_rows
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # WAL + NORMAL: a crash may lose the last transactions, never corrupts;
-        # a full fsync per record would cap the processor at a few hundred windows/s.
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
+        self._db = open_sqlite(path, SCHEMA)
         self._inserted = 0
 
     def put(self, signal: str, rec) -> None:
