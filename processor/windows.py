@@ -392,8 +392,7 @@ class Windower:
         """The rank's process shut down normally: close its windows now, the last
         one marked ``final`` (an empty final window when nothing was open)."""
         st = self._state(resource)
-        if self.config.mode == "iterations" and st.pending.n:
-            self._assign_pending(st, final=True)
+        self._settle_pending(st)
         if not st.open:
             self._window(st, st.closed_upto + 1)
         last = max(st.open) if st.open else None
@@ -416,20 +415,26 @@ class Windower:
             self._flush_rank(st, "flush")
         self.metrics.set("open_windows", 0)
 
+    def _settle_pending(self, st: _RankState) -> None:
+        """Iterations mode, closing time: kernels still waiting for a mark go to
+        the iteration that holds them, or, if the rank never reported an
+        iteration, into one window of their own (nothing is dropped)."""
+        if self.config.mode != "iterations" or not st.pending.n:
+            return
+        if st.mark_starts:
+            self._assign_pending(st, final=True)
+            return
+        w = self._window(st, st.closed_upto + 1)
+        if w is not None:
+            p = st.pending
+            for parts in zip(p.start, p.dur, p.gid, p.stream, p.kind):
+                w.kernels.append(*parts)
+                w.lo = min(w.lo, int(parts[0].min()))
+                w.hi = max(w.hi, int((parts[0] + parts[1]).max()))
+        st.pending = _KernelChunks()
+
     def _flush_rank(self, st: _RankState, trigger: str) -> None:
-        if self.config.mode == "iterations" and st.pending.n:
-            if st.mark_starts:
-                self._assign_pending(st, final=True)
-            else:
-                # never saw an iteration: nothing to cut by; keep the data in one window
-                w = self._window(st, st.closed_upto + 1)
-                if w is not None:
-                    p = st.pending
-                    for parts in zip(p.start, p.dur, p.gid, p.stream, p.kind):
-                        w.kernels.append(*parts)
-                        w.lo = min(w.lo, int(parts[0].min()))
-                        w.hi = max(w.hi, int((parts[0] + parts[1]).max()))
-                st.pending = _KernelChunks()
+        self._settle_pending(st)
         for index in sorted(st.open):
             self._close(st, index, trigger)
 

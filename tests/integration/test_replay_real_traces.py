@@ -65,3 +65,18 @@ def test_replay_of_a_bad_directory_is_a_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "rank-0.json.gz" in err
     assert main(["replay", str(tmp_path / "missing"), "--home", str(tmp_path / "h")]) == 2
+
+
+def test_replay_of_a_trace_without_kernels_reports_zero_and_loses_nothing_else(tmp_path, capsys):
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "rank-0.json").write_text(json.dumps({"distributedInfo": {"rank": 0, "world_size": 2}, "traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 1, "tid": 1, "ts": 0, "dur": 100}]}))
+    (job / "rank-1.json").write_text(json.dumps({"distributedInfo": {"rank": 1, "world_size": 2}, "traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 1, "tid": 7, "ts": 10, "dur": 5, "args": {"stream": 7}}]}))
+    out = tmp_path / "stats.json"
+    assert main(["replay", str(job), "--stats-out", str(out), "--home", str(tmp_path / "h")]) == 0
+    printed = capsys.readouterr().out
+    assert "rank 0: 0 kernel events" in printed and "rank 1: 1 kernel events" in printed
+    stats = json.loads(out.read_text())
+    assert [(s["rank"], s["kernel"], s["count"]) for s in stats["kernel_stats"]] == [(1, "gemm", 1)]

@@ -89,3 +89,10 @@ def test_unix_socket_listener(tmp_path):
         assert raw_stream(p.address, [batch(RES, 1, cols(3))]).batches_accepted == 1
     finally:
         p.stop()
+
+
+def test_unknown_fields_from_a_newer_collector_are_ignored_not_rejected(proc):
+    # field 99 (varint 7) appended to a valid batch: what a newer wire version could send
+    raw = batch(RES, 1, cols(10)) + bytes([0x98, 0x06, 0x07])
+    s = raw_stream(proc.address, [raw])
+    assert s.batches_accepted == 1 and s.records_accepted == 10

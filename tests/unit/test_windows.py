@@ -186,3 +186,10 @@ def test_stacks_from_the_sidecar_do_not_replace_the_ranks_identity():
     w.add_stacks(sidecar, [stack(1 * S, 2 * S)])
     w.flush()
     assert closed[0].resource.pid == 111 and len(closed[0].stacks) == 1
+
+
+def test_final_marker_of_a_rank_that_never_marked_an_iteration_keeps_its_kernels():
+    w, closed, _, _ = make(mode="iterations")
+    w.add_kernels(RES, kernels([1, 2, 3]))
+    w.finish_rank(RES)
+    assert len(closed) == 1 and len(closed[0].kernels) == 3 and closed[0].window.final
