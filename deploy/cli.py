@@ -131,6 +131,9 @@ def cmd_analyzer(args) -> int:
     home = _home(args)
     store_path = args.store or os.path.join(home, "store.sqlite")
     bootstrap = args.kafka_bootstrap or os.environ.get(env.KAFKA_BOOTSTRAP)
+    if not bootstrap and not os.path.exists(store_path):
+        raise ConfigError("--store", store_path, "no processor store there (start `trainscope processor` "
+                          "first, or give --kafka-bootstrap)")
     sinks: list = [StoreDiagnosisSink(DiagnosisStore(store_path))]
     if bootstrap:
         from trainscope.processor.kafka_sink import KafkaSink, KafkaSinkConfig
@@ -140,9 +143,6 @@ def cmd_analyzer(args) -> int:
             spool_dir=os.path.join(home, "analyzer-spool")))))
         where = f"Kafka {bootstrap} (group {args.group_id})"
     else:
-        if not os.path.exists(store_path):
-            raise ConfigError("--store", store_path, "no processor store there (start `trainscope processor` "
-                              "first, or give --kafka-bootstrap)")
         source = StoreSource(store_path)
         where = f"store {store_path}"
     metrics = AnalyzerMetrics()

@@ -1,0 +1,29 @@
+"""Wrong configuration on the command line fails at start-up with exit status 2
+and a message naming the setting, before anything is started."""
+import pytest
+
+from trainscope.deploy.cli import main
+
+
+@pytest.mark.parametrize("argv,setting", [
+    (["processor", "--window-length-s", "0", "--listen", "127.0.0.1:0"], "window.length_s"),
+    (["processor", "--window-iterations", "0", "--window-mode", "iterations", "--listen", "127.0.0.1:0"],
+     "window.iterations"),
+    (["sim", "--ranks", "30", "--tp", "4", "--iterations", "2"], "sim"),
+    (["sim", "--ranks", "8", "--fault", "meteor_strike:rank=1", "--iterations", "2"], "sim.fault"),
+])
+def test_bad_configuration_exits_2_naming_the_setting(argv, setting, tmp_path, capsys):
+    assert main([*argv, "--home", str(tmp_path)]) == 2
+    assert setting in capsys.readouterr().err
+
+
+def test_analyzer_without_broker_or_store_says_what_is_missing(tmp_path, capsys):
+    assert main(["analyzer", "--home", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--store" in err and "trainscope processor" in err
+
+
+def test_prometheus_port_env_must_be_a_number(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TRAINSCOPE_PROMETHEUS_PORT", "nine")
+    assert main(["replay", str(tmp_path), "--home", str(tmp_path)]) == 2
+    assert "TRAINSCOPE_PROMETHEUS_PORT" in capsys.readouterr().err
