@@ -86,7 +86,10 @@ def test_one_batch_per_device_and_slabs_smaller_than_the_buffer():
 
 
 class FakeCupti:
-    """The slice of ``cupti.cupti`` the source uses; the test plays CUPTI's thread."""
+    """The slice of ``cupti.cupti`` the source uses; the test plays CUPTI's thread.
+
+    A stand-in because the real CUPTI needs a GPU and a CUDA driver, which these
+    machines do not have (the GPU test at the end uses the real one where it can)."""
 
     def __init__(self, clock_ns=5_000):
         self.enabled, self.flushes, self.period = set(), [], None
