@@ -55,7 +55,7 @@ def merge(job_id: str, window: records_pb2.Window, findings: list[Finding],
             else:
                 culprit_levels[s.rank].add(f.level)
                 balance[s.rank] += weight
-            label = f.scope.phase or f.scope.kernel or f.kind
+            label = f.scope.phase or f.scope.kernel or s.evidence.get("function") or f.kind
             if label not in where[s.rank]:
                 where[s.rank].append(label)
             named.append((f, s))
@@ -104,6 +104,10 @@ def summarize(job_id: str, v: records_pb2.Verdict, findings: list[Finding],
             what.append("phase " + ", ".join(v.phases[:3]))
         if v.kernels:
             what.append("kernel " + ", ".join(k[:60] for k in v.kernels[:2]))
+        host = [s.evidence.get("function") for f in findings if f.level == "L5"
+                for s in f.suspects if s.rank == top]
+        if host:
+            what.append(f"host busy in {host[0]}")
         lv = ",".join(sorted(set(v.ranks[0].evidence["levels"])))
         parts.append(f"suspect rank {top}{coords} [{lv}]" + (": " + "; ".join(what) if what else ""))
         if len(v.ranks) > 1:

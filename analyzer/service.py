@@ -12,6 +12,8 @@ Steps, continuously (``step`` / ``run``):
 3. L2 (phases across ranks) and L3 (kernel distributions across ranks) run on
    the window; L1 runs on the job's iteration-time history and keeps what
    overlaps this window's iterations (ARGUS §6: the levels run in parallel).
+   When any of them found something, L5 compares the ranks' py-spy stacks
+   (``l5_stacks.py``) to name a host-side cause.
 4. Findings merge into one verdict per job and window (``merge.py``), which
    goes to every DiagnosisSink: the local store, a bus/Kafka topic,
    Prometheus flagged series.
@@ -35,7 +37,7 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from trainscope.analyzer import l1_iteration, l2_phases, l3_kernels
+from trainscope.analyzer import l1_iteration, l2_phases, l3_kernels, l5_stacks
 from trainscope.analyzer.merge import merge
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
 from trainscope.analyzer.prom import AnalyzerMetrics
@@ -63,7 +65,9 @@ class AnalyzerConfig:
     """L2 (phases across ranks) thresholds and routing."""
     l3: l3_kernels.L3Config = dataclasses.field(default_factory=l3_kernels.L3Config)
     """L3 (kernel distributions across ranks) thresholds."""
-    levels: tuple[str, ...] = ("L1", "L2", "L3")
+    l5: l5_stacks.L5Config = dataclasses.field(default_factory=l5_stacks.L5Config)
+    """L5 (host-side stacks) thresholds; L5 only corroborates windows other levels flagged."""
+    levels: tuple[str, ...] = ("L1", "L2", "L3", "L5")
     """Which levels run."""
     grace_s: float = 0.5
     """Wait this long after a complete window's last record before analysing it."""
@@ -85,9 +89,9 @@ class AnalyzerConfig:
     """Forget a job (state and its Prometheus series) after this long without records."""
 
     def __post_init__(self) -> None:
-        bad = [lv for lv in self.levels if lv not in ("L1", "L2", "L3")]
+        bad = [lv for lv in self.levels if lv not in ("L1", "L2", "L3", "L5")]
         if bad:
-            raise ConfigError("analyzer.levels", self.levels, "only L1, L2, L3")
+            raise ConfigError("analyzer.levels", self.levels, "only L1, L2, L3, L5")
         for f in ("grace_s", "window_timeout_s", "stall_factor", "min_stall_s", "forget_after_s"):
             if not getattr(self, f) > 0:
                 raise ConfigError(f"analyzer.{f}", getattr(self, f), "must be > 0")
@@ -272,6 +276,11 @@ class Analyzer:
                 job.stalled = True
                 self.metrics.set_stalled(job.job_id, True)
                 findings.append(hang)
+        if "L5" in levels and findings and jw.stacks:
+            try:  # corroboration only: stacks never raise an alarm on their own
+                findings += l5_stacks.analyze_stacks(jw, self.config.l5)
+            except Exception:
+                log.exception("L5 failed on job %s window %s", job.job_id, key)
         verdict = merge(job.job_id, jw.window, findings, jw.resources)
         diagnoses = list(verdict.findings)
         for s in self.sinks:
