@@ -196,24 +196,16 @@ def cmd_sim(args) -> int:
         window_iterations=args.window_iterations, window_length_s=args.window_length_s,
     )
     options = _sink_configs(args) if args.processor is None else {}
-    analysis: dict = {}
-    hooks: dict = {}
+    analysis = None
     if args.processor is None and not args.no_analyze:
-        from trainscope.deploy.embedded import EmbeddedAnalysis
-
-        def on_start(proc, store_path):
-            analysis["run"] = EmbeddedAnalysis(proc, store_path)
-
-        def on_processor(proc):
-            analysis["verdicts"] = analysis["run"].finish()
-
-        hooks = dict(on_start=on_start, on_processor=on_processor)
-    res = run_sim(cfg, args.processor, processor_options=options, **hooks)
+        from trainscope.deploy.embedded import SimAnalysis
+        analysis = SimAnalysis()
+    res = run_sim(cfg, args.processor, processor_options=options, **(analysis.hooks() if analysis else {}))
     _render_sim(res, sys.stdout)
-    if "verdicts" in analysis:
+    if analysis is not None:
         from trainscope.analyzer.evaluate import evaluate, load_truth
-        print(render_verdicts(analysis["verdicts"]))
-        ev = evaluate(analysis["verdicts"], load_truth(res.ground_truth_path), cfg.window_iterations)
+        print(render_verdicts(analysis.verdicts))
+        ev = evaluate(analysis.verdicts, load_truth(res.ground_truth_path), cfg.window_iterations)
         print(render_evaluation(ev))
     if args.json_out:
         from trainscope.deploy.replay import write_json

@@ -13,7 +13,7 @@ from typing import TextIO
 
 from trainscope.analyzer.evaluate import evaluate, load_truth
 from trainscope.collector.sim import run_sim, sim_config
-from trainscope.deploy.embedded import EmbeddedAnalysis
+from trainscope.deploy.embedded import SimAnalysis
 
 FAULT = "gpu_throttle:rank=13,onset=30s,factor=1.4"
 
@@ -30,21 +30,14 @@ def run_demo(home: str, ranks: int = 32, out: TextIO | None = None, fault: str =
     cfg = sim_config(ranks=ranks, tp=2, pp=2, iterations=40, faults=[fault], job_id="demo",
                      home=home, window_iterations=10)
     say(f"demo: simulating job 'demo' ({ranks} ranks, tp=2 pp=2, 40 iterations) with {fault}")
-    analysis: dict = {}
-
-    def on_start(proc, store_path):
-        analysis["run"] = EmbeddedAnalysis(proc, store_path)
-
-    def on_processor(proc):
-        analysis["verdicts"] = analysis["run"].finish()
-
+    analysis = SimAnalysis()
     res = run_sim(cfg, processor_options={"perfetto": PerfettoConfig(url=traces, max_pending_windows=1024)},
-                  on_start=on_start, on_processor=on_processor)
+                  **analysis.hooks())
     say(f"streamed {res.kernel_events:,} kernel events, {res.phase_events:,} phases, "
         f"{res.iteration_events:,} iteration marks, {res.stack_snapshots:,} stack snapshots "
         f"through gRPC → processor → analyzer in {res.wall_s:.1f} s"
         + (f" ({res.dropped} dropped)" if res.dropped else ""))
-    verdicts = analysis.get("verdicts", [])
+    verdicts = analysis.verdicts
     say(render_verdicts(verdicts))
     say(render_evaluation(evaluate(verdicts, load_truth(res.ground_truth_path), cfg.window_iterations)))
     say(f"\nstore (records, diagnoses, verdicts): {res.store_path}")

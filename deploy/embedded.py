@@ -37,3 +37,27 @@ class EmbeddedAnalysis:
         for s in self.analyzer.sinks:
             s.close()
         return list(self.analyzer.verdicts)
+
+
+class SimAnalysis:
+    """Attaches an ``EmbeddedAnalysis`` to ``run_sim``'s embedded processor.
+
+        a = SimAnalysis()
+        res = run_sim(cfg, **a.hooks())
+        a.verdicts  # every verdict of the run
+    """
+
+    def __init__(self, config: Any = None) -> None:
+        self.config = config
+        self._run: EmbeddedAnalysis | None = None
+        self.verdicts: list = []
+
+    def on_start(self, proc: Processor, store_path: str) -> None:
+        self._run = EmbeddedAnalysis(proc, store_path, self.config)
+
+    def on_processor(self, proc: Processor) -> None:
+        if self._run is not None:
+            self.verdicts = self._run.finish()
+
+    def hooks(self) -> dict:
+        return {"on_start": self.on_start, "on_processor": self.on_processor}

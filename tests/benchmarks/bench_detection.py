@@ -12,14 +12,13 @@ Also: onset → first diagnosis latency per level on a 1,024-rank job (--big).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
 
 from trainscope.analyzer.evaluate import evaluate, load_truth
 from trainscope.collector.sim import run_sim, sim_config
-from trainscope.deploy.embedded import EmbeddedAnalysis
+from trainscope.deploy.embedded import SimAnalysis
 
 # Faults that L1-L3 are expected to catch (ARGUS Table 6), with a scope and a
 # magnitude ladder (mild, strong). Onset 30 s into a 3 s/iteration job.
@@ -46,11 +45,9 @@ def run_one(ranks: int, fault: str | None, seed: int, iterations: int, home: str
     cfg = sim_config(ranks=ranks, tp=2, pp=2, ep=ep, iterations=iterations, seed=seed,
                      faults=[fault] if fault else [], job_id=f"bench{seed}", home=home,
                      window_iterations=10)
-    box: dict = {}
-    res = run_sim(cfg, on_start=lambda p, s: box.setdefault("a", EmbeddedAnalysis(p, s)),
-                  on_processor=lambda p: box.setdefault("v", box["a"].finish()))
-    verdicts = box.get("v") or box["a"].finish()
-    return cfg, res, verdicts
+    analysis = SimAnalysis()
+    res = run_sim(cfg, **analysis.hooks())
+    return cfg, res, analysis.verdicts
 
 
 def latency_at_scale(ranks: int = 1024, iterations: int = 60) -> None:
@@ -65,9 +62,8 @@ def latency_at_scale(ranks: int = 1024, iterations: int = 60) -> None:
         cfg = sim_config(ranks=ranks, tp=8, pp=4, iterations=iterations, faults=[spec], job_id="big",
                          home=home, window_iterations=10)
         t0 = time.perf_counter()
-        box: dict = {}
-        res = run_sim(cfg, on_start=lambda p, s: box.setdefault("a", EmbeddedAnalysis(p, s)),
-                      on_processor=lambda p: box.setdefault("v", box["a"].finish()))
+        analysis = SimAnalysis()
+        res = run_sim(cfg, **analysis.hooks())
         wall = time.perf_counter() - t0
         truth = load_truth(res.ground_truth_path)
         onset_it = truth["faults"][0]["onset_iteration"]
@@ -76,7 +72,7 @@ def latency_at_scale(ranks: int = 1024, iterations: int = 60) -> None:
               f"{spec}: whole run {wall:.0f} s wall")
         for level in ("L1", "L2", "L3"):
             hit = None
-            for v in sorted(box["v"], key=lambda v: v.window.index):
+            for v in sorted(analysis.verdicts, key=lambda v: v.window.index):
                 if any(f.level == level and (f.kind in ("jitter", "regression", "stall")
                                              or any(s.rank == culprit for s in f.suspects)) for f in v.findings):
                     hit = v

@@ -14,8 +14,6 @@ Baseline in the same run: building one protobuf message per kernel record
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import os
 import statistics
 import sys
@@ -26,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from trainscope.collector.exporter import BatchExporter, ExporterConfig
+from trainscope.collector.sources.replay import load_rank_trace
 from trainscope.processor.daemon import Processor, ProcessorConfig
 from trainscope.processor.ingest import Validator
 from trainscope.processor.selfmetrics import SelfMetrics
@@ -36,21 +35,12 @@ from trainscope.proto.model import Resource
 from trainscope.proto.v1 import telemetry_pb2
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "kineto"
-CATS = {"kernel": 0, "gpu_memcpy": 1, "gpu_memset": 2}
 
 
 def load_real(path: Path) -> tuple[KernelColumns, int]:
-    doc = json.load(gzip.open(path))
-    ev = [e for e in doc["traceEvents"] if e.get("cat") in CATS]
-    names = sorted({e["name"] for e in ev})
-    idx = {n: i for i, n in enumerate(names)}
-    cols = KernelColumns.build(
-        names, [int(e["ts"] * 1000) for e in ev], [max(1, int(e["dur"] * 1000)) for e in ev],
-        [idx[e["name"]] for e in ev], [int(e["args"].get("stream", 0)) for e in ev],
-        [CATS[e["cat"]] for e in ev])
-    order = np.argsort(cols.start_ns, kind="stable")
-    steps = sum(1 for e in doc["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#"))
-    return cols.take(order), max(steps, 1)
+    """A real trace's kernel stream (sorted by start) and its number of steps."""
+    trace = load_rank_trace(path, rank=0)
+    return trace.kernels, max(len(trace.iterations), 1)
 
 
 def make_batches(base: KernelColumns, ranks: int, reps: int, chunk: int = 16384, seed: int = 0):
