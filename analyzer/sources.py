@@ -20,17 +20,10 @@ from typing import Protocol
 from google.protobuf.message import DecodeError, Message
 
 from trainscope.processor.bus import EmbeddedBus, topic_for
-from trainscope.processor.model import SIGNALS
-from trainscope.proto.v1 import records_pb2
+from trainscope.processor.model import RECORD_TYPES, SIGNALS
 
 log = logging.getLogger(__name__)
 
-RECORD_TYPES = {
-    "kernels": records_pb2.KernelWindow,
-    "phases": records_pb2.PhaseWindow,
-    "iterations": records_pb2.IterationWindow,
-    "stacks": records_pb2.StackWindow,
-}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

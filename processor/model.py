@@ -16,6 +16,13 @@ PHASES = "phases"
 ITERATIONS = "iterations"
 STACKS = "stacks"
 SIGNALS = (KERNELS, PHASES, ITERATIONS, STACKS)
+#: The record each signal's windows become (Kafka values, store rows, bus messages).
+RECORD_TYPES = {
+    KERNELS: records_pb2.KernelWindow,
+    PHASES: records_pb2.PhaseWindow,
+    ITERATIONS: records_pb2.IterationWindow,
+    STACKS: records_pb2.StackWindow,
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -12,16 +12,9 @@ import sqlite3
 import threading
 from typing import Iterator
 
-from trainscope.processor.model import SIGNALS, WindowOutput
+from trainscope.processor.model import RECORD_TYPES, SIGNALS, WindowOutput
 from trainscope.processor.selfmetrics import SelfMetrics
-from trainscope.proto.v1 import records_pb2
 
-RECORD_TYPES = {
-    "kernels": records_pb2.KernelWindow,
-    "phases": records_pb2.PhaseWindow,
-    "iterations": records_pb2.IterationWindow,
-    "stacks": records_pb2.StackWindow,
-}
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (

@@ -8,13 +8,12 @@ import grpc
 from trainscope.collector.exporter import INGEST_METHOD
 from trainscope.processor.bus import topic_for
 from trainscope.processor.daemon import Processor, ProcessorConfig
+from trainscope.processor.model import RECORD_TYPES
 from trainscope.processor.windows import WindowConfig
 from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.model import Resource
-from trainscope.proto.v1 import records_pb2, telemetry_pb2
+from trainscope.proto.v1 import telemetry_pb2
 
-RECORD = {"kernels": records_pb2.KernelWindow, "phases": records_pb2.PhaseWindow,
-          "iterations": records_pb2.IterationWindow, "stacks": records_pb2.StackWindow}
 
 
 def start_processor(listen: str = "127.0.0.1:0", **kw) -> Processor:
@@ -29,7 +28,7 @@ def bus_records(proc: Processor, signal: str) -> list:
         recs = proc.bus.poll(topic, off)
         if not recs:
             return out
-        out += [RECORD[signal].FromString(r.value) for r in recs]
+        out += [RECORD_TYPES[signal].FromString(r.value) for r in recs]
         off = recs[-1].offset + 1
 
 
