@@ -152,17 +152,29 @@ class DiagnosisScope(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., kernel: _Optional[str] = ..., stream: _Optional[int] = ..., group: _Optional[str] = ..., group_index: _Optional[int] = ...) -> None: ...
 
 class Suspect(_message.Message):
-    __slots__ = ("rank", "score", "evidence")
+    __slots__ = ("rank", "score", "evidence", "role", "impact_s", "impact_pct", "host", "why", "waited_for")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    IMPACT_S_FIELD_NUMBER: _ClassVar[int]
+    IMPACT_PCT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
+    WAITED_FOR_FIELD_NUMBER: _ClassVar[int]
     rank: int
     score: float
     evidence: _struct_pb2.Struct
-    def __init__(self, rank: _Optional[int] = ..., score: _Optional[float] = ..., evidence: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    role: str
+    impact_s: float
+    impact_pct: float
+    host: str
+    why: str
+    waited_for: int
+    def __init__(self, rank: _Optional[int] = ..., score: _Optional[float] = ..., evidence: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., role: _Optional[str] = ..., impact_s: _Optional[float] = ..., impact_pct: _Optional[float] = ..., host: _Optional[str] = ..., why: _Optional[str] = ..., waited_for: _Optional[int] = ...) -> None: ...
 
 class Diagnosis(_message.Message):
-    __slots__ = ("id", "job_id", "level", "kind", "window", "scope", "suspects", "severity", "evidence", "created_unix_ns")
+    __slots__ = ("id", "job_id", "level", "kind", "window", "scope", "suspects", "severity", "evidence", "created_unix_ns", "informational", "impact_s", "impact_pct", "comparison")
     ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     LEVEL_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +185,10 @@ class Diagnosis(_message.Message):
     SEVERITY_FIELD_NUMBER: _ClassVar[int]
     EVIDENCE_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    INFORMATIONAL_FIELD_NUMBER: _ClassVar[int]
+    IMPACT_S_FIELD_NUMBER: _ClassVar[int]
+    IMPACT_PCT_FIELD_NUMBER: _ClassVar[int]
+    COMPARISON_FIELD_NUMBER: _ClassVar[int]
     id: str
     job_id: str
     level: str
@@ -183,10 +199,14 @@ class Diagnosis(_message.Message):
     severity: float
     evidence: _struct_pb2.Struct
     created_unix_ns: int
-    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., level: _Optional[str] = ..., kind: _Optional[str] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., scope: _Optional[_Union[DiagnosisScope, _Mapping]] = ..., suspects: _Optional[_Iterable[_Union[Suspect, _Mapping]]] = ..., severity: _Optional[float] = ..., evidence: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., created_unix_ns: _Optional[int] = ...) -> None: ...
+    informational: bool
+    impact_s: float
+    impact_pct: float
+    comparison: str
+    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., level: _Optional[str] = ..., kind: _Optional[str] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., scope: _Optional[_Union[DiagnosisScope, _Mapping]] = ..., suspects: _Optional[_Iterable[_Union[Suspect, _Mapping]]] = ..., severity: _Optional[float] = ..., evidence: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., created_unix_ns: _Optional[int] = ..., informational: _Optional[bool] = ..., impact_s: _Optional[float] = ..., impact_pct: _Optional[float] = ..., comparison: _Optional[str] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("job_id", "window", "ranks", "phases", "kernels", "findings", "summary", "created_unix_ns")
+    __slots__ = ("job_id", "window", "ranks", "phases", "kernels", "findings", "summary", "created_unix_ns", "state", "confidence", "host", "since_window", "partial", "comparison", "step_s", "pending")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +215,14 @@ class Verdict(_message.Message):
     FINDINGS_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    SINCE_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    COMPARISON_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     window: Window
     ranks: _containers.RepeatedCompositeFieldContainer[Suspect]
@@ -203,4 +231,12 @@ class Verdict(_message.Message):
     findings: _containers.RepeatedCompositeFieldContainer[Diagnosis]
     summary: str
     created_unix_ns: int
-    def __init__(self, job_id: _Optional[str] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[Suspect, _Mapping]]] = ..., phases: _Optional[_Iterable[str]] = ..., kernels: _Optional[_Iterable[str]] = ..., findings: _Optional[_Iterable[_Union[Diagnosis, _Mapping]]] = ..., summary: _Optional[str] = ..., created_unix_ns: _Optional[int] = ...) -> None: ...
+    state: str
+    confidence: float
+    host: str
+    since_window: int
+    partial: bool
+    comparison: str
+    step_s: float
+    pending: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[Suspect, _Mapping]]] = ..., phases: _Optional[_Iterable[str]] = ..., kernels: _Optional[_Iterable[str]] = ..., findings: _Optional[_Iterable[_Union[Diagnosis, _Mapping]]] = ..., summary: _Optional[str] = ..., created_unix_ns: _Optional[int] = ..., state: _Optional[str] = ..., confidence: _Optional[float] = ..., host: _Optional[str] = ..., since_window: _Optional[int] = ..., partial: _Optional[bool] = ..., comparison: _Optional[str] = ..., step_s: _Optional[float] = ..., pending: _Optional[_Iterable[int]] = ...) -> None: ...
