@@ -36,6 +36,24 @@ def lognormal_params(p50, p99) -> tuple[np.ndarray, np.ndarray]:
     return mu, np.maximum(sigma, 0.0)
 
 
+def mixture_moments(counts, p50, p99, start) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and variance of each count-weighted lognormal mixture (clusters ``start[d]:start[d+1]``).
+
+    Lognormal moments: m = e^(μ + σ²/2), v = (e^(σ²) − 1)·e^(2μ + σ²); the
+    mixture's variance adds the spread between its clusters' means.
+    """
+    counts = np.asarray(counts, dtype=np.float64)
+    mu, sigma = lognormal_params(p50, p99)
+    s2 = np.minimum(sigma * sigma, 50.0)          # e^50: beyond any real tail; keeps it finite
+    m = np.exp(mu + s2 / 2)
+    v = np.expm1(s2) * np.exp(2 * mu + s2)
+    start = np.asarray(start, dtype=np.int64)
+    n = np.add.reduceat(counts, start[:-1]) if counts.size else np.zeros(0)
+    mean = np.add.reduceat(counts * m, start[:-1]) / n if counts.size else np.zeros(0)
+    second = np.add.reduceat(counts * (v + m * m), start[:-1]) / n if counts.size else np.zeros(0)
+    return mean, np.maximum(second - mean * mean, 0.0)
+
+
 def support(p50, p99, z: float = 4.0) -> tuple[float, float]:
     """A range holding all but ~Φ(-z) of every cluster: [min e^(μ-zσ), max e^(μ+zσ)].
 

@@ -20,28 +20,28 @@ every (kernel, stream) their duration distributions should agree. Per
    prefix sums, and a weighted scatter back to the ranks; divide by n − 1.
    Groups of equal size are stacked and processed together; blocks of grid
    points bound the memory.
-5. Flag (eq. 4): score > Q3 + α(Q3 − Q1) over the group's scores, and two
-   floors. (a) A perfectly homogeneous group has a tiny IQR, so noise alone
-   would cross the fence: a rank must also stand ``min_effect`` × the
-   group-median mean duration above the group's median score (W1 is in ns).
-   Default 8 %: in the simulator's healthy 256-rank job the largest excess
-   is 5 % (collective kernels, whose durations include waiting), ≤ 3 % for
-   compute and copy kernels.
-   (b) The processor's KDE may split or merge modes differently on ranks
-   that ran the same distribution (few samples near a valley, ARGUS §5.2
-   filters); the rebuilt CDFs then cross and W1 grows while the rank's exact
-   mean (total_ns/count) does not move. A degraded kernel moves the mean:
-   when one distribution dominates the other (a uniform slowdown, or a tail
-   inflation such as ECC retries) W1 *equals* |Δmean|. So an exact statistic
-   must corroborate the score: the shift of the exact mean from the group
-   median explains at least ``min_dominance`` of the rank's excess score
-   (either way: a late arriver's collective kernels are the *shorter* ones),
-   or the exact max (``max_ns``) is ≥ ``tail_factor`` × the group median's.
-   The second path exists because a few very slow calls (ECC) inflate p99,
-   and the lognormal rebuilt from it spreads mass over the whole tail, so
-   W1 overstates the mean shift (by ~3x in the simulator's ECC fault). With
-   α = 3 and fewer than 5 ranks the outlier itself sits inside Q3: tiny
-   groups rarely flag.
+5. Decide by time, with significance (``significance.py``). What a
+   kernel costs is its busy time per iteration x_r = total_ns / iterations
+   (exact, from ``KernelStats.total_ns``). Per segment: robust z of x_r
+   against the group's median with the peers' spread (1.4826·MAD), the
+   sampling error of a total over ``count`` calls (from the clusters'
+   mixture variance) and the per-rank personality floor; the sampling error is the peers' median per-call spread × √count
+   (the null hypothesis: this rank's calls behave like its peers'); flagged
+   when z ≥ z* = Φ⁻¹(1 − α/M), M = every (rank, key) and
+   (rank, category) comparison of the window (Bonferroni: 300 kernels ×
+   1,000 ranks keep the false-alarm rate of 10 × 16). A collective kernel
+   significantly *shorter* than its peers' is flagged too: the late
+   arriver's collectives are its shortest (ARGUS §9.5). The W1 score (eq. 3)
+   and the IQR fence (eq. 4) stay as evidence of how the distribution
+   changed, not as the decision: W1 grows when the KDE splits modes
+   differently on equal data, and it ranks a 3x spike of a 20 µs kernel
+   above a 5 % slowdown of the whole step. The impact of a suspect is
+   |x_r − median| (ns per iteration).
+5b. Categories: per rank, the summed time per iteration of its compute,
+   memory (memcpy/memset) and communication kernels, tested the same way.
+   A rank 5 % slower on every compute kernel is significant in the sum
+   while no single kernel is (kind ``degraded_kernels``, scope kernel
+   ``[compute]``, ``[memory]`` or ``[communication]``).
 6. A key present on ≥ ``missing_min_present`` of a group's ranks and absent
    on the others is evidence too (e.g. a hang: the culprit stops entering a
    collective): kind ``missing_kernel``, the absent ranks as suspects. A
@@ -50,13 +50,16 @@ every (kernel, stream) their duration distributions should agree. Per
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Mapping, Sequence
 
 import numpy as np
 from scipy.special import ndtr
 
-from trainscope.analyzer.cdf import lognormal_params
+from trainscope.analyzer.cdf import lognormal_params, mixture_moments
+from trainscope.analyzer.impact import WindowScale, window_scale
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
+from trainscope.analyzer.significance import robust_z, z_threshold
 from trainscope.analyzer.topology import (
     RoutingConfig, check_number, group_of, rank_to_group, resources_with,
 )
@@ -76,12 +79,12 @@ class L3Config:
     """The grid spans e^(μ ± z·σ) of every cluster of the key."""
     min_ranks: int = 4
     """Fewest ranks holding a key for a group to be scored."""
-    min_effect: float = 0.08
-    """A flagged score exceeds the group's median score by ≥ this × the group-median mean duration."""
-    min_dominance: float = 0.5
-    """Corroboration: |exact mean − group median mean| ≥ this × (score − median score) (step 5b)."""
-    tail_factor: float = 1.5
-    """Corroboration: the exact max duration ≥ this × the group median's max (step 5b)."""
+    false_alarm: float = 1e-3
+    """Family-wise false-alarm probability per window (Bonferroni over every comparison, step 5)."""
+    rel_floor: float = 0.02
+    """Floor of the peers' spread, × their median time (per-rank personality, docs/noise.md)."""
+    memory: str = r"^mem(cpy|set)|memcpy|memset"
+    """Regular expression naming memory-copy kernels (category ``memory``, step 5b)."""
     missing_min_present: float = 0.75
     """A key on at least this fraction of a group's ranks (not all) makes the rest ``missing_kernel``."""
     block_elements: int = 1 << 21
@@ -95,9 +98,12 @@ class L3Config:
                      "must be an integer >= 8", int)
         check_number("l3.support_z", self.support_z, lambda v: v > 0, "must be > 0")
         check_number("l3.min_ranks", self.min_ranks, lambda v: v >= 3, "must be an integer >= 3", int)
-        check_number("l3.min_effect", self.min_effect, lambda v: v >= 0, "must be >= 0")
-        check_number("l3.tail_factor", self.tail_factor, lambda v: v > 1, "must be > 1")
-        check_number("l3.min_dominance", self.min_dominance, lambda v: 0 <= v <= 1, "must be in [0, 1]")
+        check_number("l3.false_alarm", self.false_alarm, lambda v: 0 < v < 1, "must be in (0, 1)")
+        check_number("l3.rel_floor", self.rel_floor, lambda v: v >= 0, "must be >= 0")
+        try:
+            re.compile(self.memory)
+        except (re.error, TypeError) as e:
+            raise ConfigError("l3.memory", self.memory, f"not a regular expression: {e}") from None
         check_number("l3.missing_min_present", self.missing_min_present, lambda v: 0 < v <= 1,
                      "must be in (0, 1]")
         check_number("l3.block_elements", self.block_elements, lambda v: v >= 1024,
@@ -127,6 +133,7 @@ class KernelTable:
     dist_p50_ns: np.ndarray      # the dominant (largest-count) cluster's p50
     dist_p99_ns: np.ndarray
     dist_max_ns: np.ndarray      # the largest cluster max_ns; NaN when not given
+    dist_sd_ns: np.ndarray       # per-call standard deviation of the rebuilt mixture
 
     @classmethod
     def from_arrays(cls, keys, ranks, dist_rank, dist_key, cl_start, cl_count, cl_p50, cl_p99,
@@ -152,7 +159,7 @@ class KernelTable:
         if n_dist == 0:
             z = np.empty(0)
             return cls(tuple(keys), np.asarray(ranks, np.int64), z.astype(np.int64), z.astype(np.int64),
-                       cl_start, cl_count, cl_p50, cl_p99, z, z, z, z, z)
+                       cl_start, cl_count, cl_p50, cl_p99, z, z, z, z, z, z)
         first = cl_start[:-1]
         owner = np.repeat(np.arange(n_dist), lens)
         count = np.add.reduceat(cl_count, first)
@@ -169,9 +176,10 @@ class KernelTable:
         else:
             dmax = np.maximum.reduceat(np.asarray(cl_max_ns, dtype=np.float64), first)
             dmax = np.where(dmax > 0, dmax, np.nan)
+        _, var = mixture_moments(cl_count, cl_p50, cl_p99, cl_start)
         return cls(tuple(keys), np.asarray(ranks, np.int64), np.asarray(dist_rank, np.int64),
                    np.asarray(dist_key, np.int64), cl_start, cl_count, cl_p50, cl_p99,
-                   count, mean, cl_p50[dom], cl_p99[dom], dmax)
+                   count, mean, cl_p50[dom], cl_p99[dom], dmax, np.sqrt(var))
 
 
 def flatten_kernels(kernels: Mapping[int, records_pb2.KernelWindow]) -> KernelTable:
@@ -321,21 +329,23 @@ def _cdf_block(t: KernelTable, dists: np.ndarray, gslot: np.ndarray, lgrid: np.n
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Outliers:
-    """Flagged ranks of one (key, group) (step 5)."""
+    """Flagged ranks of one (key, group), or of one (category, group) when ``key`` < 0 (step 5)."""
 
     key: int
     group: int
-    dists: np.ndarray        # flagged distributions, best first
-    scores: np.ndarray       # their scores
-    q1: float
-    median: float
-    q3: float
-    fence: float
+    ranks: np.ndarray        # flagged ranks, largest impact first
+    dists: np.ndarray        # their distributions (−1 for a category)
+    x_ns: np.ndarray         # their time per iteration
+    z: np.ndarray            # their z (negative: shorter than the peers)
+    w1: np.ndarray           # their mean W1 to the peers (NaN for a category)
+    median_ns: float         # the group's median time per iteration
+    scale_ns: float          # the peers' spread (1.4826·MAD) with the personality floor
+    z_star: float
     group_size: int
     median_p50_ns: float
     median_mean_ns: float
-    median_max_ns: float
-    by: tuple[str, ...]      # per flagged dist: what corroborated it (mean, max, mean+max)
+    w1_fence: float          # ARGUS eq. 4 over the segment's W1 scores (evidence)
+    category: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -355,14 +365,32 @@ class L3Result:
     missing: list[Missing]
     segments_scored: int
     dists_scored: int
+    comparisons: int = 0
+    z_star: float = 0.0
 
 
-def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Config()) -> L3Result:
-    """Steps 2-6 over flat arrays; ``rank_group[i]`` is the group of ``t.ranks[i]`` (−1: none)."""
+def _categories(t: KernelTable, cfg: L3Config) -> np.ndarray:
+    """Per key: 0 compute, 1 memory, 2 communication (step 5b)."""
+    mem = re.compile(cfg.memory, re.IGNORECASE)
+    return np.array([2 if cfg.routing.is_communication(k) else 1 if mem.search(k) else 0
+                     for k, _ in t.keys], dtype=np.int64)
+
+
+CATEGORY_NAMES = ("compute", "memory", "communication")
+
+
+def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Config(),
+                  iterations: np.ndarray | None = None) -> L3Result:
+    """Steps 2-6 over flat arrays; ``rank_group[i]`` is the group of ``t.ranks[i]`` (−1: none),
+    ``iterations[i]`` the iterations ``t.ranks[i]`` ran in the window (default 1)."""
     rank_group = np.asarray(rank_group, dtype=np.int64)
     if t.dist_rank.size == 0:
         return L3Result([], [], 0, 0)
-    dg = rank_group[np.searchsorted(t.ranks, t.dist_rank)]
+    rank_iters = np.ones(t.ranks.size) if iterations is None else np.maximum(
+        np.asarray(iterations, dtype=np.float64), 1.0)
+    rank_pos = np.searchsorted(t.ranks, t.dist_rank)
+    dist_iters = rank_iters[rank_pos]
+    dg = rank_group[rank_pos]
     order = np.lexsort((t.dist_rank, dg, t.dist_key))
     order = order[dg[order] >= 0]
     k_s, g_s = t.dist_key[order], dg[order]
@@ -389,6 +417,28 @@ def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Conf
     outliers: list[Outliers] = []
     if not scored.any():
         return L3Result(outliers, missing, 0, 0)
+    # per-rank category sums (step 5b): (rank position, category) -> time, variance per iteration
+    cat = _categories(t, cfg)
+    x_all = t.dist_mean_ns * t.dist_count / dist_iters
+    # sampling error under the null: the rank's calls behave like its peers' (the median
+    # per-call spread of the segment), so the anomaly cannot inflate its own yardstick
+    seg_of_pos = np.repeat(np.arange(seg_first.size), seg_n)
+    sd_sorted = t.dist_sd_ns[order][np.lexsort((t.dist_sd_ns[order], seg_of_pos))]
+    seg_sd = (sd_sorted[seg_first + (seg_n - 1) // 2] + sd_sorted[seg_first + seg_n // 2]) / 2
+    null_sd = t.dist_sd_ns.copy()
+    null_sd[order] = seg_sd[seg_of_pos]
+    se2_all = (null_sd ** 2) * t.dist_count / dist_iters ** 2
+    cat_x = np.zeros((t.ranks.size, 3))
+    cat_v = np.zeros((t.ranks.size, 3))
+    np.add.at(cat_x, (rank_pos, cat[t.dist_key]), x_all)
+    np.add.at(cat_v, (rank_pos, cat[t.dist_key]), se2_all)
+    cat_groups = [(g, np.flatnonzero(rank_group == g)) for g in group_ids.tolist()]
+    cat_groups = [(g, m) for g, m in cat_groups if m.size >= cfg.min_ranks]
+    n_cat = sum(int((cat_x[m] > 0).any(axis=0).sum()) * m.size for _, m in cat_groups)
+    comparisons = int(seg_n[scored].sum()) + n_cat
+    z_star = z_threshold(cfg.false_alarm, comparisons)
+    comm_key = cat == 2
+
     key_first = np.flatnonzero(np.r_[True, k_s[1:] != k_s[:-1]])
     lgrid, wgrid, mu, sigma = _key_grids(t, order, key_first, cfg)
     slot_of_key = np.full(len(t.keys), -1, dtype=np.int64)
@@ -412,86 +462,114 @@ def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Conf
                 f = f.reshape(chunk.size, n, g1 - g0).transpose(0, 2, 1)
                 acc += abs_dev_sums(f, wk[:, g0:g1])
             scores = acc / (n - 1)
-            outliers += _flag(t, chunk, dists.reshape(chunk.size, n), scores, seg_key, seg_group, cfg)
-    return L3Result(outliers, missing, int(scored.sum()), int(seg_n[scored].sum()))
+            d2 = dists.reshape(chunk.size, n)
+            outliers += _flag(t, seg_key[chunk], seg_group[chunk], d2, scores, x_all[d2],
+                              np.sqrt(se2_all[d2]), comm_key[seg_key[chunk]], z_star, cfg)
+    for g, m in cat_groups:
+        for c in range(3):
+            x = cat_x[m, c]
+            if not (x > 0).any():
+                continue
+            outliers += _flag(t, np.array([-1 - c]), np.array([g]), np.full((1, m.size), -1), None,
+                              x[None, :], np.sqrt(cat_v[m, c])[None, :], np.array([c == 2]), z_star, cfg,
+                              ranks=t.ranks[m][None, :], category=CATEGORY_NAMES[c])
+    outliers.sort(key=lambda o: -float(np.abs(o.x_ns - o.median_ns).max()))
+    return L3Result(outliers, missing, int(scored.sum()), int(seg_n[scored].sum()), comparisons, z_star)
 
 
-def _flag(t, chunk, dists, scores, seg_key, seg_group, cfg) -> list[Outliers]:
-    """IQR fence per segment plus the effect floor (step 5)."""
-    q1, med, q3 = np.percentile(scores, [25, 50, 75], axis=1)
-    fence = q3 + cfg.alpha * (q3 - q1)
-    means = t.dist_mean_ns[dists]
-    mean_med = np.median(means, axis=1)
-    maxes = t.dist_max_ns[dists]
-    max_med = np.median(maxes, axis=1)                 # NaN when unknown: that path is off
-    excess = scores - med[:, None]
-    by_mean = np.abs(means - mean_med[:, None]) >= cfg.min_dominance * excess
-    with np.errstate(invalid="ignore"):
-        by_max = maxes >= cfg.tail_factor * max_med[:, None]
-    hit = (scores > fence[:, None]) & (excess >= cfg.min_effect * mean_med[:, None]) & (by_mean | by_max)
+def _flag(t, seg_key, seg_group, dists, w1, x, se, comm, z_star, cfg, *, ranks=None,
+          category: str = "") -> list[Outliers]:
+    """Step 5 for a batch of segments: rows of ``x`` (time per iteration) are peer groups."""
+    z, med, scale = robust_z(x, se, cfg.rel_floor)
+    med, scale = med[:, 0], np.sqrt(np.maximum(scale[:, 0] ** 2 - 0.0, 0.0))
+    hit = (z >= z_star) | ((z <= -z_star) & comm[:, None])
+    if not hit.any():
+        return []
+    ranks = t.dist_rank[dists] if ranks is None else ranks
+    if w1 is not None:
+        q1, q3 = np.percentile(w1, [25, 75], axis=1)
+        fence = q3 + cfg.alpha * (q3 - q1)
+        p50_med = np.median(t.dist_p50_ns[dists], axis=1)
+        mean_med = np.median(t.dist_mean_ns[dists], axis=1)
     out = []
     for i in np.flatnonzero(hit.any(axis=1)).tolist():
         j = np.flatnonzero(hit[i])
-        j = j[np.argsort(-scores[i, j], kind="stable")]
-        by = tuple("+".join(n for n, b in (("mean", by_mean[i, k]), ("max", by_max[i, k])) if b) for k in j)
+        j = j[np.argsort(-np.abs(x[i, j] - med[i]), kind="stable")]
+        mad_scale = float(np.median(np.abs(x[i] - med[i])) * 1.4826)
         out.append(Outliers(
-            int(seg_key[chunk[i]]), int(seg_group[chunk[i]]), dists[i, j], scores[i, j],
-            float(q1[i]), float(med[i]), float(q3[i]), float(fence[i]), int(dists.shape[1]),
-            float(np.median(t.dist_p50_ns[dists[i]])), float(mean_med[i]), float(max_med[i]), by))
+            int(seg_key[i]), int(seg_group[i]), ranks[i, j], dists[i, j], x[i, j], z[i, j],
+            w1[i, j] if w1 is not None else np.full(j.size, np.nan), float(med[i]),
+            float(np.hypot(mad_scale, cfg.rel_floor * med[i])), z_star, int(x.shape[1]),
+            float(p50_med[i]) if w1 is not None else 0.0, float(mean_med[i]) if w1 is not None else 0.0,
+            float(fence[i]) if w1 is not None else float("nan"), category))
     return out
 
 
 def kernel_findings(job_id: str, window: records_pb2.Window, t: KernelTable,
                     groups: Mapping[int, Sequence[int]], cfg: L3Config = L3Config(),
-                    dim: str | None = None) -> list[Finding]:
+                    dim: str | None = None, scale: WindowScale | None = None) -> list[Finding]:
     """L3 findings from a flat table and comparison groups ({group index: ranks})."""
     dim = dim or cfg.routing.kernel_group_dim
     rg = rank_to_group(groups)
     rank_group = np.array([rg.get(r, -1) for r in t.ranks.tolist()], dtype=np.int64)
-    res = score_kernels(t, rank_group, cfg)
+    iters = scale.iterations_array(t.ranks.tolist()) if scale is not None else None
+    res = score_kernels(t, rank_group, cfg, iters)
     out = []
     for o in res.outliers:
-        kernel, stream = t.keys[o.key]
-        suspects = tuple(SuspectRank(int(t.dist_rank[d]), float(s), {
-            "score": float(s), "fence": o.fence, "effect": float(s - o.median),
-            "p50_ns": float(t.dist_p50_ns[d]), "p99_ns": float(t.dist_p99_ns[d]),
-            "group_median_p50_ns": o.median_p50_ns,
-            "ratio": float(t.dist_p50_ns[d] / o.median_p50_ns) if o.median_p50_ns > 0 else 0.0,
-            "mean_ns": float(t.dist_mean_ns[d]), "group_median_mean_ns": o.median_mean_ns,
-            "mean_shift": float(t.dist_mean_ns[d] / o.median_mean_ns - 1) if o.median_mean_ns > 0 else 0.0,
-            "direction": "slower" if t.dist_mean_ns[d] >= o.median_mean_ns else "faster",
-            "count": int(t.dist_count[d]),
-            "max_ns": float(t.dist_max_ns[d]) if np.isfinite(t.dist_max_ns[d]) else 0.0,
-            "group_median_max_ns": o.median_max_ns if np.isfinite(o.median_max_ns) else 0.0,
-            "corroborated_by": by,
-        }) for d, s, by in zip(o.dists.tolist(), o.scores.tolist(), o.by))
+        if o.key >= 0:
+            kernel, stream = t.keys[o.key]
+        else:
+            kernel, stream = f"[{o.category}]", -1
+        comm = cfg.routing.is_communication(kernel) or o.category == "communication"
+        suspects = []
+        for k in range(o.ranks.size):
+            x, d = float(o.x_ns[k]), int(o.dists[k])
+            slower = x >= o.median_ns
+            ev = {"time_per_iteration_ns": x, "group_median_ns": o.median_ns,
+                  "ratio": x / o.median_ns if o.median_ns > 0 else 0.0,
+                  "z": float(o.z[k]), "z_threshold": o.z_star,
+                  "direction": "slower" if slower else "faster"}
+            if d >= 0:
+                ev |= {"w1_ns": float(o.w1[k]), "w1_fence_ns": o.w1_fence,
+                       "p50_ns": float(t.dist_p50_ns[d]), "p99_ns": float(t.dist_p99_ns[d]),
+                       "group_median_p50_ns": o.median_p50_ns, "count": int(t.dist_count[d]),
+                       "mean_ns": float(t.dist_mean_ns[d]), "group_median_mean_ns": o.median_mean_ns,
+                       "max_ns": float(t.dist_max_ns[d]) if np.isfinite(t.dist_max_ns[d]) else 0.0}
+            if comm and not slower:
+                ev["role"] = "late_arriver"   # its peers waited for it (ARGUS §9.5)
+            suspects.append(SuspectRank(int(o.ranks[k]), float(abs(o.z[k])), ev,
+                                        impact_ns=abs(x - o.median_ns)))
         out.append(Finding(
-            level="L3", kind="degraded_kernel", job_id=job_id, window=window,
+            level="L3", kind="degraded_kernels" if o.key < 0 else "degraded_kernel",
+            job_id=job_id, window=window,
             scope=Scope(kernel=kernel, stream=int(stream), group=dim, group_index=o.group),
-            suspects=suspects,
-            severity=float((o.scores[0] - o.median) / o.median_mean_ns) if o.median_mean_ns > 0 else 0.0,
-            evidence={"group_size": o.group_size, "q1": o.q1, "median_score": o.median, "q3": o.q3,
-                      "fence": o.fence, "alpha": cfg.alpha, "group_median_p50_ns": o.median_p50_ns,
-                      "group_median_mean_ns": o.median_mean_ns},
+            suspects=tuple(suspects), severity=float(np.max(np.abs(o.z))),
+            evidence={"group_size": o.group_size, "group_median_ns": o.median_ns,
+                      "peer_spread_ns": o.scale_ns, "z_threshold": o.z_star,
+                      "comparisons": res.comparisons, "false_alarm": cfg.false_alarm,
+                      "communication": comm, **({"category": o.category} if o.category else {})},
         ))
     for m in res.missing:
         kernel, stream = t.keys[m.key]
+        # absent from a sampled window is weak evidence (CPU-operator sampling, ARGUS §5.1):
+        # informational; a hang is named by the stall rule
         out.append(Finding(
             level="L3", kind="missing_kernel", job_id=job_id, window=window,
             scope=Scope(kernel=kernel, stream=int(stream), group=dim, group_index=m.group),
             suspects=tuple(SuspectRank(r, 1.0, {"present_on": m.present, "group_size": m.group_size})
                            for r in m.absent),
-            severity=1.0 - m.present / m.group_size,
+            severity=1.0 - m.present / m.group_size, informational=True,
             evidence={"present_on": m.present, "group_size": m.group_size,
                       "explanation": "peers ran this kernel in the window; the suspects did not"},
         ))
     return out
 
 
-def analyze_kernels(jw: JobWindow, cfg: L3Config = L3Config()) -> list[Finding]:
+def analyze_kernels(jw: JobWindow, cfg: L3Config = L3Config(), scale: WindowScale | None = None) -> list[Finding]:
     """L3 findings for one window of one job (module steps 1-6)."""
     if not jw.kernels:
         return []
     dim = cfg.routing.kernel_group_dim
     groups = group_of(resources_with(jw.resources, jw.kernels), dim)
-    return kernel_findings(jw.job_id, jw.window, flatten_kernels(jw.kernels), groups, cfg, dim)
+    return kernel_findings(jw.job_id, jw.window, flatten_kernels(jw.kernels), groups, cfg, dim,
+                           scale if scale is not None else window_scale(jw))

@@ -18,14 +18,25 @@ from google.protobuf import struct_pb2
 from trainscope.proto.model import Resource
 from trainscope.proto.v1 import records_pb2
 
-LEVELS = ("L1", "L2", "L3")
+#: Roles a suspect can have in a verdict (``attribution.py``).
+CULPRIT, WAITER, LINK, MISSING = "culprit", "waiter", "link", "missing"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SuspectRank:
+    """One rank a detector points at.
+
+    ``score`` is the detector's own statistic (W1, ratio, z); ``impact_ns``
+    is what the deviation costs, in nanoseconds per iteration (``impact.py``
+    fills it); ``role`` is filled by ``attribution.py``.
+    """
+
     rank: int
     score: float
     evidence: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    impact_ns: float = 0.0
+    role: str = ""
+    waited_for: int = -1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,6 +60,19 @@ class Finding:
     suspects: tuple[SuspectRank, ...] = ()   # best first
     severity: float = 0.0
     evidence: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    informational: bool = False
+    """Below the impact floor, not significant, or not persistent: evidence only, never a suspect."""
+    comparison: str = "peers"
+    """What the ranks were compared with: peers | sibling_groups | own_history | pair | job."""
+    step_ns: float = 0.0
+    """The window's step time (median iteration time over ranks), ns; 0 when unknown."""
+    job_impact_ns: float = 0.0
+    """What the finding costs the job, ns per iteration, when it names no rank (L1)."""
+
+    @property
+    def impact_ns(self) -> float:
+        """The largest impact of its suspects (or of the job-level anomaly), ns per iteration."""
+        return max(self.job_impact_ns, max((s.impact_ns for s in self.suspects), default=0.0))
 
     @property
     def id(self) -> str:
@@ -67,9 +91,23 @@ class Finding:
                 phase=self.scope.phase, kernel=self.scope.kernel, stream=self.scope.stream,
                 group=self.scope.group, group_index=self.scope.group_index),
         )
-        _fill(d.evidence, self.evidence)
+        d.informational = self.informational
+        d.comparison = self.comparison
+        d.impact_s = self.impact_ns / 1e9
+        d.impact_pct = 100.0 * self.impact_ns / self.step_ns if self.step_ns > 0 else 0.0
+        ev = dict(self.evidence)
+        if self.informational and self.suspects:
+            # informational findings never list suspects (ARCHITECTURE.md): keep them as evidence
+            ev["candidates"] = [{"rank": s.rank, "impact_s": s.impact_ns / 1e9, "score": float(s.score)}
+                                for s in self.suspects]
+        _fill(d.evidence, ev)
+        if self.informational:
+            return d
         for s in self.suspects:
-            _fill(d.suspects.add(rank=s.rank, score=float(s.score)).evidence, s.evidence)
+            m = d.suspects.add(rank=s.rank, score=float(s.score), role=s.role,
+                               impact_s=s.impact_ns / 1e9, waited_for=s.waited_for,
+                               impact_pct=100.0 * s.impact_ns / self.step_ns if self.step_ns > 0 else 0.0)
+            _fill(m.evidence, s.evidence)
         return d
 
 

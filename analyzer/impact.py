@@ -1,0 +1,112 @@
+"""Impact in time units: what a deviation costs, in seconds per iteration.
+
+A finding matters by what it costs the job, not by how far one kernel's
+distribution is from its peers': a 3x spike of a 20 µs kernel once in a
+window costs nothing on a 300 ms step, while every compute kernel 5 % slower
+costs 5 % of the step. Every suspect therefore carries ``impact_ns``: the
+nanoseconds per iteration attributable to it, and every finding is scored
+against the window's step time.
+
+1. ``window_scale(jw)``: per rank, how many iterations the window holds (an
+   iterations window says so itself; a time window counts the rank's
+   iteration marks; with neither, the whole window is one "iteration"), and
+   the step time: the median over ranks of their mean iteration time, else
+   the median window length per iteration.
+2. Detectors turn a per-window excess into a per-iteration impact with
+   ``per_iteration`` (an excess of total time in the window divided by the
+   rank's iterations).
+3. ``apply_floor``: findings whose largest impact is below ``floor_pct`` of
+   the step (or below ``floor_ns``) are *informational*: they stay as
+   evidence, never name suspects, never alert (ARCHITECTURE.md, replay
+   contract). Stalls and missing ranks are not scaled by impact: a hang's
+   cost is the whole step.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from trainscope.analyzer.model import Finding, JobWindow
+from trainscope.analyzer.topology import check_number
+from trainscope.proto.v1 import records_pb2
+
+#: Finding kinds that are never informational because of their impact.
+UNSCALED_KINDS = frozenset({"stall", "hang", "missing_rank"})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ImpactConfig:
+    floor_pct: float = 1.0
+    """A finding costing less than this % of the step is informational (never a suspect or alert)."""
+    floor_ns: float = 0.0
+    """...or less than this many ns per iteration (absolute floor; 0 = off)."""
+
+    def __post_init__(self) -> None:
+        check_number("impact.floor_pct", self.floor_pct, lambda v: 0 <= v < 100, "must be in [0, 100)")
+        check_number("impact.floor_ns", self.floor_ns, lambda v: v >= 0, "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WindowScale:
+    """Iterations per rank and the step time of one window (step 1)."""
+
+    step_ns: float                      # 0 when unknown
+    iterations: Mapping[int, float]     # rank -> iterations in the window (>= 1)
+    default_iterations: float = 1.0
+
+    def of(self, rank: int) -> float:
+        return self.iterations.get(rank, self.default_iterations)
+
+    def per_iteration(self, rank: int, excess_ns: float) -> float:
+        """An excess of total time in the window, per iteration of ``rank`` (step 2)."""
+        return float(excess_ns) / self.of(rank)
+
+    def pct(self, ns: float) -> float:
+        return 100.0 * ns / self.step_ns if self.step_ns > 0 else 0.0
+
+    def iterations_array(self, ranks: Iterable[int]) -> np.ndarray:
+        return np.array([self.of(r) for r in ranks], dtype=np.float64)
+
+
+def window_scale(jw: JobWindow) -> WindowScale:
+    """Step 1."""
+    w = jw.window
+    fixed = None
+    if w.kind == records_pb2.WINDOW_KIND_ITERATIONS and w.last_iteration >= w.first_iteration \
+            and (w.last_iteration or w.first_iteration):
+        fixed = float(w.last_iteration - w.first_iteration + 1)
+    iters: dict[int, float] = {}
+    means: list[float] = []
+    for rank, rec in jw.iterations.items():
+        n = len(rec.marks)
+        if fixed is not None:
+            iters[rank] = fixed
+        elif n:
+            iters[rank] = float(n)
+        if rec.mean_ns > 0:
+            means.append(rec.mean_ns)
+        elif n:
+            d = [m.end_ns - m.start_ns for m in rec.marks if m.end_ns > m.start_ns]
+            if d:
+                means.append(float(np.mean(d)))
+    default = fixed if fixed is not None else (float(np.median(list(iters.values()))) if iters else 1.0)
+    if means:
+        step = float(np.median(means))
+    else:  # no iteration marks: the window itself is the unit
+        lengths = [(r.window.end_ns - r.window.start_ns) / default
+                   for recs in (jw.kernels, jw.phases) for r in recs.values()
+                   if r.window.end_ns > r.window.start_ns]
+        step = float(np.median(lengths)) if lengths else 0.0
+    return WindowScale(step, iters, max(default, 1.0))
+
+
+def apply_floor(findings: list[Finding], scale: WindowScale, cfg: ImpactConfig) -> list[Finding]:
+    """Step 3: mark findings below the floor informational and give every finding the step time."""
+    floor = max(cfg.floor_ns, cfg.floor_pct / 100.0 * scale.step_ns)
+    out = []
+    for f in findings:
+        small = f.kind not in UNSCALED_KINDS and f.level != "L5" and f.impact_ns < floor
+        out.append(dataclasses.replace(f, informational=f.informational or small, step_ns=scale.step_ns))
+    return out

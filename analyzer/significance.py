@@ -1,0 +1,129 @@
+"""Significance against the peers' spread, corrected for the number of comparisons.
+
+A job with 300 kernels × 1,000 ranks makes 300,000 rank-to-peers comparisons
+per window; one with 10 kernels × 16 ranks makes 160. With one fixed
+threshold the first raises ~2,000× more false alarms. So every detector that
+compares ranks with peers states its family of comparisons and tests each at
+the Bonferroni level α / M (the family-wise false-alarm probability of the
+window stays ≤ α whatever M is).
+
+1. Statistic: a rank's value x_r (e.g. time per iteration in one kernel)
+   against its group: z_r = (x_r − median) / s_r with
+   s_r = sqrt(spread² + (rel_floor·median)²):
+   - spread = 1.4826·MAD: the peers' spread, robust to the outlier itself;
+     it already holds the sampling noise of every peer's value. In groups
+     of fewer than ``SMALL_GROUP`` peers the MAD is too coarse (three
+     identical peers have MAD = 0), so there the spread is at least se_r,
+     the sampling error of the rank's value under the null (its calls
+     behave like its peers');
+   - rel_floor·median: the persistent per-rank "personality" measured on
+     real traces (``docs/noise.md``), which a small group's MAD can miss
+     (three identical peers have MAD = 0).
+2. Threshold: |z| ≥ z* = Φ⁻¹(1 − α/M) (one-sided per direction). Assumption:
+   z is close to normal under the null; heavy tails are handled by se_r and
+   the floor, not by the quantile.
+3. Persistence (``Persistence``): a suspect must hold in ``k`` of the last
+   ``n`` windows before the verdict names it (stalls and hangs excepted);
+   with per-window false-alarm probability p the job-level rate falls to
+   about C(n,k)·p^k.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Iterable
+
+import numpy as np
+from scipy.special import ndtri
+
+from trainscope.analyzer.topology import check_number
+
+MAD_SIGMA = 1.4826
+#: Below this many peers the MAD is too coarse alone; the sampling error bounds the spread from below.
+SMALL_GROUP = 8
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SignificanceConfig:
+    alpha: float = 1e-3
+    """Family-wise false-alarm probability per window and level (Bonferroni over the comparisons)."""
+    rel_floor: float = 0.02
+    """Floor of the peers' spread as a fraction of their median (per-rank personality, docs/noise.md)."""
+    persist_k: int = 2
+    """A suspect must be flagged in k ...."""
+    persist_n: int = 3
+    """... of the last n windows before a verdict names it (stalls and hangs excepted)."""
+
+    def __post_init__(self) -> None:
+        check_number("significance.alpha", self.alpha, lambda v: 0 < v < 1, "must be in (0, 1)")
+        check_number("significance.rel_floor", self.rel_floor, lambda v: v >= 0, "must be >= 0")
+        check_number("significance.persist_k", self.persist_k, lambda v: v >= 1, "must be an integer >= 1", int)
+        check_number("significance.persist_n", self.persist_n, lambda v: v >= self.persist_k,
+                     "must be an integer >= persist_k", int)
+
+
+def z_threshold(alpha: float, comparisons: int) -> float:
+    """z* = Φ⁻¹(1 − α/M) (step 2)."""
+    return float(-ndtri(alpha / max(int(comparisons), 1)))
+
+
+def robust_z(x: np.ndarray, se: np.ndarray | None = None, rel_floor: float = 0.0,
+             axis: int = -1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """z of every element against the median of its row (step 1).
+
+    ``x``: (..., n) values of n peers. Returns (z, median, scale) with
+    median and scale broadcastable against ``x``.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    med = np.median(x, axis=axis, keepdims=True)
+    mad = np.median(np.abs(x - med), axis=axis, keepdims=True)
+    spread = (MAD_SIGMA * mad) ** 2
+    if se is not None and x.shape[axis] < SMALL_GROUP:
+        spread = np.maximum(spread, np.asarray(se, dtype=np.float64) ** 2)
+    var = spread + (rel_floor * np.abs(med)) ** 2
+    scale = np.sqrt(var)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.where(scale > 0, (x - med) / scale, 0.0)
+    return z, med, scale
+
+
+class Persistence:
+    """Which ranks have been flagged in k of the last n windows of one job (step 3).
+
+    ``update(index, flagged)`` is called once per analysed window, in window
+    order; windows never analysed (a gap) count as not flagged. It returns
+    the confirmed ranks. ``since(rank)`` is the first window of the rank's
+    current run (the onset the verdict reports).
+    """
+
+    def __init__(self, k: int, n: int) -> None:
+        self.k, self.n = k, n
+        self._recent: collections.deque[tuple[int, frozenset[int]]] = collections.deque(maxlen=n)
+        self._since: dict[int, int] = {}
+        self._impact: dict[int, float] = {}
+
+    def update(self, index: int, flagged: Iterable[int], impact: dict[int, float] | None = None) -> set[int]:
+        flagged = frozenset(flagged)
+        self._recent.append((index, flagged))
+        window = [f for i, f in self._recent if i > index - self.n]
+        counts = collections.Counter(r for f in window for r in f)
+        for r in flagged:
+            self._since.setdefault(r, index)
+            if impact and r in impact:   # smoothed impact keeps the top suspect stable
+                prev = self._impact.get(r)
+                self._impact[r] = impact[r] if prev is None else 0.5 * prev + 0.5 * impact[r]
+        for r in list(self._since):
+            if counts.get(r, 0) == 0:
+                del self._since[r]
+                self._impact.pop(r, None)
+        return {r for r, c in counts.items() if c >= self.k}
+
+    def held(self, rank: int) -> float:
+        """Fraction of the last n windows in which ``rank`` was flagged."""
+        return sum(1 for _, f in self._recent if rank in f) / self.n
+
+    def since(self, rank: int) -> int | None:
+        return self._since.get(rank)
+
+    def smoothed_impact(self, rank: int) -> float:
+        return self._impact.get(rank, 0.0)
