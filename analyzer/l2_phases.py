@@ -8,15 +8,20 @@ ARGUS Table 3):
    ``min_group_size`` ranks holding the phase are skipped.
 2. μ_G, σ_G (n−1, eq. 5) and CV = σ_G/μ_G: balanced (< ``cv_mild``), mild,
    severe (≥ ``cv_severe``). A balanced group yields nothing.
-3. Outliers. ARGUS flags z_r = (x̄_r − μ_G)/σ_G above a threshold. With n ranks
+3. Outliers. ARGUS flags z_r = (x̄_r − μ_G)/σ_G above a threshold (kept as
+   evidence). The decision is calibrated instead (``significance.py``): the
+   robust z of the rank's phase time per iteration against its group, with
+   the personality floor, must reach z* = Φ⁻¹(1 − α/M) over the M (rank,
+   phase) comparisons of the window, and the rank must be at least
+   ``min_excess`` slower than the median. The impact of a suspect is its
+   extra phase time per iteration (for a late arriver: the time its peers
+   waited). Why not z alone: With n ranks
    max |z| ≤ (n−1)/√n (1.15 for 3 ranks, 1.5 for 4), and k equal outliers
    mask each other (z ≈ √((n−1)(n−k)/(nk))), so a robust z is used beside it:
    (x̄_r − median)/scale with scale = max(1.4826·MAD, ``cv_mild``·median) (the
    floor keeps a perfectly homogeneous group from turning noise into huge
-   robust z). A rank is an outlier when (z ≥ ``z_threshold`` or robust z ≥
-   ``robust_z_threshold``) *and* x̄_r/median ≥ 1 + ``min_excess`` (a practical
-   magnitude: a 2 % difference is never a straggler, whatever its z; 15 %
-   is 4.5σ of the simulator's noisiest phase, the CPU-clock dataloader).
+   robust z); and a fixed threshold gives a 1,000-rank job far more false
+   alarms than a 16-rank one.
 4. Compute phases: slow outliers are stragglers (kind ``straggler``);
    MoE/expert phases (``imbalance`` pattern) give kind ``imbalance`` (ARGUS
    Table 6), and under a severe CV every rank ≥ 1 + ``min_excess`` over the
@@ -45,7 +50,9 @@ import re
 
 import numpy as np
 
+from trainscope.analyzer.impact import WindowScale, window_scale
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
+from trainscope.analyzer.significance import robust_z, z_threshold
 from trainscope.analyzer.topology import (
     RoutingConfig, check_number, group_of, rank_to_group, resources_with,
 )
@@ -63,14 +70,14 @@ class L2Config:
     """CV at or above which a group is mildly imbalanced (ARGUS App. B)."""
     cv_severe: float = 0.05
     """CV at or above which a group is severely imbalanced (ARGUS App. B)."""
-    z_threshold: float = 2.0
-    """z-score (eq. 5, σ with n−1) at or above which a rank is an outlier."""
-    robust_z_threshold: float = 3.5
-    """Robust z, (x − median)/max(1.4826·MAD, cv_mild·median): small groups, several outliers."""
     min_excess: float = 0.15
     """A straggler is at least this much slower than its group median (x/median ≥ 1 + this)."""
     comm_min_deficit: float = 0.2
     """A late arriver's collective is this much shorter than the median (x/median ≤ 1 − this)."""
+    false_alarm: float = 1e-3
+    """Family-wise false-alarm probability per window (Bonferroni over every (rank, phase) compared)."""
+    rel_floor: float = 0.02
+    """Floor of the peers' spread, × their median (per-rank personality, docs/noise.md)."""
     min_group_size: int = 3
     """Fewest ranks with the phase for a group to be compared."""
     imbalance: str = r"moe|expert"
@@ -85,11 +92,11 @@ class L2Config:
     def __post_init__(self) -> None:
         check_number("l2.cv_mild", self.cv_mild, lambda v: v > 0, "must be > 0")
         check_number("l2.cv_severe", self.cv_severe, lambda v: v >= self.cv_mild, "must be >= cv_mild")
-        check_number("l2.z_threshold", self.z_threshold, lambda v: v > 0, "must be > 0")
-        check_number("l2.robust_z_threshold", self.robust_z_threshold, lambda v: v > 0, "must be > 0")
         check_number("l2.min_excess", self.min_excess, lambda v: v > 0, "must be > 0")
         check_number("l2.comm_min_deficit", self.comm_min_deficit, lambda v: 0 < v < 1,
                      "must be in (0, 1)")
+        check_number("l2.false_alarm", self.false_alarm, lambda v: 0 < v < 1, "must be in (0, 1)")
+        check_number("l2.rel_floor", self.rel_floor, lambda v: v >= 0, "must be >= 0")
         check_number("l2.min_group_size", self.min_group_size, lambda v: v >= 3,
                      "must be an integer >= 3", int)
         check_number("l2.max_victims", self.max_victims, lambda v: v >= 0,
@@ -104,8 +111,9 @@ class L2Config:
             raise ConfigError("l2.routing", self.routing, "must be a RoutingConfig")
 
 
-def phase_matrix(jw: JobWindow) -> tuple[list[int], list[str], np.ndarray]:
-    """Ranks, phase names, and (ranks × phases) mean durations in ns, NaN where absent (step 1)."""
+def phase_matrix(jw: JobWindow, totals: bool = False):
+    """Ranks, phase names, and (ranks × phases) mean durations in ns, NaN where absent (step 1);
+    with ``totals``, also the (ranks × phases) total time in ns."""
     ranks = sorted(jw.phases)
     per_rank: list[dict[str, tuple[float, int]]] = []
     names: set[str] = set()
@@ -122,10 +130,12 @@ def phase_matrix(jw: JobWindow) -> tuple[list[int], list[str], np.ndarray]:
     phases = sorted(names)
     col = {p: j for j, p in enumerate(phases)}
     m = np.full((len(ranks), len(phases)), np.nan)
+    tot = np.full((len(ranks), len(phases)), np.nan)
     for i, acc in enumerate(per_rank):
         for p, (t, c) in acc.items():
             m[i, col[p]] = t / c
-    return ranks, phases, m
+            tot[i, col[p]] = t
+    return (ranks, phases, m, tot) if totals else (ranks, phases, m)
 
 
 def group_stats(x: np.ndarray, label: np.ndarray) -> dict[str, np.ndarray]:
@@ -167,9 +177,12 @@ class _Phase:
     ratio: np.ndarray
     cv: np.ndarray
     eligible: np.ndarray
+    per_iter: np.ndarray = None     # phase time per iteration, ns
+    sz: np.ndarray = None           # calibrated z of per_iter against the group (step 3)
+    per_iter_median: np.ndarray = None
 
 
-def _phase(name, dim, comm, col, label_of_row, cfg) -> _Phase | None:
+def _phase(name, dim, comm, col, label_of_row, cfg, per_iter_col=None) -> _Phase | None:
     rows = np.flatnonzero(np.isfinite(col) & (label_of_row >= 0))
     if rows.size == 0:
         return None
@@ -182,14 +195,23 @@ def _phase(name, dim, comm, col, label_of_row, cfg) -> _Phase | None:
         ratio = np.where(st["median"] > 0, x / st["median"], 1.0)
         cv = np.where(st["mean"] > 0, st["std"] / st["mean"], 0.0)
     eligible = (st["n"] >= cfg.min_group_size) & (cv >= cfg.cv_mild)
-    return _Phase(name, dim, comm, rows, label, x, st, z, rz, ratio, cv, eligible)
+    pi = x if per_iter_col is None else per_iter_col[rows]
+    sz = np.zeros(rows.size)
+    pmed = np.zeros(rows.size)
+    for g in np.unique(label).tolist():
+        idx = np.flatnonzero(label == g)
+        zz, med, _ = robust_z(pi[idx], None, cfg.rel_floor)
+        sz[idx], pmed[idx] = zz, med.ravel()[0]
+    return _Phase(name, dim, comm, rows, label, x, st, z, rz, ratio, cv, eligible, pi, sz, pmed)
 
 
-def analyze_phases(jw: JobWindow, cfg: L2Config = L2Config()) -> list[Finding]:
+def analyze_phases(jw: JobWindow, cfg: L2Config = L2Config(), scale: WindowScale | None = None) -> list[Finding]:
     """L2 findings for one window of one job (module steps 1-5)."""
-    ranks, names, m = phase_matrix(jw)
+    ranks, names, m, tot = phase_matrix(jw, totals=True)
     if not names:
         return []
+    scale = scale if scale is not None else window_scale(jw)
+    per_iter = tot / scale.iterations_array(ranks)[:, None]
     resources = resources_with(jw.resources, jw.phases)
     labels: dict[str, np.ndarray] = {}
     imbalance = re.compile(cfg.imbalance, re.IGNORECASE)
@@ -200,35 +222,39 @@ def analyze_phases(jw: JobWindow, cfg: L2Config = L2Config()) -> list[Finding]:
         if dim not in labels:
             g = rank_to_group(group_of(resources, dim))
             labels[dim] = np.array([g.get(r, -1) for r in ranks], dtype=np.int64)
-        ph = _phase(name, dim, cfg.routing.is_communication(name), m[:, j], labels[dim], cfg)
+        ph = _phase(name, dim, cfg.routing.is_communication(name), m[:, j], labels[dim], cfg, per_iter[:, j])
         if ph is not None:
             phases.append(ph)
+    z_star = z_threshold(cfg.false_alarm, sum(int(ph.eligible.sum()) for ph in phases))
     # ratio of every rank to its own group median, per compute phase (for the cross-check)
     compute_ratio = {ph.name: dict(zip(ph.rows.tolist(), ph.ratio.tolist()))
                      for ph in phases if not ph.comm}
     out: list[Finding] = []
     for ph in phases:
-        high = ph.eligible & (ph.ratio >= 1 + cfg.min_excess) & (
-            (ph.z >= cfg.z_threshold) | (ph.rz >= cfg.robust_z_threshold))
+        high = ph.eligible & (ph.ratio >= 1 + cfg.min_excess) & (ph.sz >= z_star)
         if not ph.comm:
             kind = "imbalance" if imbalance.search(ph.name) else "straggler"
             if kind == "imbalance":
                 high |= ph.eligible & (ph.cv >= cfg.cv_severe) & (ph.ratio >= 1 + cfg.min_excess)
-            out += _findings(jw, ph, high, kind, cfg, ranks)
+            out += _findings(jw, ph, high, kind, cfg, ranks, z_star)
             continue
         late = ph.eligible & (ph.cv >= cfg.cv_severe) & (ph.ratio <= 1 - cfg.comm_min_deficit) & (
-            (ph.z <= -cfg.z_threshold) | (ph.rz <= -cfg.robust_z_threshold))
+            ph.sz <= -z_star)
         if late.any():
-            out += _late_findings(jw, ph, late, cfg, ranks, compute_ratio, pure)
+            out += _late_findings(jw, ph, late, cfg, ranks, compute_ratio, pure, z_star)
         else:
-            out += _findings(jw, ph, high, "slow_communication", cfg, ranks)
+            out += _findings(jw, ph, high, "slow_communication", cfg, ranks, z_star)
     return out
 
 
-def _evidence(ph: _Phase, i: int) -> dict:
+def _evidence(ph: _Phase, i: int, z_star: float) -> dict:
     return {"mean_ns": float(ph.x[i]), "group_median_ns": float(ph.st["median"][i]),
             "group_mean_ns": float(ph.st["mean"][i]), "z": float(ph.z[i]),
-            "robust_z": float(ph.rz[i]), "cv": float(ph.cv[i]), "ratio": float(ph.ratio[i])}
+            "robust_z": float(ph.rz[i]), "cv": float(ph.cv[i]), "ratio": float(ph.ratio[i]),
+            "time_per_iteration_ns": float(ph.per_iter[i]),
+            "group_median_per_iteration_ns": float(ph.per_iter_median[i]),
+            "significance_z": float(ph.sz[i]), "z_threshold": z_star,
+            "direction": "slower" if ph.ratio[i] >= 1 else "faster"}
 
 
 def _group_evidence(ph: _Phase, i: int, cfg: L2Config) -> dict:
@@ -238,12 +264,13 @@ def _group_evidence(ph: _Phase, i: int, cfg: L2Config) -> dict:
             "group_median_ns": float(ph.st["median"][i]), "communication": ph.comm}
 
 
-def _findings(jw, ph: _Phase, flag: np.ndarray, kind: str, cfg, ranks) -> list[Finding]:
+def _findings(jw, ph: _Phase, flag: np.ndarray, kind: str, cfg, ranks, z_star: float) -> list[Finding]:
     out = []
     for g in np.unique(ph.label[flag]).tolist():
         idx = np.flatnonzero(flag & (ph.label == g))
         idx = idx[np.argsort(-ph.ratio[idx], kind="stable")]
-        suspects = tuple(SuspectRank(ranks[ph.rows[i]], float(ph.ratio[i]), _evidence(ph, i))
+        suspects = tuple(SuspectRank(ranks[ph.rows[i]], float(ph.ratio[i]), _evidence(ph, i, z_star),
+                                     impact_ns=max(0.0, float(ph.per_iter[i] - ph.per_iter_median[i])))
                          for i in idx)
         out.append(Finding(
             level="L2", kind=kind, job_id=jw.job_id, window=jw.window,
@@ -253,7 +280,7 @@ def _findings(jw, ph: _Phase, flag: np.ndarray, kind: str, cfg, ranks) -> list[F
     return out
 
 
-def _late_findings(jw, ph: _Phase, late: np.ndarray, cfg, ranks, compute_ratio, pure) -> list[Finding]:
+def _late_findings(jw, ph: _Phase, late: np.ndarray, cfg, ranks, compute_ratio, pure, z_star) -> list[Finding]:
     out = []
     for g in np.unique(ph.label[late]).tolist():
         members = np.flatnonzero(ph.label == g)
@@ -266,14 +293,17 @@ def _late_findings(jw, ph: _Phase, late: np.ndarray, cfg, ranks, compute_ratio, 
             slow = {p: float(r[rank_row]) for p, r in compute_ratio.items()
                     if rank_row in r and r[rank_row] >= 1 + cfg.min_excess}
             slower = {p: v for p, v in slow.items() if pure.search(p)}
-            ev = _evidence(ph, i) | {
+            ev = _evidence(ph, i, z_star) | {
                 "role": "late_arriver",
                 "peers_waited_ns": float(ph.st["median"][i] - ph.x[i]),
                 "compute_slower": slower,
                 "other_phases_slower": {p: v for p, v in slow.items() if p not in slower},
                 "cause": "own_compute" if slower else "delayed_by_dependency",
             }
-            suspects.append(SuspectRank(ranks[rank_row], float(1.0 / max(ph.ratio[i], 1e-12)), ev))
+            # its cost: how long its peers waited for it, per iteration
+            waited = max(0.0, float(ph.per_iter_median[i] - ph.per_iter[i]))
+            suspects.append(SuspectRank(ranks[rank_row], float(1.0 / max(ph.ratio[i], 1e-12)), ev,
+                                        impact_ns=waited))
         ev = _group_evidence(ph, idx[0], cfg) | {
             "victims": victims[: cfg.max_victims], "victims_count": len(victims),
             "explanation": ("the peers waited in the collective for the late arriver(s), which "

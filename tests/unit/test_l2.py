@@ -142,7 +142,7 @@ def test_repeated_phase_names_merge_and_config_is_validated():
     ranks, names, m = phase_matrix(jw)
     assert m[0, names.index("forward")] == pytest.approx(60 * MS, rel=0.01)
     for field, bad in [("cv_mild", 0), ("cv_severe", 0.01), ("min_group_size", 2), ("imbalance", "("),
-                       ("comm_min_deficit", 1.0), ("z_threshold", True), ("pure_compute", "[")]:
+                       ("comm_min_deficit", 1.0), ("false_alarm", True), ("rel_floor", -1.0), ("pure_compute", "[")]:
         with pytest.raises(ConfigError) as e:
             L2Config(**{field: bad})
         assert e.value.setting == f"l2.{field}"
