@@ -331,6 +331,12 @@ def _carriers(ranks, ratio: np.ndarray, threshold: float, cfg: L1Config) -> tupl
                  for i in order)
 
 
+def _window_iterations(window: records_pb2.Window) -> int:
+    if window.kind == records_pb2.WINDOW_KIND_ITERATIONS and window.last_iteration >= window.first_iteration:
+        return int(window.last_iteration - window.first_iteration + 1)
+    return 1
+
+
 def l1_findings(
     job_id: str,
     series_by_rank: Mapping[int, tuple[np.ndarray, np.ndarray]],
@@ -389,7 +395,14 @@ def l1_findings(
             for s in _carriers(ranks, own, exceed, cfg):
                 if s.rank not in best or s.score > best[s.rank].score:
                     best[s.rank] = s
-        suspects = tuple(sorted(best.values(), key=lambda s: -s.score))
+        baseline = float(np.median(job))
+        # cost: the extra time of the effective points, spread over the window's iterations
+        excess = sum(float(np.sum(np.maximum(job[j.effective_start:j.effective_end] - baseline, 0.0)))
+                     for j in jits)
+        width = sum(j.effective_width for j in jits)
+        per_iter = excess / max(width, _window_iterations(window))
+        suspects = tuple(dataclasses.replace(s, impact_ns=per_iter)
+                         for s in sorted(best.values(), key=lambda s: -s.score))
         out.append(Finding(
             level="L1", kind="jitter", job_id=job_id, window=window, suspects=suspects,
             severity=max(j.peak_ratio for j in jits),
@@ -398,6 +411,7 @@ def l1_findings(
                       "end_iteration": intervals[-1]["effective_last_iteration"],
                       "baseline_ns": float(np.median(job)), "window_points": cfg.window,
                       "ratio_threshold": theta, "exceed_factor": exceed, "noise_sigma": sigma},
+            job_impact_ns=per_iter,
         ))
     reg = res.regression
     if reg is not None and it[min(reg.split + cfg.min_segment - 1, n - 1)] >= since:
@@ -406,9 +420,12 @@ def l1_findings(
         after = cols_at >= reg.split
         with _quiet():
             own = np.nanmean(m[:, after], axis=1) / np.nanmean(m[:, ~after], axis=1)
+        lost = reg.mean_after - reg.mean_before
         out.append(Finding(
             level="L1", kind="regression", job_id=job_id, window=window,
-            suspects=_carriers(ranks, own, cfg.min_regression_ratio, cfg), severity=reg.ratio,
+            suspects=tuple(dataclasses.replace(s, impact_ns=lost)
+                           for s in _carriers(ranks, own, cfg.min_regression_ratio, cfg)),
+            severity=reg.ratio, job_impact_ns=lost,
             evidence={"state": res.state, "split_iteration": it[reg.split],
                       "last_iteration_before": it[reg.split - 1], "ratio": reg.ratio,
                       "mean_before_ns": reg.mean_before, "mean_after_ns": reg.mean_after,
