@@ -1,115 +1,252 @@
-"""Merge the findings of L1–L3 about one window into one verdict per job.
+"""Merge the findings of every level about one window into one verdict per job.
 
-Steps:
-1. Every suspect of every finding votes for its rank with its finding's
-   level. The vote is *culprit* evidence when the rank is slower than its
-   peers in computation, or faster in communication (a late arriver's
-   collectives are its shortest, ARGUS §9.5); it is *victim* evidence when
-   the rank is slower in communication (it waited). Ranks are ordered by the
-   number of distinct levels with culprit evidence (agreement across
-   independent signals is the strongest evidence, ARGUS §6), then by all
-   levels, then by culprit minus victim score.
-2. Phases come from L2 findings, kernels from L3 findings. Those where the
-   top suspect itself is slower than its peers come first; then those where
-   it is *faster* (a late arriver's collectives are its shortest while its
-   peers wait, ARGUS §9.5: evidence, not the degraded part); each by score.
-3. The summary sentence names the top rank with its coordinates, the phase
-   and the kernel, and the L1 state of the job when L1 found something.
+Steps (the verdict schema is ARCHITECTURE.md's replay contract):
+1. Informational findings (below the impact floor, ``impact.py``; not
+   significant; sampled-out kernels) stay in ``Verdict.findings`` as
+   evidence and name nobody. L5 findings only corroborate: they add the host
+   function to a rank that another level named.
+2. The other findings become typed evidence and are attributed
+   (``attribution.py``): culprits, waiters pointing at the rank they waited
+   for, slow links, missing ranks; scores in seconds per iteration.
+3. Persistence (``significance.Persistence``): a rank becomes a suspect of
+   the verdict once it was flagged in k of the last n windows; before that
+   it is ``pending``. Stalls are named at once. A partial window (ranks
+   missing) never names the ranks present because others are absent: it
+   only feeds the persistence of ranks it flags on their own evidence.
+4. Aggregation: when the suspects' impact sits mostly (≥ 2/3) on one host
+   and at least two suspects share it, the verdict names the host first
+   (a degraded NVLink, NIC or PCIe switch slows every GPU behind it).
+5. State: ``stalled`` (a stall finding), ``degraded`` (a confirmed suspect,
+   or an L1 anomaly above the floor), ``unknown`` (no comparison could be
+   made: groups too small and no history yet), else ``healthy``.
+6. Confidence in [0, 1]: 0.4 × the margin of the top suspect (or host) over
+   the next (1 − next/top impact), + 0.3 × agreement (distinct levels with
+   culprit evidence, 2 or more = full), + 0.3 × persistence (share of the
+   last n windows in which the top suspect was flagged). A healthy verdict's
+   confidence is the share of levels that could compare ranks, lowered when
+   ranks are pending.
+7. Ordering among suspects uses the impact smoothed over windows, so the top
+   suspect of a persistent fault does not flip with one window's noise.
 """
 from __future__ import annotations
 
 import collections
-import math
 import time
+from typing import Mapping, Sequence
 
-from trainscope.analyzer.model import Finding
-from trainscope.analyzer.topology import RoutingConfig
-
-_ROUTING = RoutingConfig()
+from trainscope.analyzer.attribution import Evidence, RankVerdict, attribute, evidence_of
+from trainscope.analyzer.model import CULPRIT, LINK, MISSING, WAITER, Finding, JobWindow
+from trainscope.analyzer.significance import Persistence
 from trainscope.proto.model import Resource
 from trainscope.proto.v1 import records_pb2
 
+HEALTHY, DEGRADED, STALLED, UNKNOWN = "healthy", "degraded", "stalled", "unknown"
 
-def merge(job_id: str, window: records_pb2.Window, findings: list[Finding],
-          resources: dict[int, Resource] | None = None) -> records_pb2.Verdict:
-    levels: dict[int, set[str]] = collections.defaultdict(set)
-    culprit_levels: dict[int, set[str]] = collections.defaultdict(set)
-    score: dict[int, float] = collections.defaultdict(float)
-    balance: dict[int, float] = collections.defaultdict(float)
-    where: dict[int, list[str]] = collections.defaultdict(list)
-    named: list[tuple[Finding, object]] = []
-    for f in findings:
-        top = max((s.score for s in f.suspects), default=0.0) or 1.0
-        comm = _ROUTING.is_communication(f.scope.phase or f.scope.kernel) if (f.scope.phase or f.scope.kernel) else False
-        for s in f.suspects:
-            levels[s.rank].add(f.level)
-            score[s.rank] += s.score / top
-            ratio = s.evidence.get("ratio", 1.0)
-            has_ratio = isinstance(ratio, (int, float)) and ratio > 0
-            direction = s.evidence.get("direction")  # L3: from the exact mean, more reliable than p50
-            slower = direction == "slower" if direction else (not has_ratio or ratio >= 1.0)
-            # strength: how many-fold the rank differs from its peers (|ln ratio|)
-            weight = abs(math.log(ratio)) if has_ratio else s.score / top
-            if comm and slower:
-                balance[s.rank] -= weight
-            else:
-                culprit_levels[s.rank].add(f.level)
-                balance[s.rank] += weight
-            label = f.scope.phase or f.scope.kernel or s.evidence.get("function") or f.kind
-            if label not in where[s.rank]:
-                where[s.rank].append(label)
-            named.append((f, s))
-    ranked = sorted(levels, key=lambda r: (-len(culprit_levels[r]), -balance[r], -score[r], r))
-    top = ranked[0] if ranked else None
-    phases: dict[str, tuple] = {}
-    kernels: dict[str, tuple] = {}
-    for f, s in named:
-        ratio = s.evidence.get("ratio", 1.0)
-        direction = s.evidence.get("direction")
-        slower = direction == "slower" if direction else (isinstance(ratio, (int, float)) and ratio >= 1.0)
-        key = (s.rank != top, not slower, -s.score)
-        if f.level == "L2" and f.scope.phase:
-            phases[f.scope.phase] = min(phases.get(f.scope.phase, key), key)
-        if f.level == "L3" and f.scope.kernel:
-            kernels[f.scope.kernel] = min(kernels.get(f.scope.kernel, key), key)
-    v = records_pb2.Verdict(job_id=job_id, window=window, created_unix_ns=time.time_ns())
-    for r in ranked:
-        s = v.ranks.add(rank=r, score=len(culprit_levels[r]) + len(levels[r]) / 4 + balance[r] / (1.0 + abs(balance[r])) / 8)
-        s.evidence.update({"levels": sorted(levels[r]), "culprit_levels": sorted(culprit_levels[r]),
-                           "where": where[r][:10]})
-    v.phases.extend(sorted(phases, key=lambda p: phases[p]))
-    v.kernels.extend(sorted(kernels, key=lambda k: kernels[k]))
+
+def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
+          resources: Mapping[int, Resource] | None = None, *, jw: JobWindow | None = None,
+          step_ns: float = 0.0, iterations: Mapping[int, float] | None = None,
+          persistence: Persistence | None = None, comparisons: Mapping[str, int] | None = None,
+          partial: bool = False) -> records_pb2.Verdict:
+    """One verdict for one window of one job (module steps 1-7).
+
+    ``comparisons``: per level, how many rank comparisons it could make
+    (0 everywhere → ``unknown``); None when not counted (treated as made).
+    ``persistence`` is the job's tracker; without one every flagged rank is
+    named at once (k = 1).
+    """
+    resources = resources or {}
+    active = [f for f in findings if not f.informational]
+    evidence: list[Evidence] = []
+    for f in active:
+        if f.level != "L5":
+            evidence += evidence_of(f)
+    ranked = attribute(evidence, resources, jw, iterations)
+    host_fn = {s.rank: s.evidence.get("function") for f in active if f.level == "L5" for s in f.suspects}
+    stalled_ranks = {s.rank for f in active if f.kind == "stall" for s in f.suspects}
+
+    # step 3: persistence
+    flagged = {rv.rank: rv for rv in ranked if rv.role in (CULPRIT, LINK, WAITER)}
+    if persistence is not None:
+        confirmed = persistence.update(int(window.index), flagged,
+                                       {r: rv.score_ns for r, rv in flagged.items()})
+    else:
+        confirmed = set(flagged)
+    confirmed = (confirmed & set(flagged)) | (stalled_ranks & set(flagged))
+    smooth = (lambda r: persistence.smoothed_impact(r) or flagged[r].score_ns) if persistence else (
+        lambda r: flagged[r].score_ns)
+    order = {CULPRIT: 0, LINK: 1, WAITER: 2, MISSING: 3}
+    suspects = sorted((flagged[r] for r in confirmed),
+                      key=lambda rv: (order[rv.role], -smooth(rv.rank), rv.rank))
+    pending = sorted(set(flagged) - confirmed)
+
+    v = records_pb2.Verdict(job_id=job_id, window=window, created_unix_ns=time.time_ns(),
+                            step_s=step_ns / 1e9, partial=partial)
+    if persistence is not None and suspects:
+        since = [persistence.since(rv.rank) for rv in suspects[:3]]
+        since = [s for s in since if s is not None]
+        if since:
+            v.since_window = min(since)
+    # step 4: host
+    host = _shared_host(suspects, resources)
+    if host:
+        v.host = host
+    for rv in suspects:
+        res = resources.get(rv.rank)
+        s = v.ranks.add(rank=rv.rank, score=rv.score_ns / 1e9, role=rv.role, impact_s=rv.score_ns / 1e9,
+                        impact_pct=100.0 * rv.score_ns / step_ns if step_ns > 0 else 0.0,
+                        host=res.host if res else "", waited_for=rv.waited_for,
+                        why=_why(rv, step_ns, host_fn.get(rv.rank)))
+        s.evidence.update({"levels": sorted(rv.levels), "culprit_levels": sorted(rv.culprit_levels),
+                           "where": rv.where[:10], "waiters": rv.waiters[:16],
+                           "comparisons": sorted(rv.comparisons),
+                           **({"host_function": host_fn[rv.rank]} if host_fn.get(rv.rank) else {})})
+    v.pending.extend(pending)
+    v.phases.extend(_places(suspects, active, "phase"))
+    v.kernels.extend(_places(suspects, active, "kernel"))
     v.findings.extend(f.to_pb() for f in findings)
-    v.summary = summarize(job_id, v, findings, resources or {})
+    # step 5: state; step 6: confidence
+    l1 = [f for f in active if f.level == "L1" and f.kind in ("jitter", "regression")]
+    made = None if comparisons is None else sum(comparisons.values())
+    if any(f.kind == "stall" for f in active):
+        v.state = STALLED
+    elif suspects or l1:
+        v.state = DEGRADED
+    elif made == 0 and not pending:
+        v.state = UNKNOWN
+    else:
+        v.state = HEALTHY
+    v.comparison = _comparison(comparisons, suspects)
+    v.confidence = _confidence(v.state, suspects, resources, host, persistence, comparisons, pending)
+    v.summary = summarize(job_id, v, findings, resources)
     return v
 
 
-def summarize(job_id: str, v: records_pb2.Verdict, findings: list[Finding],
-              resources: dict[int, Resource]) -> str:
-    l1 = sorted({f.kind for f in findings if f.level == "L1"})
-    if not v.ranks and not l1:
-        return f"job {job_id}: healthy"
-    parts = [f"job {job_id}"]
+def _shared_host(suspects: list[RankVerdict], resources: Mapping[int, Resource]) -> str:
+    """Step 4: the host holding ≥ 2/3 of the suspects' impact, with at least two of them."""
+    by_host: dict[str, float] = collections.defaultdict(float)
+    count: dict[str, int] = collections.Counter()
+    total = 0.0
+    for rv in suspects:
+        if rv.role not in (CULPRIT, LINK):
+            continue
+        h = resources[rv.rank].host if rv.rank in resources else ""
+        total += rv.score_ns
+        if h:
+            by_host[h] += rv.score_ns
+            count[h] += 1
+    if not by_host or total <= 0:
+        return ""
+    h = max(by_host, key=by_host.get)
+    return h if count[h] >= 2 and by_host[h] >= 2 / 3 * total else ""
+
+
+def _why(rv: RankVerdict, step_ns: float, host_fn: str | None) -> str:
+    ms = rv.score_ns / 1e6
+    pct = f" ({100 * rv.score_ns / step_ns:.1f}% of the step)" if step_ns > 0 else ""
+    where = ", ".join(w[:48] for w in rv.where[:3])
+    lv = "+".join(sorted(rv.levels))
+    if rv.role == WAITER:
+        who = f" for rank {rv.waited_for}" if rv.waited_for >= 0 else ""
+        return f"waited {ms:.3g} ms/iteration{pct} in {where}{who} [{lv}]"
+    if rv.role == LINK:
+        return f"collective {where} slower by {ms:.3g} ms/iteration{pct} with no late member: slow link [{lv}]"
+    extra = f"; host busy in {host_fn}" if host_fn else ""
+    made = f"; made ranks {', '.join(map(str, rv.waiters[:6]))} wait" if rv.waiters else ""
+    return f"costs {ms:.3g} ms/iteration{pct} in {where} [{lv}]{made}{extra}"
+
+
+def _places(suspects: list[RankVerdict], findings: list[Finding], what: str) -> list[str]:
+    """Phases (or kernels) where the top suspects are slower, by impact."""
+    top = {rv.rank for rv in suspects[:8]}
+    best: dict[str, float] = {}
+    for f in findings:
+        name = f.scope.phase if what == "phase" else f.scope.kernel
+        if not name or (what == "phase") != (f.level == "L2"):
+            continue
+        for s in f.suspects:
+            if s.rank in top:
+                best[name] = max(best.get(name, 0.0), s.impact_ns)
+    return sorted(best, key=lambda k: -best[k])[:10]
+
+
+def _comparison(comparisons: Mapping[str, int] | None, suspects: list[RankVerdict]) -> str:
+    if suspects:
+        kinds = set().union(*(rv.comparisons for rv in suspects[:3]))
+        return "+".join(sorted(kinds))
+    if comparisons is None:
+        return "peers"
+    made = [k for k, n in comparisons.items() if n > 0]
+    return "+".join(sorted(made)) if made else "none"
+
+
+def _confidence(state: str, suspects: list[RankVerdict], resources, host: str,
+                persistence: Persistence | None, comparisons, pending) -> float:
+    """Step 6."""
+    if state == UNKNOWN:
+        return 0.0
+    if state == STALLED and not suspects:
+        return 0.8       # no progress is a fact; who stopped first could not be told
+    if state in (HEALTHY,) or (state == DEGRADED and not suspects):
+        levels = comparisons or {}
+        share = (sum(1 for n in levels.values() if n > 0) / len(levels)) if levels else 1.0
+        return round(share * (0.7 if pending else 1.0) * (0.5 if state == DEGRADED else 1.0), 2)
+    top = suspects[0]
+    if host:
+        by_host = collections.defaultdict(float)
+        for rv in suspects:
+            by_host[resources[rv.rank].host if rv.rank in resources else ""] += rv.score_ns
+        vals = sorted(by_host.values(), reverse=True)
+    else:
+        vals = [rv.score_ns for rv in suspects if rv.role in (CULPRIT, LINK)] or [top.score_ns]
+    margin = 1.0 - (vals[1] / vals[0] if len(vals) > 1 and vals[0] > 0 else 0.0)
+    agreement = min(1.0, len(top.culprit_levels or top.levels) / 2)
+    held = persistence.held(top.rank) if persistence is not None else 1.0
+    return round(0.4 * margin + 0.3 * agreement + 0.3 * held, 2)
+
+
+def summarize(job_id: str, v: records_pb2.Verdict, findings: Sequence[Finding],
+              resources: Mapping[int, Resource]) -> str:
+    """One line a person can act on."""
+    step = f", step {v.step_s * 1e3:.4g} ms" if v.step_s > 0 else ""
+    head = f"job {job_id}: {v.state or HEALTHY}"
+    if v.HasField("since_window"):
+        head += f" since window {v.since_window}"
+    head += f" (confidence {v.confidence:.2f}{step})"
+    if v.state == UNKNOWN:
+        return head + " — no comparison possible (groups too small, no history yet)"
+    parts = [head]
+    l1 = sorted({f.kind for f in findings if f.level == "L1" and not f.informational})
     if l1:
         parts.append("iteration time: " + "+".join(l1))
+    if v.host:
+        on = [s.rank for s in v.ranks if s.host == v.host]
+        parts.append(f"host {v.host} (ranks {_ranges(on)})")
     if v.ranks:
-        top = v.ranks[0].rank
-        res = resources.get(top)
+        top = v.ranks[0]
+        res = resources.get(top.rank)
         coords = ""
         if res is not None:
             c = res.coords
             coords = f" (host {res.host or '?'}, dp={c.dp} tp={c.tp} pp={c.pp} ep={c.ep} cp={c.cp})"
-        what = []
-        if v.phases:
-            what.append("phase " + ", ".join(v.phases[:3]))
-        if v.kernels:
-            what.append("kernel " + ", ".join(k[:60] for k in v.kernels[:2]))
-        host = [s.evidence.get("function") for f in findings if f.level == "L5"
-                for s in f.suspects if s.rank == top]
-        if host:
-            what.append(f"host busy in {host[0]}")
-        lv = ",".join(sorted(set(v.ranks[0].evidence["levels"])))
-        parts.append(f"suspect rank {top}{coords} [{lv}]" + (": " + "; ".join(what) if what else ""))
+        parts.append(f"{top.role} rank {top.rank}{coords}: {top.why}")
         if len(v.ranks) > 1:
-            parts.append("also " + ", ".join(str(s.rank) for s in v.ranks[1:6]))
+            parts.append("also " + ", ".join(f"{s.rank} ({s.role})" for s in v.ranks[1:6]))
+    if v.pending:
+        parts.append(f"watching {len(v.pending)} rank(s) not yet persistent: "
+                     + ", ".join(map(str, list(v.pending)[:6])))
+    if v.partial:
+        parts.append("partial window: ranks missing")
     return " — ".join(parts)
+
+
+def _ranges(ranks: list[int]) -> str:
+    ranks = sorted(ranks)
+    out, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}–{ranks[j]}")
+        i = j + 1
+    return ", ".join(out)

@@ -4,8 +4,13 @@ Only flagged results become series (ARCHITECTURE.md: per-rank-per-kernel
 series are not allowed for healthy ranks): one ``trainscope_suspect_score``
 series per (job, level, kind, rank, phase, kernel) currently flagged, expiring
 ``ttl_s`` after the last window that flagged it, capped at ``max_series``.
-Job-level series: the L1 state, the stall flag, counts of diagnoses, and the
-analyzer's own health (records in, bad records, windows analysed).
+Its value is the suspect's impact in **seconds lost per iteration**; only
+suspects the verdict names (persistent, above the impact floor) and stalls
+become series, so alerts inherit the verdict's calibration.
+Job-level series: the verdict (state, confidence, suspects with role and
+host), the L1 state, the stall flag, counts of diagnoses, and the
+analyzer's own health (records in, bad records, windows analysed, detector
+failures per level).
 """
 from __future__ import annotations
 
@@ -36,23 +41,35 @@ class AnalyzerMetrics:
         self._diagnoses: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self._l1_state: dict[str, str] = {}
         self._stalled: dict[str, int] = {}
+        self._verdict: dict[str, tuple[str, float, list[tuple[str, str, str, float]]]] = {}
         self.counters: collections.Counter[str] = collections.Counter()
+        self.detector_failures: collections.Counter[str] = collections.Counter()
         self.dropped_series = 0
 
     # --- DiagnosisSink ---------------------------------------------------
     def publish(self, diagnoses: list[records_pb2.Diagnosis], verdict: records_pb2.Verdict | None) -> None:
         now = self._clock()
+        named = None if verdict is None else {s.rank for s in verdict.ranks}
         with self._lock:
+            if verdict is not None and verdict.state:
+                self._verdict[verdict.job_id] = (
+                    verdict.state, verdict.confidence,
+                    [(str(s.rank), s.role, s.host, s.impact_s) for s in list(verdict.ranks)[:50]])
             for d in diagnoses:
                 self._diagnoses[(d.job_id, d.level, d.kind)] += 1
                 if d.kind == "stall":
                     self._stalled[d.job_id] = 1
+                if d.informational:
+                    continue
                 for s in d.suspects:
+                    if named is not None and d.kind != "stall" and s.rank not in named:
+                        continue   # not (yet) persistent: the verdict does not name it
+                    score = s.impact_s if s.impact_s > 0 or d.kind != "stall" else s.score
                     key = (d.job_id, d.level, d.kind, str(s.rank), d.scope.phase, d.scope.kernel[:120])
                     if key not in self._flagged and len(self._flagged) >= self.max_series:
                         self.dropped_series += 1
                         continue
-                    self._flagged[key] = (s.score, now + self.ttl_s)
+                    self._flagged[key] = (score, now + self.ttl_s)
 
     def set_l1_state(self, job: str, state: str) -> None:
         with self._lock:
@@ -71,6 +88,7 @@ class AnalyzerMetrics:
                 del self._diagnoses[k]
             self._l1_state.pop(job, None)
             self._stalled.pop(job, None)
+            self._verdict.pop(job, None)
 
     def close(self) -> None:
         pass
@@ -86,7 +104,10 @@ class AnalyzerMetrics:
             states = list(self._l1_state.items())
             stalled = list(self._stalled.items())
             counters = dict(self.counters)
-        g = GaugeMetricFamily("trainscope_suspect_score", "Score of a currently flagged suspect rank",
+            verdicts = list(self._verdict.items())
+            failures = dict(self.detector_failures)
+        g = GaugeMetricFamily("trainscope_suspect_score",
+                              "Impact of a currently flagged suspect rank, seconds lost per iteration",
                               labels=["job", "level", "kind", "rank", "phase", "kernel"])
         for key, (score, _) in flagged:
             g.add_metric(list(key), score)
@@ -101,6 +122,22 @@ class AnalyzerMetrics:
             for st in L1_STATES:
                 s.add_metric([job, st], 1.0 if st == state else 0.0)
         yield s
+        vs = GaugeMetricFamily("trainscope_verdict_state", "The job's latest verdict (1 = current state)",
+                               labels=["job", "state"])
+        vc = GaugeMetricFamily("trainscope_verdict_confidence", "Confidence of the job's latest verdict (0-1)",
+                               labels=["job"])
+        vi = GaugeMetricFamily("trainscope_verdict_suspect_impact_seconds",
+                               "Merged impact of a suspect named by the latest verdict, seconds per iteration",
+                               labels=["job", "rank", "role", "host"])
+        for job, (state, conf, suspects) in verdicts:
+            for name in ("healthy", "degraded", "stalled", "unknown"):
+                vs.add_metric([job, name], 1.0 if name == state else 0.0)
+            vc.add_metric([job], conf)
+            for rank, role, host, impact in suspects:
+                vi.add_metric([job, rank, role, host], impact)
+        yield vs
+        yield vc
+        yield vi
         st = GaugeMetricFamily("trainscope_job_stalled", "1 when no iteration completed for 5x the recent mean (EROICA §4.1)",
                                labels=["job"])
         for job, v in stalled:
@@ -111,6 +148,12 @@ class AnalyzerMetrics:
             fam = CounterMetricFamily(f"trainscope_analyzer_{name}", doc)
             fam.add_metric([], counters.get(name, 0))
             yield fam
+        fam = CounterMetricFamily("trainscope_analyzer_detector_failures",
+                                  "Windows on which a detector level raised (the others still ran)",
+                                  labels=["level"])
+        for level, n in failures.items():
+            fam.add_metric([level], n)
+        yield fam
         fam = CounterMetricFamily("trainscope_analyzer_dropped_series", "Flagged series refused by the bound")
         fam.add_metric([], self.dropped_series)
         yield fam

@@ -37,9 +37,12 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from trainscope.analyzer import l1_iteration, l2_phases, l3_kernels, l5_stacks
+from trainscope.analyzer import l1_iteration, l2_phases, l3_kernels, l5_stacks, stall
+from trainscope.analyzer.impact import ImpactConfig, apply_floor, window_scale
+from trainscope.analyzer.levels import Detector, L1Iterations, L2Phases, L3Kernels, L5Stacks, WindowContext
 from trainscope.analyzer.merge import merge
-from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
+from trainscope.analyzer.model import MISSING, Finding, JobWindow, Scope, SuspectRank
+from trainscope.analyzer.significance import Persistence
 from trainscope.analyzer.prom import AnalyzerMetrics
 from trainscope.analyzer.sources import RecordSource
 from trainscope.proto.errors import ConfigError
@@ -67,8 +70,14 @@ class AnalyzerConfig:
     """L3 (kernel distributions across ranks) thresholds."""
     l5: l5_stacks.L5Config = dataclasses.field(default_factory=l5_stacks.L5Config)
     """L5 (host-side stacks) thresholds; L5 only corroborates windows other levels flagged."""
+    impact: ImpactConfig = dataclasses.field(default_factory=ImpactConfig)
+    """The impact floor below which findings are informational."""
     levels: tuple[str, ...] = ("L1", "L2", "L3", "L5")
     """Which levels run."""
+    persist_k: int = 2
+    """A rank is named once flagged in persist_k ..."""
+    persist_n: int = 3
+    """... of the last persist_n windows (stalls and hangs at once)."""
     grace_s: float = 0.5
     """Wait this long after a complete window's last record before analysing it."""
     window_timeout_s: float = 60.0
@@ -95,6 +104,10 @@ class AnalyzerConfig:
         for f in ("grace_s", "window_timeout_s", "stall_factor", "min_stall_s", "forget_after_s"):
             if not getattr(self, f) > 0:
                 raise ConfigError(f"analyzer.{f}", getattr(self, f), "must be > 0")
+        if not (isinstance(self.persist_k, int) and isinstance(self.persist_n, int)
+                and 1 <= self.persist_k <= self.persist_n):
+            raise ConfigError("analyzer.persist_k", (self.persist_k, self.persist_n),
+                              "need integers 1 <= persist_k <= persist_n")
         for f in ("progress_windows", "history_iterations", "max_jobs", "max_open_windows"):
             if getattr(self, f) < 1:
                 raise ConfigError(f"analyzer.{f}", getattr(self, f), "must be >= 1")
@@ -108,7 +121,7 @@ class _Open:
 
 
 class _Job:
-    def __init__(self, job_id: str, history: int) -> None:
+    def __init__(self, job_id: str, history: int, persist_k: int = 2, persist_n: int = 3) -> None:
         self.job_id = job_id
         self.world_size = 0
         self.resources: dict[int, Resource] = {}
@@ -121,6 +134,7 @@ class _Job:
         self.newest_iteration_window = -1
         self.iteration_gaps: collections.deque = collections.deque(maxlen=32)
         self.reported_l1: set[tuple] = set()
+        self.persistence = Persistence(persist_k, persist_n)
         self.stalled = False
         self.last_seen = 0.0
         self.ended: set[int] = set()   # ranks whose process shut down normally (Window.final)
@@ -141,6 +155,7 @@ class Analyzer:
         self._clock = clock
         self._jobs: dict[str, _Job] = {}
         self.verdicts: collections.deque[records_pb2.Verdict] = collections.deque(maxlen=10_000)
+        self.detectors: list[Detector] = default_detectors(config, self.metrics)
 
     # ---------------------------------------------------------------- input
     def ingest(self, signal: str, rec) -> None:
@@ -202,7 +217,8 @@ class Analyzer:
             if len(self._jobs) >= self.config.max_jobs:
                 oldest = min(self._jobs.values(), key=lambda j: j.last_seen)
                 del self._jobs[oldest.job_id]
-            job = self._jobs[job_id] = _Job(job_id, self.config.history_iterations)
+            job = self._jobs[job_id] = _Job(job_id, self.config.history_iterations,
+                                            self.config.persist_k, self.config.persist_n)
         job.last_seen = now
         return job
 
@@ -256,128 +272,62 @@ class Analyzer:
         o = job.open.pop(key)
         jw = o.jw
         job.done_upto[key[0]] = max(job.done_upto.get(key[0], -1), key[1])
-        findings: list[Finding] = []
-        levels = self.config.levels
-        try:
-            if "L2" in levels:
-                findings += l2_phases.analyze_phases(jw, self.config.l2)
-            if "L3" in levels:
-                findings += l3_kernels.analyze_kernels(jw, self.config.l3)
-            if "L1" in levels:
-                findings += self._l1(job, jw)
-        except Exception:
-            log.exception("detectors failed on job %s window %s", job.job_id, key)
+        scale = window_scale(jw)
+        ctx = WindowContext(jw, scale, job.history, reported=job.reported_l1, job_state=job)
+        for det in self.detectors:
+            if det.corroborating and not any(not f.informational for f in ctx.findings):
+                continue   # corroboration only: never raises an alarm on its own
+            try:
+                ctx.findings += det.analyze(ctx)
+            except Exception:
+                self.metrics.detector_failures[det.level] += 1
+                log.exception("detector %s failed on job %s window %s", det.level, job.job_id, key)
+        findings = apply_floor(ctx.findings, scale, self.config.impact)
         missing = self._missing_ranks(job, jw, reason)
         if missing is not None:
             findings.append(missing)
-        if "L1" in levels and not job.stalled:
-            hang = self._telemetry_stall(job, jw)
+        if not job.stalled:
+            hang = stall.telemetry_stall(job.job_id, jw.window, last_iter_end=job.last_iter_end,
+                                         watermark=job.watermark, history=job.history, ended=job.ended,
+                                         factor=self.config.stall_factor)
             if hang is not None:
                 job.stalled = True
                 self.metrics.set_stalled(job.job_id, True)
-                findings.append(hang)
-        if "L5" in levels and findings and jw.stacks:
-            try:  # corroboration only: stacks never raise an alarm on their own
-                findings += l5_stacks.analyze_stacks(jw, self.config.l5)
-            except Exception:
-                log.exception("L5 failed on job %s window %s", job.job_id, key)
-        verdict = merge(job.job_id, jw.window, findings, jw.resources)
-        diagnoses = list(verdict.findings)
+                findings.append(dataclasses.replace(hang, step_ns=scale.step_ns))
+        verdict = merge(job.job_id, jw.window, findings, jw.resources, jw=jw, step_ns=scale.step_ns,
+                        iterations=scale.iterations, persistence=job.persistence,
+                        comparisons=ctx.comparisons, partial=missing is not None)
+        self._publish([f.to_pb() for f in findings], verdict)
+        self.metrics.counters["windows_analyzed"] += 1
+        return verdict
+
+    def _publish(self, diagnoses: list[records_pb2.Diagnosis], verdict: records_pb2.Verdict) -> None:
         for s in self.sinks:
             try:
                 s.publish(diagnoses, verdict)
             except Exception:
                 log.exception("diagnosis sink %s failed", getattr(s, "name", s))
-        self.metrics.counters["windows_analyzed"] += 1
         self.verdicts.append(verdict)
-        return verdict
-
-    def _l1(self, job: _Job, jw: JobWindow) -> list[Finding]:
-        """L1 on the bounded history; keep only anomalies not reported before."""
-        series = {}
-        for rank, hist in job.history.items():
-            if len(hist) >= 2:
-                a = np.asarray(hist, dtype=np.int64)
-                series[rank] = (a[:, 0], a[:, 1])
-        if not series:
-            return []
-        found = l1_iteration.l1_findings(job.job_id, series, jw.window, self.config.l1)
-        state = "stable"
-        kinds = {f.kind for f in found}
-        if {"jitter", "regression"} <= kinds:
-            state = "both"
-        elif kinds & {"jitter", "regression"}:
-            state = next(iter(kinds & {"jitter", "regression"}))
-        self.metrics.set_l1_state(job.job_id, state)
-        new = []
-        w = jw.window
-        for f in found:
-            # history may run ahead of this window (a backlog read at once):
-            # an anomaly that starts after it is reported with its own window
-            at = f.evidence.get("start_iteration", f.evidence.get("split_iteration"))
-            if (w.kind == records_pb2.WINDOW_KIND_ITERATIONS and w.last_iteration >= w.first_iteration
-                    and isinstance(at, (int, float)) and at > w.last_iteration):
-                continue
-            mark = (f.kind, f.evidence.get("start_iteration"), f.evidence.get("split_iteration"),
-                    tuple(s.rank for s in f.suspects))
-            if mark not in job.reported_l1:
-                job.reported_l1.add(mark)
-                new.append(f)
-        return new
 
     def _missing_ranks(self, job: _Job, jw: JobWindow, reason: str) -> Finding | None:
+        """Ranks that reported before but not in this window: the window is partial.
+
+        They are named as missing (never as culprits of a slowdown), and the
+        ranks present are never suspects *because* others are absent.
+        """
         if reason not in ("timeout", "progress", "finish") or not job.world_size:
             return None
         seen = set(jw.resources)
         known = set(job.resources)
-        # ranks we know exist (they reported before) but that are absent here
         missing = sorted(known - seen)
         if not missing or len(missing) * 2 >= len(known):
             return None
         return Finding(level="L2", kind="missing_rank", job_id=job.job_id, window=jw.window,
-                       scope=Scope(group="job"),
-                       suspects=tuple(SuspectRank(r, 1.0, {"reported_ranks": len(seen)}) for r in missing),
+                       scope=Scope(group="job"), comparison="job",
+                       suspects=tuple(SuspectRank(r, 1.0, {"reported_ranks": len(seen)}, role=MISSING)
+                                      for r in missing),
                        severity=len(missing) / max(len(known), 1),
                        evidence={"missing": missing, "reason": reason})
-
-    def _telemetry_stall(self, job: _Job, jw: JobWindow) -> Finding | None:
-        """EROICA §4.1's stall rule on each rank's own clock.
-
-        1. Per rank: how far its telemetry (aborted collectives, stacks) ran
-           past the end of its last complete iteration, in units of its median
-           iteration time; stalled past ``stall_factor``.
-        2. A job stall needs at least half of the ranks stalled (a hang stops
-           everyone: the peers wait in the collective the culprit never joins).
-        3. The culprit stopped producing activity first: ranks whose telemetry
-           ends at least one iteration earlier than the stalled ranks' median
-           are the suspects. Works on backlogs and simulated clocks alike,
-           where the arrival-time rule (``_check_stall``) cannot.
-        """
-        gaps, marks, iters = {}, {}, {}
-        for rank, end in job.last_iter_end.items():
-            hist = job.history.get(rank)
-            if not hist or rank in job.ended:
-                continue
-            med = float(np.median([d for _, d in hist]))
-            wm = job.watermark.get(rank, 0)
-            if med > 0:
-                gaps[rank], marks[rank], iters[rank] = (wm - end) / med, wm, med
-        if not gaps:
-            return None
-        stalled = [r for r, g in gaps.items() if g >= self.config.stall_factor]
-        if len(stalled) * 2 < len(gaps):
-            return None
-        ref = float(np.median([marks[r] for r in stalled]))
-        med_iter = float(np.median([iters[r] for r in stalled]))
-        early = sorted(((ref - marks[r]) / med_iter, r) for r in gaps if ref - marks[r] >= med_iter)
-        suspects = tuple(SuspectRank(r, float(sc), {"stopped_iterations_before_peers": round(sc, 2),
-                                                    "last_iteration_end_ns": job.last_iter_end[r]})
-                         for sc, r in sorted(early, reverse=True))
-        return Finding(level="L1", kind="stall", job_id=job.job_id, window=jw.window, scope=Scope(group="job"),
-                       suspects=suspects, severity=float(np.median([gaps[r] for r in stalled])),
-                       evidence={"stalled_ranks": len(stalled), "ranks": len(gaps),
-                                 "iterations_without_progress": round(float(np.median([gaps[r] for r in stalled])), 1),
-                                 "rule": "telemetry clock"})
 
     def _forget(self, job: _Job) -> None:
         self._jobs.pop(job.job_id, None)
@@ -397,20 +347,23 @@ class Analyzer:
             return
         if job.stalled or not job.last_iteration_at or len(job.iteration_gaps) < 3:
             return
-        mean_gap = float(np.mean(job.iteration_gaps))
-        quiet = now - job.last_iteration_at
-        if quiet >= max(self.config.stall_factor * mean_gap, self.config.min_stall_s):
+        window = records_pb2.Window(index=max(job.latest.values(), default=0))
+        f = stall.arrival_stall(job.job_id, window, quiet_s=now - job.last_iteration_at,
+                                mean_gap_s=float(np.mean(job.iteration_gaps)),
+                                factor=self.config.stall_factor, floor_s=self.config.min_stall_s)
+        if f is not None:
             job.stalled = True
-            window = records_pb2.Window(index=max(job.latest.values(), default=0))
-            f = Finding(level="L1", kind="stall", job_id=job.job_id, window=window, scope=Scope(group="job"),
-                        severity=quiet / max(mean_gap, 1e-9),
-                        evidence={"seconds_without_iteration": round(quiet, 3),
-                                  "mean_report_interval_s": round(mean_gap, 3)})
-            verdict = merge(job.job_id, window, [f], job.resources)
-            for s in self.sinks:
-                try:
-                    s.publish([f.to_pb()], verdict)
-                except Exception:
-                    log.exception("diagnosis sink failed")
             self.metrics.set_stalled(job.job_id, True)
-            self.verdicts.append(verdict)
+            self._publish([f.to_pb()], merge(job.job_id, window, [f], job.resources))
+
+
+def default_detectors(config: AnalyzerConfig, metrics: AnalyzerMetrics | None = None) -> list[Detector]:
+    """The levels the service runs, in order (``AnalyzerConfig.levels`` picks them)."""
+    made = {
+        "L2": lambda: L2Phases(config.l2),
+        "L3": lambda: L3Kernels(config.l3),
+        "L1": lambda: L1Iterations(config.l1),
+        "L5": lambda: L5Stacks(config.l5),
+    }
+    order = ("L2", "L3", "L1", "L5")   # corroborating levels last
+    return [made[lv]() for lv in order if lv in config.levels]

@@ -53,7 +53,7 @@ def publish(bus, rank, index, *, slow=1.0, world=8, job="j", iters_per_window=10
         bus.publish(topic_for("iterations"), job.encode(), iw.SerializeToString())
     if "kernels" in signals:
         kw = records_pb2.KernelWindow(resource=r, window=w)
-        for k, base in (("gemm", 200_000), ("nccl_allreduce", 900_000)):
+        for k, base in (("gemm", 2_000_000), ("nccl_allreduce", 900_000)):   # gemm: 20 % of the step
             p50 = base * (slow if k == "gemm" else 1.0) * (1 + rng.normal(0, 0.005))
             ks = kw.kernels.add(kernel=k, stream=7, count=100)
             ks.clusters.add(count=100, p50_ns=p50, p99_ns=p50 * 1.05, min_ns=p50 * 0.97, max_ns=p50 * 1.06)
@@ -68,6 +68,9 @@ def settle(a, clock):
 
 
 def make(tmp_path, **cfg):
+    """An analyzer on the embedded bus. Single-window tests name suspects at once (persist_k=1);
+    the default persistence (2 of 3 windows) has its own test."""
+    cfg.setdefault("persist_k", 1)
     bus, clock = EmbeddedBus(), Clock()
     store = DiagnosisStore(str(tmp_path / "store.sqlite"))
     a = Analyzer(AnalyzerConfig(**cfg), BusSource(bus), [StoreDiagnosisSink(store), BusDiagnosisSink(bus)],

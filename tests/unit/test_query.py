@@ -113,8 +113,8 @@ def test_jobs_lists_every_job_with_ranks_windows_and_latest_verdict(query):
     assert set(rows) == {"train-a", "train-b"}
     a = rows["train-a"]
     assert (a.ranks, a.windows, a.diagnoses) == (4, 3, 4)
-    assert "suspect rank 2" in a.latest and "node1" in a.latest
-    assert rows["train-b"].latest == "job train-b: healthy"
+    assert "culprit rank 2" in a.latest and "node1" in a.latest
+    assert rows["train-b"].latest.startswith("job train-b: healthy (confidence ")
 
 
 def test_verdict_names_the_slow_rank_with_its_host_and_coordinates(query):
@@ -285,7 +285,7 @@ def test_cli_tables(store_path, capsys):
     assert rc == 0
     lines = out.splitlines()
     assert lines[0] == "job train-a, window 2 (iterations 10-14)"
-    assert "suspect rank 2 (host node1" in lines[1]
+    assert "culprit rank 2 (host node1" in lines[1]
     suspect = lines[lines.index("suspects:") + 2].split()
     assert suspect[:3] == ["2", suspect[1], "node1"] and "L2,L3" in suspect
     assert any(line.startswith("L3") and "degraded_kernel" in line and "kernel gemm" in line for line in lines)

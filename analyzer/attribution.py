@@ -1,0 +1,223 @@
+"""Culprit versus waiter: whose time is it? (ARGUS §9.5; Mycroft §5 dependency reasoning)
+
+Ranks that synchronise (a tensor-parallel group, pipeline neighbours, a
+data-parallel group, an expert-parallel group) wait for each other inside
+collectives: when one member is late, *every other member's* collective
+grows by the delay and the late member's is the shortest. A detector that
+compares ranks with their peers sees the waiters as "slower in
+communication" — often with a larger number than the culprit's own excess,
+because several of them waited. This module turns findings into typed
+evidence and attributes the waiting to the member that made the others wait.
+
+1. ``evidence_of``: one rule for direction. A suspect is *slower* when its
+   detector says so (``evidence.direction``), else when its ratio to its
+   peers is ≥ 1. Culprit evidence: slower outside communication, or faster
+   inside it (a late arriver's collectives are its shortest). Waiter
+   evidence: slower inside communication.
+2. Sync partners of a rank: the ranks it shares a TP, CP, EP or DP group
+   with, and its PP neighbours (same dp/tp/ep/cp, stage ± 1).
+3. Each waiter points at the partner with culprit evidence whose impact is
+   largest (``waited_for``). When no partner was flagged, the records of the
+   window decide: in the waiter's tensor-parallel group (the most tightly
+   synchronised), the member with the shortest time in the same collective
+   arrived last; if it is shorter than the waiter by at least half the
+   waiter's excess, it is the culprit by dependency (evidence level
+   ``DEP``), with the waiter's excess as its impact.
+4. Waiters left without a culprit: when two or more share a host and no
+   member of their sync groups arrived late, the link between them is slow
+   (role ``link``: a degraded NVLink/NIC slows every member's collective
+   alike, ARGUS §9.2). Others stay plain waiters.
+5. Scores: a culprit's score is the largest of its own impact and the
+   impacts of the waiters that point at it, so a waiter can never outrank
+   the rank it waited for; roles order the verdict (culprit, link, waiter).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Iterable, Mapping
+
+from trainscope.analyzer.model import CULPRIT, LINK, MISSING, WAITER, Finding, JobWindow
+from trainscope.analyzer.topology import RoutingConfig, has_coords
+from trainscope.proto.model import DIMS, Resource
+
+#: Verdict order of roles.
+ROLE_ORDER = {CULPRIT: 0, LINK: 1, WAITER: 2, MISSING: 3}
+
+_ROUTING = RoutingConfig()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Evidence:
+    """One suspect of one finding, typed (step 1)."""
+
+    rank: int
+    level: str
+    kind: str
+    where: str               # phase, kernel, host function, or the finding's kind
+    communication: bool
+    slower: bool
+    ratio: float
+    impact_ns: float
+    comparison: str = "peers"
+
+    @property
+    def role(self) -> str:
+        if self.kind in ("missing_rank",):
+            return MISSING
+        if self.kind == "stall":
+            return CULPRIT
+        return WAITER if (self.communication and self.slower) else CULPRIT
+
+    @property
+    def strength(self) -> float:
+        """How many-fold the rank differs from its peers (|ln ratio|), 0 when unknown."""
+        return abs(math.log(self.ratio)) if self.ratio > 0 else 0.0
+
+
+def evidence_of(f: Finding, routing: RoutingConfig = _ROUTING) -> list[Evidence]:
+    """Step 1 for every suspect of one finding."""
+    label = f.scope.phase or f.scope.kernel
+    comm = bool(f.evidence.get("communication")) if "communication" in f.evidence else (
+        routing.is_communication(label) if label else False)
+    out = []
+    for s in f.suspects:
+        ratio = s.evidence.get("ratio", s.evidence.get("own_ratio", 1.0))
+        ratio = float(ratio) if isinstance(ratio, (int, float)) and math.isfinite(ratio) else 1.0
+        direction = s.evidence.get("direction")
+        slower = direction == "slower" if direction in ("slower", "faster") else ratio >= 1.0
+        where = label or s.evidence.get("function") or f.kind
+        out.append(Evidence(s.rank, f.level, f.kind, str(where), comm, slower, ratio,
+                            float(s.impact_ns), f.comparison))
+    return out
+
+
+def sync_partners(rank: int, resources: Mapping[int, Resource]) -> dict[str, list[int]]:
+    """Step 2: {dimension: partners} ("pp" = the neighbouring stages)."""
+    me = resources.get(rank)
+    if me is None or not has_coords(me):
+        return {}
+    c = me.coords
+    out: dict[str, list[int]] = {}
+    for r, res in resources.items():
+        if r == rank or not has_coords(res):
+            continue
+        o = res.coords
+        differ = [d for d in DIMS if getattr(o, d) != getattr(c, d)]
+        if len(differ) == 1:
+            d = differ[0]
+            if d == "pp" and abs(o.pp - c.pp) != 1:
+                continue
+            out.setdefault(d, []).append(r)
+    return out
+
+
+@dataclasses.dataclass(slots=True)
+class RankVerdict:
+    """What the evidence says about one rank (steps 3-5)."""
+
+    rank: int
+    role: str
+    impact_ns: float                 # own impact (culprit or waiting), ns per iteration
+    score_ns: float                  # impact including waiters that point at it
+    levels: set[str] = dataclasses.field(default_factory=set)
+    culprit_levels: set[str] = dataclasses.field(default_factory=set)
+    where: list[str] = dataclasses.field(default_factory=list)
+    waited_for: int = -1
+    waiters: list[int] = dataclasses.field(default_factory=list)
+    comparisons: set[str] = dataclasses.field(default_factory=set)
+    evidence: list[Evidence] = dataclasses.field(default_factory=list)
+
+
+def _tp_last_arriver(jw: JobWindow | None, waiter: Evidence, partners: list[int],
+                     iterations: Mapping[int, float]) -> int | None:
+    """Step 3's data-driven rule: the TP partner with the shortest time in the same collective."""
+    if jw is None or not partners:
+        return None
+
+    def time_in(rank: int) -> float | None:
+        it = iterations.get(rank, 1.0)
+        pw = jw.phases.get(rank)
+        if pw is not None:
+            tot = [p.total_ns or p.mean_ns * p.count for p in pw.phases if p.phase == waiter.where]
+            if tot:
+                return sum(tot) / it
+        kw = jw.kernels.get(rank)
+        if kw is not None:
+            tot = [k.total_ns for k in kw.kernels if k.kernel == waiter.where]
+            if tot:
+                return sum(tot) / it
+        return None
+
+    mine = time_in(waiter.rank)
+    if mine is None:
+        return None
+    times = {p: t for p in partners if (t := time_in(p)) is not None}
+    if not times:
+        return None
+    best = min(times, key=times.get)
+    return best if times[best] <= mine - 0.5 * waiter.impact_ns else None
+
+
+def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
+              jw: JobWindow | None = None, iterations: Mapping[int, float] | None = None) -> list[RankVerdict]:
+    """Steps 2-5: one ``RankVerdict`` per rank named by any evidence, best first."""
+    by_rank: dict[int, list[Evidence]] = collections.defaultdict(list)
+    for e in evidence:
+        by_rank[e.rank].append(e)
+    out: dict[int, RankVerdict] = {}
+    for r, evs in by_rank.items():
+        cul = [e for e in evs if e.role == CULPRIT]
+        wai = [e for e in evs if e.role == WAITER]
+        role = CULPRIT if cul else (WAITER if wai else MISSING)
+        imp = max((e.impact_ns for e in (cul or wai or evs)), default=0.0)
+        rv = RankVerdict(r, role, imp, imp, levels={e.level for e in evs},
+                         culprit_levels={e.level for e in cul}, comparisons={e.comparison for e in evs},
+                         evidence=sorted(evs, key=lambda e: -e.impact_ns))
+        for e in rv.evidence:
+            if e.where not in rv.where:
+                rv.where.append(e.where)
+        out[r] = rv
+    # step 3: waiters point at a culprit partner
+    iterations = iterations or {}
+    for rv in list(out.values()):
+        if rv.role != WAITER:
+            continue
+        parts = sync_partners(rv.rank, resources)
+        cands = [p for ps in parts.values() for p in ps if p in out and out[p].role == CULPRIT]
+        if cands:
+            rv.waited_for = max(cands, key=lambda p: (out[p].impact_ns, -p))
+            continue
+        w = max((e for e in rv.evidence if e.role == WAITER), key=lambda e: e.impact_ns)
+        late = _tp_last_arriver(jw, w, parts.get("tp", []) + parts.get("cp", []), iterations)
+        if late is not None:
+            dep = Evidence(late, "DEP", "late_arriver", w.where, True, False, 0.0, w.impact_ns, "dependency")
+            c = out.get(late)
+            if c is None or c.role != CULPRIT:
+                c = out[late] = RankVerdict(late, CULPRIT, w.impact_ns, w.impact_ns, {"DEP"}, {"DEP"},
+                                            [w.where], comparisons={"dependency"}, evidence=[dep])
+            else:
+                c.levels.add("DEP")
+                c.culprit_levels.add("DEP")
+                c.evidence.append(dep)
+            rv.waited_for = late
+    # step 4: unexplained waiters sharing a host: the link between them
+    hosts: dict[str, list[RankVerdict]] = collections.defaultdict(list)
+    for rv in out.values():
+        if rv.role == WAITER and rv.waited_for < 0:
+            host = resources[rv.rank].host if rv.rank in resources else ""
+            if host:
+                hosts[host].append(rv)
+    for members in hosts.values():
+        if len(members) >= 2:
+            for rv in members:
+                rv.role = LINK
+    # step 5: culprits score at least what their waiters lost
+    for rv in out.values():
+        if rv.role == WAITER and rv.waited_for in out:
+            c = out[rv.waited_for]
+            c.waiters.append(rv.rank)
+            c.score_ns = max(c.score_ns, rv.impact_ns)
+    return sorted(out.values(), key=lambda v: (ROLE_ORDER.get(v.role, 9), -v.score_ns,
+                                               -len(v.culprit_levels), v.rank))

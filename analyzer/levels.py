@@ -1,0 +1,129 @@
+"""The detector seam: every level is an object behind one small Protocol.
+
+The service builds a ``WindowContext`` per analysed window and calls each
+detector of its list in order, each in its own ``try`` (a bug in one level
+is counted under its name and never skips the others). A detector returns
+its findings and how many rank comparisons it could make (``comparisons``),
+so the verdict can say "unknown" when no level could compare anything
+rather than "healthy".
+
+To add a level: write a module with a pure function over the window (like
+``l3_kernels.analyze_kernels``), wrap it in a class with ``level``,
+``corroborating`` and ``analyze(ctx)``, and add it to ``default_detectors``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from trainscope.analyzer import l1_iteration, l2_phases, l3_kernels, l5_stacks
+from trainscope.analyzer.impact import WindowScale
+from trainscope.analyzer.model import Finding, JobWindow
+from trainscope.analyzer.topology import group_of, resources_with
+from trainscope.proto.v1 import records_pb2
+
+
+@dataclasses.dataclass(slots=True)
+class WindowContext:
+    """What a detector may read about one window of one job."""
+
+    jw: JobWindow
+    scale: WindowScale
+    history: Mapping[int, Sequence[tuple[int, int]]]   # rank -> (iteration, duration ns), bounded
+    findings: list[Finding] = dataclasses.field(default_factory=list)   # found so far this window
+    comparisons: dict[str, int] = dataclasses.field(default_factory=dict)
+    reported: set = dataclasses.field(default_factory=set)   # the job's L1 anomalies already reported
+    job_state: object = None      # the service's per-job state, for detectors that keep history
+
+
+class Detector(Protocol):
+    level: str
+    corroborating: bool
+    """True: runs only when another level found something, and never raises an alarm on its own."""
+
+    def analyze(self, ctx: WindowContext) -> list[Finding]: ...
+
+
+def _groups_compared(resources, dim: str, min_size: int) -> int:
+    return sum(len(m) for m in group_of(resources, dim).values() if len(m) >= min_size)
+
+
+class L2Phases:
+    level, corroborating = "L2", False
+
+    def __init__(self, cfg: l2_phases.L2Config) -> None:
+        self.cfg = cfg
+
+    def analyze(self, ctx: WindowContext) -> list[Finding]:
+        jw = ctx.jw
+        if jw.phases:
+            ctx.comparisons[self.level] = _groups_compared(
+                resources_with(jw.resources, jw.phases), self.cfg.routing.kernel_group_dim, self.cfg.min_group_size)
+        return l2_phases.analyze_phases(jw, self.cfg, ctx.scale)
+
+
+class L3Kernels:
+    level, corroborating = "L3", False
+
+    def __init__(self, cfg: l3_kernels.L3Config) -> None:
+        self.cfg = cfg
+
+    def analyze(self, ctx: WindowContext) -> list[Finding]:
+        jw = ctx.jw
+        if jw.kernels:
+            ctx.comparisons[self.level] = _groups_compared(
+                resources_with(jw.resources, jw.kernels), self.cfg.routing.kernel_group_dim, self.cfg.min_ranks)
+        return l3_kernels.analyze_kernels(jw, self.cfg, ctx.scale)
+
+
+class L1Iterations:
+    """Job-level iteration time (ARGUS §6.1) on the bounded history; ``seen`` keeps each anomaly once."""
+
+    level, corroborating = "L1", False
+
+    def __init__(self, cfg: l1_iteration.L1Config, on_state: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.on_state = on_state
+
+    def analyze(self, ctx: WindowContext) -> list[Finding]:
+        series = {}
+        for rank, hist in ctx.history.items():
+            if len(hist) >= 2:
+                a = np.asarray(hist, dtype=np.int64)
+                series[rank] = (a[:, 0], a[:, 1])
+        if not series:
+            return []
+        ctx.comparisons[self.level] = len(series)
+        w = ctx.jw.window
+        found = l1_iteration.l1_findings(ctx.jw.job_id, series, w, self.cfg)
+        if self.on_state is not None:
+            kinds = {f.kind for f in found} & {"jitter", "regression"}
+            self.on_state("both" if len(kinds) == 2 else next(iter(kinds), "stable"))
+        new = []
+        for f in found:
+            # history may run ahead of this window (a backlog read at once):
+            # an anomaly that starts after it is reported with its own window
+            at = f.evidence.get("start_iteration", f.evidence.get("split_iteration"))
+            if (w.kind == records_pb2.WINDOW_KIND_ITERATIONS and w.last_iteration >= w.first_iteration
+                    and isinstance(at, (int, float)) and at > w.last_iteration):
+                continue
+            mark = (f.kind, f.evidence.get("start_iteration"), f.evidence.get("split_iteration"),
+                    tuple(s.rank for s in f.suspects))
+            if mark not in ctx.reported:
+                ctx.reported.add(mark)
+                new.append(f)
+        return new
+
+
+class L5Stacks:
+    level, corroborating = "L5", True
+
+    def __init__(self, cfg: l5_stacks.L5Config) -> None:
+        self.cfg = cfg
+
+    def analyze(self, ctx: WindowContext) -> list[Finding]:
+        if not ctx.jw.stacks:
+            return []
+        return l5_stacks.analyze_stacks(ctx.jw, self.cfg)
