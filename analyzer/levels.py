@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from trainscope.analyzer import l1_iteration, l2_phases, l3_kernels, l5_stacks
+from trainscope.analyzer import individual, l1_iteration, l2_groups, l2_phases, l3_kernels, l5_stacks
 from trainscope.analyzer.impact import WindowScale
 from trainscope.analyzer.model import Finding, JobWindow
 from trainscope.analyzer.topology import group_of, resources_with
@@ -127,3 +127,40 @@ class L5Stacks:
         if not ctx.jw.stacks:
             return []
         return l5_stacks.analyze_stacks(ctx.jw, self.cfg)
+
+
+class SiblingGroups:
+    """A whole group slower than its siblings (``l2_groups``)."""
+
+    level, corroborating = "groups", False
+
+    def __init__(self, cfg: l2_groups.GroupsConfig) -> None:
+        self.cfg = cfg
+
+    def analyze(self, ctx: WindowContext) -> list[Finding]:
+        found, n = l2_groups.analyze_groups(ctx.jw, ctx.scale, self.cfg)
+        ctx.comparisons[self.level] = n
+        return found
+
+
+class OwnHistory:
+    """Small jobs: each rank against its own history, and pairs (``individual``).
+
+    Keeps one ``individual.History`` per job on the job's state.
+    """
+
+    level, corroborating = "history", False
+
+    def __init__(self, cfg: individual.IndividualConfig, groups_cfg: l2_groups.GroupsConfig) -> None:
+        self.cfg, self.groups_cfg = cfg, groups_cfg
+
+    def analyze(self, ctx: WindowContext) -> list[Finding]:
+        state = ctx.job_state
+        hist = getattr(state, "own_history", None)
+        if hist is None:
+            hist = individual.History(self.cfg.history)
+            if state is not None:
+                state.own_history = hist
+        found, n = individual.analyze_individual(ctx.jw, ctx.scale, hist, self.cfg, self.groups_cfg)
+        ctx.comparisons[self.level] = n
+        return found

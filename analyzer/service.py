@@ -37,9 +37,11 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from trainscope.analyzer import l1_iteration, l2_phases, l3_kernels, l5_stacks, stall
+from trainscope.analyzer import individual, l1_iteration, l2_groups, l2_phases, l3_kernels, l5_stacks, stall
 from trainscope.analyzer.impact import ImpactConfig, apply_floor, window_scale
-from trainscope.analyzer.levels import Detector, L1Iterations, L2Phases, L3Kernels, L5Stacks, WindowContext
+from trainscope.analyzer.levels import (
+    Detector, L1Iterations, L2Phases, L3Kernels, L5Stacks, OwnHistory, SiblingGroups, WindowContext,
+)
 from trainscope.analyzer.merge import merge
 from trainscope.analyzer.model import MISSING, Finding, JobWindow, Scope, SuspectRank
 from trainscope.analyzer.significance import Persistence
@@ -50,6 +52,10 @@ from trainscope.proto.model import Resource
 from trainscope.proto.v1 import records_pb2
 
 log = logging.getLogger(__name__)
+
+
+#: Detector levels, in the order they run (corroborating L5 last).
+LEVEL_NAMES = ("L2", "L3", "groups", "history", "L1", "L5")
 
 
 class DiagnosisSink(Protocol):
@@ -70,9 +76,13 @@ class AnalyzerConfig:
     """L3 (kernel distributions across ranks) thresholds."""
     l5: l5_stacks.L5Config = dataclasses.field(default_factory=l5_stacks.L5Config)
     """L5 (host-side stacks) thresholds; L5 only corroborates windows other levels flagged."""
+    groups: l2_groups.GroupsConfig = dataclasses.field(default_factory=l2_groups.GroupsConfig)
+    """Sibling-group comparison (a whole group slower than its siblings)."""
+    individual: individual.IndividualConfig = dataclasses.field(default_factory=individual.IndividualConfig)
+    """Small jobs: own history and pairs."""
     impact: ImpactConfig = dataclasses.field(default_factory=ImpactConfig)
     """The impact floor below which findings are informational."""
-    levels: tuple[str, ...] = ("L1", "L2", "L3", "L5")
+    levels: tuple[str, ...] = ("L1", "L2", "L3", "L5", "groups", "history")
     """Which levels run."""
     persist_k: int = 2
     """A rank is named once flagged in persist_k ..."""
@@ -98,9 +108,9 @@ class AnalyzerConfig:
     """Forget a job (state and its Prometheus series) after this long without records."""
 
     def __post_init__(self) -> None:
-        bad = [lv for lv in self.levels if lv not in ("L1", "L2", "L3", "L5")]
+        bad = [lv for lv in self.levels if lv not in LEVEL_NAMES]
         if bad:
-            raise ConfigError("analyzer.levels", self.levels, "only L1, L2, L3, L5")
+            raise ConfigError("analyzer.levels", self.levels, f"only {', '.join(LEVEL_NAMES)}")
         for f in ("grace_s", "window_timeout_s", "stall_factor", "min_stall_s", "forget_after_s"):
             if not getattr(self, f) > 0:
                 raise ConfigError(f"analyzer.{f}", getattr(self, f), "must be > 0")
@@ -141,6 +151,7 @@ class _Job:
         self.signals: set[str] = set()  # signals this job sends (a window waits for all of them)
         self.last_iter_end: dict[int, int] = {}   # rank -> end of its last iteration (rank clock)
         self.watermark: dict[int, int] = {}       # rank -> latest end of anything it reported
+        self.own_history = None                   # individual.History, kept by the OwnHistory level
 
 
 class Analyzer:
@@ -362,8 +373,9 @@ def default_detectors(config: AnalyzerConfig, metrics: AnalyzerMetrics | None = 
     made = {
         "L2": lambda: L2Phases(config.l2),
         "L3": lambda: L3Kernels(config.l3),
+        "groups": lambda: SiblingGroups(config.groups),
+        "history": lambda: OwnHistory(config.individual, config.groups),
         "L1": lambda: L1Iterations(config.l1),
         "L5": lambda: L5Stacks(config.l5),
     }
-    order = ("L2", "L3", "L1", "L5")   # corroborating levels last
-    return [made[lv]() for lv in order if lv in config.levels]
+    return [made[lv]() for lv in LEVEL_NAMES if lv in config.levels]

@@ -1,0 +1,178 @@
+"""Small jobs: a rank against its own history, and the two ranks of a pair.
+
+Peers cannot be compared when a rank's comparison group is too small (two
+ranks, or one per role). Two comparisons still can be made, and the
+verdict says which one was used (``Finding.comparison``):
+
+1. Own history (NVRx's "individual" score, own best against now): per rank
+   and key (phases, compute/memory/communication kernel sums; time per
+   iteration, ``l2_groups.rank_times``) the last ``history`` windows are
+   kept. A rank is slower than itself when now ≥ (1 + ``min_excess``) × its
+   best recent window, and the robust z of now against its own history
+   (spread = 1.4826·MAD of the history, with the personality floor) reaches
+   z* = Φ⁻¹(1 − α/M) over the window's comparisons. Needs ``min_history``
+   windows first; the impact is now − the history's median.
+2. Pair (two ranks that synchronise, ARGUS §9.5 on two ranks): when one rank
+   spends Δ longer per iteration outside communication than its partner and
+   the partner spends at least half of Δ longer *inside* communication (it
+   waited), the first rank is the culprit; its impact is the partner's
+   wait. The dependency, not a majority, says who is slow, so it works
+   with two ranks; persistence (k of n windows) keeps noise out.
+
+Only ranks whose peer group is too small for L2/L3 are judged here, so a
+rank is never reported twice for the same slowdown.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from trainscope.analyzer.impact import WindowScale
+from trainscope.analyzer.l2_groups import GroupsConfig, rank_times
+from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
+from trainscope.analyzer.significance import MAD_SIGMA, z_threshold
+from trainscope.analyzer.topology import check_number, group_of, resources_with
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class IndividualConfig:
+    history: int = 16
+    """Windows of each rank's own history kept per key."""
+    min_history: int = 3
+    """Windows of history before a rank is compared with itself."""
+    min_excess: float = 0.10
+    """Slower than its own best recent window by at least this much."""
+    min_peers: int = 3
+    """Ranks with a comparison group (same role) of fewer ranks are judged here."""
+    false_alarm: float = 1e-3
+    rel_floor: float = 0.02
+    pair_min_excess: float = 0.10
+    """Pair rule: the slower rank's non-communication time exceeds its partner's by this share of the step."""
+    dim: str = "dp"
+    """Dimension of the comparison group (the one L2/L3 use)."""
+
+    def __post_init__(self) -> None:
+        check_number("individual.history", self.history, lambda v: v >= 2, "must be an integer >= 2", int)
+        check_number("individual.min_history", self.min_history, lambda v: 2 <= v <= self.history,
+                     "must be an integer in [2, history]", int)
+        check_number("individual.min_excess", self.min_excess, lambda v: v > 0, "must be > 0")
+        check_number("individual.min_peers", self.min_peers, lambda v: v >= 2, "must be an integer >= 2", int)
+        check_number("individual.false_alarm", self.false_alarm, lambda v: 0 < v < 1, "must be in (0, 1)")
+        check_number("individual.rel_floor", self.rel_floor, lambda v: v >= 0, "must be >= 0")
+        check_number("individual.pair_min_excess", self.pair_min_excess, lambda v: v > 0, "must be > 0")
+
+
+class History:
+    """Per (rank, key): time per iteration in the last ``n`` windows (bounded)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.values: dict[tuple[int, str], collections.deque] = {}
+
+    def get(self, rank: int, key: str) -> np.ndarray:
+        d = self.values.get((rank, key))
+        return np.asarray(d, dtype=np.float64) if d else np.empty(0)
+
+    def add(self, rank: int, key: str, value: float) -> None:
+        d = self.values.get((rank, key))
+        if d is None:
+            d = self.values[(rank, key)] = collections.deque(maxlen=self.n)
+        d.append(value)
+
+
+def small_ranks(jw: JobWindow, cfg: IndividualConfig) -> list[int]:
+    """Ranks whose comparison group has fewer than ``min_peers`` ranks."""
+    res = resources_with(jw.resources, {**jw.phases, **jw.kernels})
+    return sorted(r for members in group_of(res, cfg.dim).values() if len(members) < cfg.min_peers
+                  for r in members)
+
+
+def analyze_individual(jw: JobWindow, scale: WindowScale, history: History,
+                       cfg: IndividualConfig = IndividualConfig(),
+                       groups_cfg: GroupsConfig = GroupsConfig()) -> tuple[list[Finding], int]:
+    """Steps 1-2 for the ranks peers cannot judge; records this window into ``history``."""
+    ranks, keys, m = rank_times(jw, scale, groups_cfg)
+    small = set(small_ranks(jw, cfg))
+    rows = [i for i, r in enumerate(ranks) if r in small]
+    if not rows or not keys:
+        return [], 0
+    out: list[Finding] = []
+    # step 1: own history
+    tests = []
+    for i in rows:
+        for k, key in enumerate(keys):
+            now = m[i, k]
+            past = history.get(ranks[i], key)
+            if np.isfinite(now) and now > 0 and past.size >= cfg.min_history:
+                tests.append((i, k, now, past))
+    comparisons = len(tests)
+    if tests:
+        z_star = z_threshold(cfg.false_alarm, comparisons)
+        for i, k, now, past in tests:
+            med = float(np.median(past))
+            spread = np.hypot(MAD_SIGMA * float(np.median(np.abs(past - med))), cfg.rel_floor * med)
+            z = (now - med) / spread if spread > 0 else 0.0
+            best = float(past.min())
+            if z >= z_star and now >= (1 + cfg.min_excess) * best:
+                key = keys[k]
+                scope = Scope(kernel=key, group="self") if key.startswith("[") else Scope(phase=key, group="self")
+                out.append(Finding(
+                    level="L3" if key.startswith("[") else "L2", kind="individual_slowdown",
+                    job_id=jw.job_id, window=jw.window, scope=scope, comparison="own_history",
+                    suspects=(SuspectRank(ranks[i], float(now / best), {
+                        "time_per_iteration_ns": float(now), "own_best_ns": best, "own_median_ns": med,
+                        "ratio": float(now / med), "z": float(z), "z_threshold": z_star,
+                        "direction": "slower", "history_windows": int(past.size)},
+                        impact_ns=max(0.0, float(now - med))),),
+                    severity=float(z), evidence={"history_windows": int(past.size),
+                                                 "communication": key == "[communication]"}))
+    # step 2: pairs
+    pairs, pair_cmp = _pairs(jw, ranks, keys, m, scale, cfg, groups_cfg)
+    out += pairs
+    for i in rows:
+        for k, key in enumerate(keys):
+            if np.isfinite(m[i, k]):
+                history.add(ranks[i], key, float(m[i, k]))
+    return out, comparisons + pair_cmp
+
+
+def _pairs(jw, ranks, keys, m, scale: WindowScale, cfg: IndividualConfig,
+           groups_cfg: GroupsConfig) -> tuple[list[Finding], int]:
+    res = resources_with(jw.resources, {**jw.phases, **jw.kernels})
+    comm = np.array([k == "[communication]" or (not k.startswith("[") and groups_cfg.routing.is_communication(k))
+                     for k in keys])
+    # phases and kernel sums overlap (a forward phase holds kernels): use phases when a rank has any
+    phase_cols = np.array([not k.startswith("[") for k in keys])
+    out, n = [], 0
+    row = {r: i for i, r in enumerate(ranks)}
+    for members in group_of(res, cfg.dim).values():
+        if len(members) != 2 or not all(r in row for r in members):
+            continue
+        a, b = (row[r] for r in members)
+        cols = phase_cols if np.isfinite(m[[a, b]][:, phase_cols]).any() else ~phase_cols
+        other = np.nan_to_num(m[[a, b]][:, cols & ~comm]).sum(axis=1)
+        wait = np.nan_to_num(m[[a, b]][:, cols & comm]).sum(axis=1)
+        n += 1
+        slow, fast = (0, 1) if other[0] >= other[1] else (1, 0)
+        delta = other[slow] - other[fast]
+        waited = wait[fast] - wait[slow]
+        if scale.step_ns <= 0 or delta < cfg.pair_min_excess * scale.step_ns or waited < 0.5 * delta:
+            continue
+        r = members[slow]
+        gap = np.where(cols & ~comm, np.nan_to_num(m[a if slow == 0 else b] - m[b if slow == 0 else a]), -np.inf)
+        where = keys[int(np.argmax(gap))]
+        scope = Scope(kernel=where, group=cfg.dim) if where.startswith("[") else Scope(phase=where, group=cfg.dim)
+        out.append(Finding(
+            level="L2", kind="pair_straggler", job_id=jw.job_id, window=jw.window,
+            scope=scope, comparison="pair",
+            suspects=(SuspectRank(r, float(delta / scale.step_ns), {
+                "extra_time_outside_communication_ns": float(delta), "partner": members[fast],
+                "partner_waited_ns": float(waited), "direction": "slower",
+                "ratio": float(other[slow] / other[fast]) if other[fast] > 0 else 0.0},
+                impact_ns=float(min(delta, waited))),),
+            severity=float(delta / scale.step_ns),
+            evidence={"communication": False,
+                      "explanation": "its partner waited in communication for as long as it was busy elsewhere"}))
+    return out, n
