@@ -47,7 +47,7 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
           resources: Mapping[int, Resource] | None = None, *, jw: JobWindow | None = None,
           step_ns: float = 0.0, iterations: Mapping[int, float] | None = None,
           persistence: Persistence | None = None, comparisons: Mapping[str, int] | None = None,
-          partial: bool = False) -> records_pb2.Verdict:
+          partial: bool = False, final: bool = False) -> records_pb2.Verdict:
     """One verdict for one window of one job (module steps 1-7).
 
     ``comparisons``: per level, how many rank comparisons it could make
@@ -69,7 +69,7 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     flagged = {rv.rank: rv for rv in ranked if rv.role in (CULPRIT, LINK, WAITER)}
     if persistence is not None:
         confirmed = persistence.update(int(window.index), flagged,
-                                       {r: rv.score_ns for r, rv in flagged.items()})
+                                       {r: rv.score_ns for r, rv in flagged.items()}, final=final)
     else:
         confirmed = set(flagged)
     confirmed = (confirmed & set(flagged)) | (stalled_ranks & set(flagged))
@@ -250,3 +250,78 @@ def _ranges(ranks: list[int]) -> str:
         out.append(str(ranks[i]) if i == j else f"{ranks[i]}–{ranks[j]}")
         i = j + 1
     return ", ".join(out)
+
+
+_STATE_ORDER = {STALLED: 3, DEGRADED: 2, UNKNOWN: 1, HEALTHY: 0}
+
+
+def merge_windows(verdicts: Sequence[records_pb2.Verdict]) -> records_pb2.Verdict | None:
+    """The job's verdict over its windows (the replay contract's ``verdict``; ``query verdict``).
+
+    1. State: the worst state any window had (stalled > degraded > unknown >
+       healthy), except that "unknown" needs every window to be unknown: one
+       window that could compare ranks makes the job judgeable.
+    2. Suspects: every rank a window named, scored by the sum over windows of
+       its impact (cost × duration), keeping its most frequent role; impact
+       reported is the median over the windows that named it.
+    3. Host and onset: the host most windows named; the earliest
+       ``since_window`` of the windows naming the top suspect.
+    4. Confidence: the mean confidence of the windows naming the top suspect,
+       × the share of the windows since onset that named it (a top suspect
+       that flips between windows is not a confident answer).
+    """
+    vs = [v for v in verdicts if v.state or v.ranks or v.findings]
+    if not vs:
+        return None
+    last = vs[-1]
+    out = records_pb2.Verdict(job_id=last.job_id, created_unix_ns=time.time_ns())
+    out.window.CopyFrom(last.window)
+    out.window.index = last.window.index
+    out.window.start_ns = min(v.window.start_ns for v in vs)
+    states = [v.state or (DEGRADED if v.ranks else HEALTHY) for v in vs]
+    judged = [s for s in states if s != UNKNOWN]
+    out.state = max(judged, key=_STATE_ORDER.get) if judged else UNKNOWN
+    steps = [v.step_s for v in vs if v.step_s > 0]
+    out.step_s = float(sorted(steps)[len(steps) // 2]) if steps else 0.0
+    impact: dict[int, list[float]] = collections.defaultdict(list)
+    roles: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    latest: dict[int, records_pb2.Suspect] = {}
+    for v in vs:
+        for s in v.ranks:
+            impact[s.rank].append(s.impact_s or s.score)
+            roles[s.rank][s.role or CULPRIT] += 1
+            latest[s.rank] = s
+    order = {CULPRIT: 0, LINK: 1, WAITER: 2, MISSING: 3}
+    ranked = sorted(impact, key=lambda r: (order.get(roles[r].most_common(1)[0][0], 9), -sum(impact[r]), r))
+    for r in ranked:
+        vals = sorted(impact[r])
+        med = vals[len(vals) // 2]
+        s = out.ranks.add()
+        s.CopyFrom(latest[r])
+        s.role = roles[r].most_common(1)[0][0]
+        s.impact_s = s.score = med
+        s.impact_pct = 100.0 * med / out.step_s if out.step_s > 0 else s.impact_pct
+        s.evidence.update({"windows_named": len(vals)})
+    hosts = collections.Counter(v.host for v in vs if v.host)
+    if hosts:
+        out.host = hosts.most_common(1)[0][0]
+    if ranked:
+        top = ranked[0]
+        naming = [v for v in vs if any(s.rank == top for s in v.ranks)]
+        since = [v.since_window for v in naming if v.HasField("since_window")]
+        if since:
+            out.since_window = min(since)
+        onset = out.since_window if out.HasField("since_window") else naming[0].window.index
+        after = [v for v in vs if v.window.index >= onset]
+        share = len(naming) / max(len(after), 1)
+        out.confidence = round(sum(v.confidence for v in naming) / len(naming) * share, 2)
+        out.comparison = naming[-1].comparison
+    else:
+        out.confidence = round(sum(v.confidence for v in vs) / len(vs), 2)
+        out.comparison = last.comparison
+    out.phases.extend(dict.fromkeys(p for v in vs for p in v.phases).keys())
+    out.kernels.extend(dict.fromkeys(k for v in vs for k in v.kernels).keys())
+    out.partial = any(v.partial for v in vs)
+    out.summary = summarize(out.job_id, out, [], {}).replace(
+        f"job {out.job_id}:", f"job {out.job_id} ({len(vs)} windows):", 1)
+    return out

@@ -307,7 +307,7 @@ class Analyzer:
                 findings.append(dataclasses.replace(hang, step_ns=scale.step_ns))
         verdict = merge(job.job_id, jw.window, findings, jw.resources, jw=jw, step_ns=scale.step_ns,
                         iterations=scale.iterations, persistence=job.persistence,
-                        comparisons=ctx.comparisons, partial=missing is not None)
+                        comparisons=ctx.comparisons, partial=missing is not None, final=reason == "finish")
         self._publish([f.to_pb() for f in findings], verdict)
         self.metrics.counters["windows_analyzed"] += 1
         return verdict

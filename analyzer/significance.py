@@ -101,9 +101,14 @@ class Persistence:
         self._recent: collections.deque[tuple[int, frozenset[int]]] = collections.deque(maxlen=n)
         self._since: dict[int, int] = {}
         self._impact: dict[int, float] = {}
+        self.windows = 0
 
-    def update(self, index: int, flagged: Iterable[int], impact: dict[int, float] | None = None) -> set[int]:
+    def update(self, index: int, flagged: Iterable[int], impact: dict[int, float] | None = None,
+               final: bool = False) -> set[int]:
+        """Record one window; return the confirmed ranks. ``final``: the job ended (a replay's last
+        windows): a job that had fewer than k windows in all confirms what every window flagged."""
         flagged = frozenset(flagged)
+        self.windows += 1
         self._recent.append((index, flagged))
         window = [f for i, f in self._recent if i > index - self.n]
         counts = collections.Counter(r for f in window for r in f)
@@ -116,7 +121,8 @@ class Persistence:
             if counts.get(r, 0) == 0:
                 del self._since[r]
                 self._impact.pop(r, None)
-        return {r for r, c in counts.items() if c >= self.k}
+        need = self.k if not (final and self.windows < self.k) else self.windows
+        return {r for r, c in counts.items() if c >= need}
 
     def held(self, rank: int) -> float:
         """Fraction of the last n windows in which ``rank`` was flagged."""

@@ -429,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--stats-out", help="write the kernel cluster stats here (JSON)")
     r.add_argument("--json", help="write the diagnoses here (JSON, the replay contract's format)")
     r.add_argument("--no-analyze", action="store_true", help="only summarise; run no detectors")
-    r.add_argument("--window-iterations", type=int, default=1000)
+    r.add_argument("--window-iterations", type=int, default=5)
     _add_sink_flags(r)
     r.set_defaults(func=cmd_replay)
 

@@ -83,7 +83,7 @@ def run_replay(
     directory: str,
     *,
     home: str | None = None,
-    window_iterations: int = 1000,
+    window_iterations: int = 5,
     kafka: Any = None,
     perfetto: Any = None,
     prometheus: Any = None,
@@ -93,8 +93,9 @@ def run_replay(
     """Replay every rank of ``directory`` and close all windows.
 
     Windows are cut by iterations (the traces' clocks are unrelated, so only
-    iteration numbers line ranks up); the default of 1000 iterations makes
-    one window per short profiler trace.
+    iteration numbers line ranks up); the default of 5 iterations gives a
+    30-step trace six windows, so a late onset is not averaged away and the
+    verdict can say since when.
     """
     t0 = time.perf_counter()
     job = scan_replay_dir(directory)
