@@ -418,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("processor", help="run the per-host processor daemon")
     pr.add_argument("--listen", help=f"gRPC address (env {env.PROCESSOR}; default unix socket)")
-    pr.add_argument("--window-mode", choices=("time", "iterations"), default="time")
+    pr.add_argument("--window-mode", choices=("auto", "time", "iterations"), default="auto",
+                    help="auto: iterations when the ranks send iteration marks, else time (default: auto)")
     pr.add_argument("--window-length-s", type=float, default=10.0)
     pr.add_argument("--window-iterations", type=int, default=10)
     _add_sink_flags(pr)

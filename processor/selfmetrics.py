@@ -24,6 +24,7 @@ COUNTERS = {
     "drops": ("Records dropped, by where they were dropped", ("where",)),
     "sink_errors": ("Delivery errors, by sink", ("sink",)),
     "windows_closed": ("Windows closed, by how they were closed", ("trigger",)),
+    "window_mode_decided": ("Ranks whose window mode auto chose, by mode (iterations: marks arrived)", ("mode",)),
     "window_close_seconds_sum": ("Total time spent closing and summarising windows", ()),
     "streams": ("Ingest streams opened", ()),
 }

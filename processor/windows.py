@@ -1,6 +1,13 @@
 """Cut each rank's telemetry into windows and decide when a window is closed.
 
-Two ways to cut (``WindowConfig.mode``):
+Three modes (``WindowConfig.mode``): ``auto`` (the default) cuts by
+iterations whenever the rank sends iteration marks, and falls back to time
+windows for a rank that has sent none within ``auto_wait_s`` of its own
+clock (its kernels and phases wait, bounded, meanwhile). Time windows of a
+job whose ranks step at different rates hold different iterations on
+different ranks, so comparing them names whoever happened to fit one more
+step in: iterations are the right unit whenever they exist. The two ways to
+cut:
 
 * ``time``: fixed-length windows aligned to multiples of ``length_ns`` on the
   rank's own clock (ARGUS §5.2 summarises "each time window"). Ranks are never
@@ -42,8 +49,8 @@ RankKey = tuple[str, int]  # (job_id, rank)
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class WindowConfig:
-    mode: str = "time"
-    """``time`` (fixed length on the rank's clock) or ``iterations``."""
+    mode: str = "auto"
+    """``auto`` (iterations when the rank sends iteration marks, else time), ``time`` or ``iterations``."""
     length_s: float = 10.0
     """Window length in seconds, for ``time`` mode."""
     iterations: int = 10
@@ -58,10 +65,15 @@ class WindowConfig:
     """Iterations mode: bound on kernel events waiting for an iteration mark."""
     max_stacks_per_window: int = 1024
     """Bound on stack snapshots kept per rank and window (a hung rank keeps sending them)."""
+    auto_wait_s: float = 20.0
+    """Auto mode: how long (rank clock) a rank's data waits for a first iteration mark before
+    the rank falls back to time windows."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("time", "iterations"):
-            raise ConfigError("window.mode", self.mode, "must be 'time' or 'iterations'")
+        if self.mode not in ("auto", "time", "iterations"):
+            raise ConfigError("window.mode", self.mode, "must be 'auto', 'time' or 'iterations'")
+        if not self.auto_wait_s > 0:
+            raise ConfigError("window.auto_wait_s", self.auto_wait_s, "must be > 0")
         if not self.length_s > 0:
             raise ConfigError("window.length_s", self.length_s, "must be > 0")
         if self.iterations < 1:
@@ -129,8 +141,11 @@ class _Open:
 
 
 class _RankState:
-    def __init__(self, resource: Resource) -> None:
+    def __init__(self, resource: Resource, mode: str | None) -> None:
         self.resource = resource
+        self.mode = mode                  # "time" | "iterations"; None: auto, not decided yet
+        self.first_ns = 0                 # auto: earliest data seen (rank clock)
+        self.waiting_phases: list = []    # auto, undecided: phases held until the mode is known
         self.name_ids: dict[str, int] = {}
         self.names: list[str] = []
         self.device = 0
@@ -180,7 +195,7 @@ class Windower:
         key = (resource.job_id, resource.rank)
         st = self._ranks.get(key)
         if st is None:
-            st = self._ranks[key] = _RankState(resource)
+            st = self._ranks[key] = _RankState(resource, None if self.config.mode == "auto" else self.config.mode)
             self.metrics.set("ranks", len(self._ranks))
         elif progress and st.resource != resource:
             # a restarted process of the same rank (not the py-spy sidecar, which
@@ -207,7 +222,8 @@ class Windower:
         st.device = cols.device
         gid = st.lut(cols.names)[cols.name_id]
         end_max = int((cols.start_ns + cols.duration_ns).max())
-        if self.config.mode == "time":
+        self._note_first(st, int(cols.start_ns.min()))
+        if st.mode == "time":
             self._route(st, cols.start_ns // np.uint64(self.config.length_ns),
                         cols.start_ns, cols.duration_ns, gid, cols.stream, cols.kind)
         else:
@@ -272,19 +288,45 @@ class Windower:
                 self.metrics.inc("drops", st.pending.n, where="pending")
                 st.pending = _KernelChunks()
 
+    def _note_first(self, st: _RankState, t: int) -> None:
+        if st.mode is None and (not st.first_ns or t < st.first_ns):
+            st.first_ns = t
+
+    def _decide(self, st: _RankState, mode: str) -> None:
+        """Auto mode: fix the rank's mode and hand it what waited (module docstring)."""
+        st.mode = mode
+        waiting, st.waiting_phases = st.waiting_phases, []
+        if mode == "time" and st.pending.n:
+            cols = st.pending.columns(tuple(st.names), st.device)
+            st.pending = _KernelChunks()
+            self._route(st, cols.start_ns // np.uint64(self.config.length_ns), cols.start_ns,
+                        cols.duration_ns, cols.name_id, cols.stream, cols.kind)
+        if waiting:
+            self.add_phases(st.resource, waiting, st)
+        self.metrics.inc("window_mode_decided", 1, mode=mode)
+
     def _index_for_time(self, st: _RankState, t: int) -> int | None:
-        if self.config.mode == "time":
+        if st.mode == "time":
             return t // self.config.length_ns
         if not st.mark_starts:
             return None
         i = max(bisect.bisect_right(st.mark_starts, t) - 1, 0)
         return st.mark_iters[i] // self.config.iterations
 
-    def add_phases(self, resource: Resource, phases) -> None:
-        st = self._state(resource)
+    def add_phases(self, resource: Resource, phases, st: _RankState | None = None) -> None:
+        st = st or self._state(resource)
+        if st.mode is None:                 # auto, undecided: wait (bounded) for the mode
+            for ph in phases:
+                self._note_first(st, ph.start_ns)
+            st.waiting_phases.extend(phases)
+            if len(st.waiting_phases) > self.config.max_pending_events:
+                self.metrics.inc("drops", len(st.waiting_phases), where="pending")
+                st.waiting_phases = []
+            self._advance(st, max((p.start_ns + p.duration_ns for p in phases), default=0))
+            return
         hi = 0
         for ph in phases:
-            if self.config.mode == "iterations":
+            if st.mode == "iterations":
                 index = ph.iteration // self.config.iterations
             else:
                 index = ph.start_ns // self.config.length_ns
@@ -300,9 +342,11 @@ class Windower:
 
     def add_iterations(self, resource: Resource, marks) -> None:
         st = self._state(resource)
+        if st.mode is None and len(marks):
+            self._decide(st, "iterations")
         hi = 0
         for m in marks:
-            if self.config.mode == "iterations":
+            if st.mode == "iterations":
                 index = m.iteration // self.config.iterations
                 j = bisect.bisect_left(st.mark_iters, m.iteration)
                 if j < len(st.mark_iters) and st.mark_iters[j] == m.iteration:
@@ -320,7 +364,7 @@ class Windower:
             w.iterations.append(m)
             w.lo, w.hi = min(w.lo, m.start_ns), max(w.hi, m.end_ns)
             hi = max(hi, m.end_ns)
-        if self.config.mode == "iterations":
+        if st.mode == "iterations":
             self._assign_pending(st, final=False)
         self._advance(st, hi)
 
@@ -340,15 +384,20 @@ class Windower:
                 continue
             w.stacks.append(s)
             hi = max(hi, s.window_end_ns)
-        if self.config.mode == "time":
+        if st.mode == "time":
             self._advance(st, hi)
 
     # -------------------------------------------------------------- closing
     def _advance(self, st: _RankState, t: int) -> None:
         if t > st.watermark:
             st.watermark = t
+        if st.mode is None:
+            if st.first_ns and st.watermark - st.first_ns >= int(self.config.auto_wait_s * 1e9):
+                self._decide(st, "time")     # no iteration marks: time windows
+            else:
+                return
         horizon = st.watermark - self.config.lateness_ns
-        if self.config.mode == "time":
+        if st.mode == "time":
             for index in sorted(st.open):
                 if (index + 1) * self.config.length_ns <= horizon:
                     self._close(st, index, "watermark")
@@ -368,7 +417,7 @@ class Windower:
         w = st.open.pop(index)
         st.closed_upto = max(st.closed_upto, index)
         window = records_pb2.Window(index=index, final=final)
-        if self.config.mode == "time":
+        if st.mode == "time":
             window.kind = records_pb2.WINDOW_KIND_TIME
             window.start_ns = index * self.config.length_ns
             window.end_ns = (index + 1) * self.config.length_ns
@@ -418,8 +467,11 @@ class Windower:
     def _settle_pending(self, st: _RankState) -> None:
         """Iterations mode, closing time: kernels still waiting for a mark go to
         the iteration that holds them, or, if the rank never reported an
-        iteration, into one window of their own (nothing is dropped)."""
-        if self.config.mode != "iterations" or not st.pending.n:
+        iteration, into one window of their own (nothing is dropped). An auto
+        rank still undecided at closing time never sent a mark: time windows."""
+        if st.mode is None:
+            self._decide(st, "time")
+        if st.mode != "iterations" or not st.pending.n:
             return
         if st.mark_starts:
             self._assign_pending(st, final=True)

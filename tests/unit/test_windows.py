@@ -27,6 +27,8 @@ class Clock:
 
 
 def make(**kw):
+    """A windower; tests of time windows say so (the default mode is ``auto``)."""
+    kw.setdefault("mode", "time")
     closed, metrics, clock = [], SelfMetrics(), Clock()
     w = Windower(WindowConfig(**kw), closed.append, metrics, clock=clock)
     return w, closed, metrics, clock
@@ -129,6 +131,38 @@ def test_events_before_first_mark_are_kept_in_first_window():
     w.add_iterations(RES, [telemetry_pb2.IterationMark(iteration=1009, start_ns=100, end_ns=200)])
     w.flush()
     assert len(closed) == 1 and len(closed[0].kernels) == 2 and closed[0].window.index == 100
+
+
+def test_auto_mode_cuts_by_iterations_when_marks_arrive_and_keeps_what_came_first():
+    w, closed, m, _ = make(mode="auto", iterations=2, lateness_s=0)
+    p = 100 * S // 1000
+    # kernels and a phase arrive before the first iteration mark: they wait, nothing is lost
+    w.add_kernels(RES, kernels([5, p + 5, 2 * p + 5, 3 * p + 5]))
+    w.add_phases(RES, [telemetry_pb2.PhaseTiming(name="forward", iteration=1, start_ns=p + 1, duration_ns=10)])
+    assert closed == []
+    w.add_iterations(RES, marks(range(4)))
+    w.flush()
+    assert {c.window.index: len(c.kernels) for c in closed} == {0: 2, 1: 2}
+    assert all(c.window.kind == records_pb2.WINDOW_KIND_ITERATIONS for c in closed)
+    assert [len(c.phases) for c in sorted(closed, key=lambda c: c.window.index)] == [1, 0]
+    assert m.get("window_mode_decided", mode="iterations") == 1
+
+
+def test_auto_mode_falls_back_to_time_windows_for_a_rank_without_marks():
+    w, closed, m, _ = make(mode="auto", length_s=1, lateness_s=0, auto_wait_s=3)
+    w.add_kernels(RES, kernels(np.arange(3) * S + 5))
+    assert closed == [] and m.get("window_mode_decided", mode="time") == 0    # still waiting for a mark
+    w.add_kernels(RES, kernels([4 * S + 5]))                                   # 4 s of its clock: time windows
+    assert m.get("window_mode_decided", mode="time") == 1
+    assert [c.window.index for c in closed] == [0, 1, 2]       # the watermark passed their ends
+    w.flush()
+    assert sum(len(c.kernels) for c in closed) == 4
+    assert all(c.window.kind == records_pb2.WINDOW_KIND_TIME for c in closed)
+    # a rank flushed before it was decided never sent a mark: time windows too
+    w2, closed2, _, _ = make(mode="auto", length_s=1, auto_wait_s=60)
+    w2.add_kernels(RES, kernels([5, S + 5]))
+    w2.flush()
+    assert sorted(c.window.index for c in closed2) == [0, 1]
 
 
 def test_open_window_bound_force_closes_oldest():
