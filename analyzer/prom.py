@@ -61,10 +61,13 @@ class AnalyzerMetrics:
                     self._stalled[d.job_id] = 1
                 if d.informational:
                     continue
+                # stalls and missing ranks are facts, not deviations: named at once, valued by their
+                # own score (iterations behind; 1); every other suspect by its impact, once named
+                fact = d.kind in ("stall", "missing_rank")
                 for s in d.suspects:
-                    if named is not None and d.kind != "stall" and s.rank not in named:
+                    if named is not None and not fact and s.rank not in named:
                         continue   # not (yet) persistent: the verdict does not name it
-                    score = s.impact_s if s.impact_s > 0 or d.kind != "stall" else s.score
+                    score = s.score if fact else s.impact_s
                     key = (d.job_id, d.level, d.kind, str(s.rank), d.scope.phase, d.scope.kernel[:120])
                     if key not in self._flagged and len(self._flagged) >= self.max_series:
                         self.dropped_series += 1

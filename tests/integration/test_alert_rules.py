@@ -110,7 +110,8 @@ def _exposed_names() -> set[str]:
     names |= {f"trainscope_processor_{n}_total" for n in COUNTERS}
     names |= {f"trainscope_processor_{n}" for n in GAUGES}
     names |= {"trainscope_suspect_score", "trainscope_diagnoses_total", "trainscope_job_iteration_state",
-              "trainscope_job_stalled"}
+              "trainscope_job_stalled", "trainscope_verdict_state", "trainscope_verdict_confidence",
+              "trainscope_verdict_suspect_impact_seconds", "trainscope_analyzer_detector_failures_total"}
     return names
 
 
@@ -143,7 +144,7 @@ def _diagnoses(job: str) -> list[records_pb2.Diagnosis]:
     w = records_pb2.Window(index=0)
     return [Finding(level="L2", kind="straggler", job_id=job, window=w,
                     scope=Scope(phase="bwd", group="dp", group_index=0),
-                    suspects=(SuspectRank(2, 2.5),), severity=0.3).to_pb()]
+                    suspects=(SuspectRank(2, 2.5, impact_ns=25e6),), severity=0.3).to_pb()]
 
 
 def test_rules_evaluate_on_real_series_and_alerts_go_pending(prometheus_bin, tmp_path, capsys):
@@ -184,7 +185,7 @@ def test_rules_evaluate_on_real_series_and_alerts_go_pending(prometheus_bin, tmp
         straggler = alerts["TrainscopeStragglerRank"]
         assert straggler["state"] == "pending"
         assert straggler["annotations"]["summary"] == (
-            "Job j: rank 2 on node1 (dp=1 tp=0 pp=0) is a straggler in phase bwd (score 2.50)")
+            "Job j: rank 2 on node1 (dp=1 tp=0 pp=0) is a straggler in phase bwd (costs 25ms per iteration)")
         assert alerts["TrainscopeJobStalled"]["labels"]["job"] == "j2"
         assert alerts["TrainscopeIterationRegression"]["annotations"]["summary"] == (
             "Job j: iteration time regressed to 100ms per iteration; suspects: rank 2")
