@@ -16,7 +16,13 @@ evidence and attributes the waiting to the member that made the others wait.
    evidence: slower inside communication.
 2. Sync partners of a rank: the ranks it shares a TP, CP, EP or DP group
    with, and its PP neighbours (same dp/tp/ep/cp, stage ± 1).
-3. Each waiter points at the partner with culprit evidence whose impact is
+3. Inherited lateness: a rank whose only culprit evidence is arriving late
+   to a collective (no slow compute, memory or host phase of its own) and
+   that also *waited* for a sync partner with slow work of its own was late
+   because of that partner (a TP partner of a slow GPU arrives late to the
+   data-parallel all-reduce too): it is a waiter pointing at the partner,
+   and the partner's score takes the lateness' impact.
+   Each waiter points at the partner with culprit evidence whose impact is
    largest (``waited_for``). When no partner was flagged, the records of the
    window decide: in the waiter's tensor-parallel group (the most tightly
    synchronised), the member with the shortest time in the same collective
@@ -69,6 +75,11 @@ class Evidence:
         if self.kind == "stall":
             return CULPRIT
         return WAITER if (self.communication and self.slower) else CULPRIT
+
+    @property
+    def own(self) -> bool:
+        """Slow work of its own (not a collective it arrived late to)."""
+        return self.role == CULPRIT and not self.communication
 
     @property
     def strength(self) -> float:
@@ -179,10 +190,20 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
             if e.where not in rv.where:
                 rv.where.append(e.where)
         out[r] = rv
+    # step 3: lateness inherited from a partner that was slow on its own
+    owners = {r for r, rv in out.items() if any(e.own for e in rv.evidence)}
+    for rv in list(out.values()):
+        if rv.role != CULPRIT or rv.rank in owners or not any(e.role == WAITER for e in rv.evidence):
+            continue
+        parts = sync_partners(rv.rank, resources)
+        cands = [p for ps in parts.values() for p in ps if p in owners]
+        if cands:
+            rv.role = WAITER
+            rv.waited_for = max(cands, key=lambda p: (out[p].impact_ns, -p))
     # step 3: waiters point at a culprit partner
     iterations = iterations or {}
     for rv in list(out.values()):
-        if rv.role != WAITER:
+        if rv.role != WAITER or rv.waited_for >= 0:
             continue
         parts = sync_partners(rv.rank, resources)
         cands = [p for ps in parts.values() for p in ps if p in out and out[p].role == CULPRIT]

@@ -91,13 +91,15 @@ def small_ranks(jw: JobWindow, cfg: IndividualConfig) -> list[int]:
 
 def analyze_individual(jw: JobWindow, scale: WindowScale, history: History,
                        cfg: IndividualConfig = IndividualConfig(),
-                       groups_cfg: GroupsConfig = GroupsConfig()) -> tuple[list[Finding], int]:
-    """Steps 1-2 for the ranks peers cannot judge; records this window into ``history``."""
+                       groups_cfg: GroupsConfig = GroupsConfig()) -> tuple[list[Finding], dict[str, int]]:
+    """Steps 1-2 for the ranks peers cannot judge; records this window into ``history``.
+
+    Returns the findings and the comparisons made: {"own_history": n, "pair": n}."""
     ranks, keys, m = rank_times(jw, scale, groups_cfg)
     small = set(small_ranks(jw, cfg))
     rows = [i for i, r in enumerate(ranks) if r in small]
     if not rows or not keys:
-        return [], 0
+        return [], {"own_history": 0, "pair": 0}
     out: list[Finding] = []
     # step 1: own history
     tests = []
@@ -135,7 +137,7 @@ def analyze_individual(jw: JobWindow, scale: WindowScale, history: History,
         for k, key in enumerate(keys):
             if np.isfinite(m[i, k]):
                 history.add(ranks[i], key, float(m[i, k]))
-    return out, comparisons + pair_cmp
+    return out, {"own_history": comparisons, "pair": pair_cmp}
 
 
 def _pairs(jw, ranks, keys, m, scale: WindowScale, cfg: IndividualConfig,

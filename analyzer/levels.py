@@ -132,7 +132,7 @@ class L5Stacks:
 class SiblingGroups:
     """A whole group slower than its siblings (``l2_groups``)."""
 
-    level, corroborating = "groups", False
+    level, corroborating = "sibling_groups", False
 
     def __init__(self, cfg: l2_groups.GroupsConfig) -> None:
         self.cfg = cfg
@@ -161,6 +161,6 @@ class OwnHistory:
             hist = individual.History(self.cfg.history)
             if state is not None:
                 state.own_history = hist
-        found, n = individual.analyze_individual(ctx.jw, ctx.scale, hist, self.cfg, self.groups_cfg)
-        ctx.comparisons[self.level] = n
+        found, made = individual.analyze_individual(ctx.jw, ctx.scale, hist, self.cfg, self.groups_cfg)
+        ctx.comparisons.update(made)
         return found

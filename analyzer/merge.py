@@ -56,6 +56,9 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     named at once (k = 1).
     """
     resources = resources or {}
+    if jw is not None and iterations is None:
+        from trainscope.analyzer.impact import window_scale
+        iterations = window_scale(jw).iterations
     active = [f for f in findings if not f.informational]
     evidence: list[Evidence] = []
     for f in active:
@@ -176,8 +179,8 @@ def _comparison(comparisons: Mapping[str, int] | None, suspects: list[RankVerdic
         return "+".join(sorted(kinds))
     if comparisons is None:
         return "peers"
-    made = [k for k, n in comparisons.items() if n > 0]
-    return "+".join(sorted(made)) if made else "none"
+    made = sorted({_COMPARED.get(k, k) for k, n in comparisons.items() if n > 0})
+    return "+".join(made) if made else "none"
 
 
 def _confidence(state: str, suspects: list[RankVerdict], resources, host: str,
@@ -212,7 +215,9 @@ def summarize(job_id: str, v: records_pb2.Verdict, findings: Sequence[Finding],
     head = f"job {job_id}: {v.state or HEALTHY}"
     if v.HasField("since_window"):
         head += f" since window {v.since_window}"
-    head += f" (confidence {v.confidence:.2f}{step})"
+    head += f" (confidence {v.confidence:.2f}{step}"
+    head += f", compared with {v.comparison.replace('+', ' and ')})" if v.comparison and v.comparison != "peers" \
+        else ")"
     if v.state == UNKNOWN:
         return head + " — no comparison possible (groups too small, no history yet)"
     parts = [head]
@@ -251,6 +256,9 @@ def _ranges(ranks: list[int]) -> str:
         i = j + 1
     return ", ".join(out)
 
+
+#: What a level's comparisons compared a rank with (``WindowContext.comparisons`` keys).
+_COMPARED = {"L1": "peers", "L2": "peers", "L3": "peers"}
 
 _STATE_ORDER = {STALLED: 3, DEGRADED: 2, UNKNOWN: 1, HEALTHY: 0}
 

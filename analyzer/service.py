@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 
 #: Detector levels, in the order they run (corroborating L5 last).
 LEVEL_NAMES = ("L2", "L3", "groups", "history", "L1", "L5")
+# comparisons counted per level are named by what was compared with what:
+# L1/L2/L3 "peers", sibling_groups, own_history, pair
 
 
 class DiagnosisSink(Protocol):

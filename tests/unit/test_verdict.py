@@ -1,0 +1,204 @@
+"""The verdict: impact floor, significance, persistence, culprit vs waiter, host, state, confidence
+(analyzer/impact.py, significance.py, attribution.py, merge.py)."""
+import numpy as np
+import pytest
+
+from trainscope.analyzer.attribution import evidence_of, sync_partners
+from trainscope.analyzer.impact import ImpactConfig, apply_floor, window_scale
+from trainscope.analyzer.merge import merge, merge_windows
+from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
+from trainscope.analyzer.significance import Persistence, robust_z, z_threshold
+from trainscope.proto.model import Resource, coords_for_rank
+from trainscope.proto.v1 import records_pb2
+
+MS = 1e6
+WIN = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=4, first_iteration=40, last_iteration=49)
+
+
+def resources(world=16, tp=4, per_host=4):
+    return {r: Resource(job_id="j", rank=r, world_size=world, host=f"h{r // per_host}",
+                        coords=coords_for_rank(r, world, tp=tp)) for r in range(world)}
+
+
+def finding(level, kind, where, suspects, *, phase=True, comm=None, informational=False):
+    ev = {} if comm is None else {"communication": comm}
+    scope = Scope(phase=where) if phase else Scope(kernel=where)
+    return Finding(level=level, kind=kind, job_id="j", window=WIN, scope=scope, evidence=ev,
+                   informational=informational,
+                   suspects=tuple(SuspectRank(r, 1.0, {"direction": d}, impact_ns=i) for r, d, i in suspects))
+
+
+# ------------------------------------------------------------------ significance
+def test_threshold_grows_with_the_number_of_comparisons():
+    small, big = z_threshold(1e-3, 10 * 16), z_threshold(1e-3, 300 * 1000)
+    assert 3.5 < small < 4.5 < big < 6.5
+    # same family-wise rate: M × tail(z*) is alpha for both
+    from scipy.special import ndtr
+    assert 160 * ndtr(-small) == pytest.approx(1e-3) and 300_000 * ndtr(-big) == pytest.approx(1e-3)
+
+
+def test_robust_z_uses_the_personality_floor_and_the_small_group_bound():
+    z, med, scale = robust_z(np.array([[100.0, 100.0, 100.0, 110.0]]), rel_floor=0.02)
+    assert med.ravel()[0] == 100.0 and scale.ravel()[0] == pytest.approx(2.0)   # MAD 0: the floor
+    assert z[0, 3] == pytest.approx(5.0)
+    z2, _, _ = robust_z(np.array([[100.0, 100.0, 100.0, 110.0]]), se=np.full((1, 4), 10.0), rel_floor=0.02)
+    assert z2[0, 3] < 1.0    # sampling error bounds a tiny group's spread from below
+
+
+def test_persistence_names_a_rank_after_k_of_n_windows_and_reports_the_onset():
+    p = Persistence(2, 3)
+    assert p.update(0, {5}) == set()
+    assert p.update(1, {5, 7}) == {5}           # 5 held twice; 7 once
+    assert p.since(5) == 0 and p.update(2, {7}) == {5, 7}
+    assert p.update(3, set()) == {7} and p.update(4, set()) == set()
+    assert p.since(5) is None                     # gone for n windows: forgotten
+    short = Persistence(2, 3)
+    assert short.update(0, {3}, final=True) == {3}  # a job of one window confirms what it flagged
+
+
+# ------------------------------------------------------------------ impact
+def test_window_scale_and_the_impact_floor():
+    jw = JobWindow(job_id="j", window=WIN)
+    for r in range(4):
+        iw = records_pb2.IterationWindow(mean_ns=200 * MS)
+        jw.iterations[r] = iw
+    scale = window_scale(jw)
+    assert scale.step_ns == 200 * MS and scale.of(0) == 10 and scale.pct(2 * MS) == pytest.approx(1.0)
+    f_small = finding("L3", "degraded_kernel", "k", [(1, "slower", 1.5 * MS)], phase=False)
+    f_big = finding("L3", "degraded_kernel", "k2", [(1, "slower", 3 * MS)], phase=False)
+    small, big = apply_floor([f_small, f_big], scale, ImpactConfig(floor_pct=1.0))
+    assert small.informational and not big.informational
+    pb = small.to_pb()
+    assert not pb.suspects and pb.evidence["candidates"][0]["rank"] == 1   # informational: nobody named
+    assert big.to_pb().impact_pct == pytest.approx(1.5)
+
+
+# ------------------------------------------------------------------ attribution
+def test_one_rule_for_direction():
+    f = finding("L2", "slow_communication", "tp-allreduce", [(2, "slower", 5 * MS)])
+    [e] = evidence_of(f)
+    assert e.communication and e.slower and e.role == "waiter"
+    g = finding("L3", "degraded_kernel", "ncclAllReduce", [(3, "faster", 5 * MS)], phase=False)
+    assert evidence_of(g)[0].role == "culprit"       # shortest collective: arrived last
+    h = finding("L2", "straggler", "forward", [(3, "slower", 5 * MS)])
+    assert evidence_of(h)[0].role == "culprit"
+
+
+def test_sync_partners_follow_the_topology():
+    res = resources(16, tp=4)
+    parts = sync_partners(5, res)
+    assert sorted(parts["tp"]) == [4, 6, 7] and sorted(parts["dp"]) == [1, 9, 13]
+
+
+def test_waiters_never_outrank_the_rank_they_waited_for():
+    """Rank 5 is 6 ms slower in compute; its three TP partners each waited 6 ms (more in total)."""
+    res = resources(16, tp=4)
+    comp = finding("L2", "straggler", "mlp", [(5, "slower", 6 * MS)])
+    wait = finding("L2", "slow_communication", "tp-allreduce", [(r, "slower", 6.5 * MS) for r in (4, 6, 7)])
+    v = merge("j", WIN, [wait, comp], res, step_ns=200 * MS)
+    assert v.ranks[0].rank == 5 and v.ranks[0].role == "culprit"
+    assert v.ranks[0].impact_s == pytest.approx(6.5e-3)          # at least what its waiters lost
+    waiters = [s for s in v.ranks if s.role == "waiter"]
+    assert {s.rank for s in waiters} == {4, 6, 7} and all(s.waited_for == 5 for s in waiters)
+    assert "waited" in waiters[0].why and "rank 5" in waiters[0].why
+    assert v.state == "degraded" and v.ranks[0].impact_pct == pytest.approx(3.25)
+
+
+def test_an_unflagged_last_arriver_is_found_from_the_records():
+    """The culprit's own compute excess is below significance; its partners waited: the records
+    show its collective is the shortest, so it is named by dependency."""
+    res = resources(8, tp=4)
+    jw = JobWindow(job_id="j", window=WIN, resources=res)
+    for r in range(8):
+        pw = records_pb2.PhaseWindow()
+        t = 2 * MS if r == 1 else 9 * MS
+        pw.phases.add(phase="tp-allreduce", count=10, mean_ns=t, total_ns=10 * t)
+        jw.phases[r] = pw
+    wait = finding("L2", "slow_communication", "tp-allreduce", [(r, "slower", 7 * MS) for r in (0, 2, 3)])
+    v = merge("j", WIN, [wait], res, jw=jw, step_ns=100 * MS, iterations={r: 10 for r in range(8)})
+    assert v.ranks[0].rank == 1 and v.ranks[0].role == "culprit"
+    assert "DEP" in list(v.ranks[0].evidence["levels"])
+
+
+def test_a_host_whose_members_all_wait_with_no_late_member_is_a_slow_link():
+    res = resources(16, tp=4)
+    wait = finding("L2", "slow_communication", "tp-allreduce", [(r, "slower", 4 * MS) for r in (8, 9, 10, 11)])
+    v = merge("j", WIN, [wait], res, step_ns=100 * MS)
+    assert {s.role for s in v.ranks} == {"link"} and v.host == "h2"
+    assert "host h2" in v.summary
+
+
+def test_host_is_named_when_the_suspects_share_it():
+    res = resources(16, tp=4)
+    slow = finding("L3", "degraded_kernels", "[compute]", [(r, "slower", 5 * MS) for r in (4, 5, 6, 7)], phase=False)
+    other = finding("L2", "straggler", "forward", [(12, "slower", 2 * MS)])
+    v = merge("j", WIN, [slow, other], res, step_ns=100 * MS)
+    assert v.host == "h1" and v.ranks[0].host == "h1"
+    lone = merge("j", WIN, [other], res, step_ns=100 * MS)
+    assert lone.host == ""
+
+
+# ------------------------------------------------------------------ state, confidence, persistence
+def test_states_and_confidence():
+    res = resources(16, tp=4)
+    healthy = merge("j", WIN, [], res, comparisons={"L2": 16, "L3": 16})
+    assert healthy.state == "healthy" and healthy.confidence == 1.0
+    unknown = merge("j", WIN, [], res, comparisons={"L2": 0, "L3": 0})
+    assert unknown.state == "unknown" and unknown.confidence == 0.0 and "no comparison" in unknown.summary
+    one = finding("L2", "straggler", "mlp", [(3, "slower", 8 * MS)])
+    two = finding("L3", "degraded_kernels", "[compute]", [(3, "slower", 7 * MS), (9, "slower", 1 * MS)],
+                  phase=False)
+    strong = merge("j", WIN, [one, two], res, step_ns=100 * MS)
+    weak = merge("j", WIN, [finding("L2", "straggler", "mlp", [(3, "slower", 4 * MS), (9, "slower", 3.8 * MS)])],
+                 res, step_ns=100 * MS)
+    assert strong.confidence > weak.confidence
+    assert strong.ranks[0].rank == 3 and 0 < weak.confidence < 1
+
+
+def test_persistence_keeps_a_one_window_spike_pending():
+    res = resources(16, tp=4)
+    p = Persistence(2, 3)
+    spike = finding("L2", "straggler", "mlp", [(3, "slower", 8 * MS)])
+    v0 = merge("j", WIN, [spike], res, step_ns=100 * MS, persistence=p)
+    assert not v0.ranks and list(v0.pending) == [3] and v0.state == "healthy"
+    w1 = records_pb2.Window(kind=WIN.kind, index=5)
+    v1 = merge("j", w1, [spike], res, step_ns=100 * MS, persistence=p)
+    assert [s.rank for s in v1.ranks] == [3] and v1.since_window == 4
+
+
+def test_informational_findings_name_nobody_and_stalls_are_named_at_once():
+    res = resources(16, tp=4)
+    info = finding("L3", "missing_kernel", "k", [(2, "slower", 0.0)], phase=False, informational=True)
+    v = merge("j", WIN, [info], res, persistence=Persistence(2, 3))
+    assert not v.ranks and v.state == "healthy"
+    stall = Finding(level="L1", kind="stall", job_id="j", window=WIN, suspects=(SuspectRank(6, 3.0, {}, impact_ns=1e8),))
+    s = merge("j", WIN, [stall], res, persistence=Persistence(2, 3))
+    assert s.state == "stalled" and [x.rank for x in s.ranks] == [6]
+
+
+def test_job_verdict_merges_windows():
+    res = resources(16, tp=4)
+    p = Persistence(2, 3)
+    vs = []
+    for i in range(6):
+        w = records_pb2.Window(kind=WIN.kind, index=i)
+        f = [finding("L2", "straggler", "mlp", [(3, "slower", 8 * MS)])] if i >= 2 else []
+        vs.append(merge("j", w, f, res, step_ns=100 * MS, persistence=p, comparisons={"L2": 16}))
+    job = merge_windows(vs)
+    assert job.state == "degraded" and job.ranks[0].rank == 3 and job.since_window == 2
+    assert job.ranks[0].impact_s == pytest.approx(8e-3) and 0.5 < job.confidence <= 1
+    assert merge_windows([]) is None
+
+
+def test_lateness_inherited_from_a_tp_partner_goes_to_the_partner():
+    """Rank 13's copies are slow (PCIe); its TP partner 12 waits for it in the TP all-reduce, then both
+    arrive late to the DP all-reduce, where 12's shortened collective is worth more than 13's copies."""
+    res = resources(16, tp=2, per_host=2)
+    copies = finding("L3", "degraded_kernel", "Memcpy HtoD", [(13, "slower", 30 * MS)], phase=False)
+    late = finding("L2", "straggler", "dp-allreduce", [(12, "faster", 100 * MS), (13, "faster", 95 * MS)])
+    waited = finding("L2", "slow_communication", "tp-allreduce", [(12, "slower", 28 * MS)])
+    v = merge("j", WIN, [copies, late, waited], res, step_ns=3000 * MS)
+    assert v.ranks[0].rank == 13 and v.ranks[0].role == "culprit"
+    twelve = next(s for s in v.ranks if s.rank == 12)
+    assert twelve.role == "waiter" and twelve.waited_for == 13
+    assert v.ranks[0].impact_s >= twelve.impact_s
