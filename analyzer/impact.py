@@ -7,16 +7,17 @@ costs 5 % of the step. Every suspect therefore carries ``impact_ns``: the
 nanoseconds per iteration attributable to it, and every finding is scored
 against the window's step time.
 
-1. ``window_scale(jw)``: per rank, how many iterations the window holds (an
-   iterations window says so itself; a time window counts the rank's
-   iteration marks; with neither, the whole window is one "iteration"), and
+1. ``window_scale(jw)``: per rank, how many iterations the window holds (its
+   iteration marks; without marks, what an iterations window says it spans;
+   with neither, the whole window is one "iteration"), and
    the step time: the median over ranks of their mean iteration time, else
    the median window length per iteration.
 2. Detectors turn a per-window excess into a per-iteration impact with
    ``per_iteration`` (an excess of total time in the window divided by the
    rank's iterations).
 3. ``apply_floor``: findings whose largest impact is below ``floor_pct`` of
-   the step (or below ``floor_ns``) are *informational*: they stay as
+   the step (or below ``floor_ns``), and every finding of a short window
+   (under half its iterations: the end of a job), are *informational*: they stay as
    evidence, never name suspects, never alert (ARCHITECTURE.md, replay
    contract). Stalls and missing ranks are not scaled by impact: a hang's
    cost is the whole step.
@@ -55,6 +56,15 @@ class WindowScale:
     step_ns: float                      # 0 when unknown
     iterations: Mapping[int, float]     # rank -> iterations in the window (>= 1)
     default_iterations: float = 1.0
+    nominal_iterations: float = 0.0     # what an iterations window spans; 0 for time windows
+    marks_median: float = -1.0          # median iteration marks per rank record; -1: no iteration records
+
+    @property
+    def short(self) -> bool:
+        """An iterations window whose iteration records hold under half its iterations (a job's
+        last window, the tail after the last step): too few steps to compare ranks on; its
+        findings are informational."""
+        return self.nominal_iterations > 0 and 0 <= self.marks_median < 0.5 * self.nominal_iterations
 
     def of(self, rank: int) -> float:
         return self.iterations.get(rank, self.default_iterations)
@@ -81,17 +91,17 @@ def window_scale(jw: JobWindow) -> WindowScale:
     means: list[float] = []
     for rank, rec in jw.iterations.items():
         n = len(rec.marks)
-        if fixed is not None:
-            iters[rank] = fixed
-        elif n:
+        if n:             # what the rank ran: a job's last window is often short
             iters[rank] = float(n)
+        elif fixed is not None:
+            iters[rank] = fixed
         if rec.mean_ns > 0:
             means.append(rec.mean_ns)
         elif n:
             d = [m.end_ns - m.start_ns for m in rec.marks if m.end_ns > m.start_ns]
             if d:
                 means.append(float(np.mean(d)))
-    default = fixed if fixed is not None else (float(np.median(list(iters.values()))) if iters else 1.0)
+    default = float(np.median(list(iters.values()))) if iters else (fixed if fixed is not None else 1.0)
     if means:
         step = float(np.median(means))
     else:  # no iteration marks: the window itself is the unit
@@ -99,7 +109,9 @@ def window_scale(jw: JobWindow) -> WindowScale:
                    for recs in (jw.kernels, jw.phases) for r in recs.values()
                    if r.window.end_ns > r.window.start_ns]
         step = float(np.median(lengths)) if lengths else 0.0
-    return WindowScale(step, iters, max(default, 1.0))
+    marks = [len(rec.marks) for rec in jw.iterations.values()]
+    return WindowScale(step, iters, max(default, 1.0), fixed or 0.0,
+                       float(np.median(marks)) if marks else -1.0)
 
 
 def apply_floor(findings: list[Finding], scale: WindowScale, cfg: ImpactConfig) -> list[Finding]:
@@ -107,6 +119,6 @@ def apply_floor(findings: list[Finding], scale: WindowScale, cfg: ImpactConfig) 
     floor = max(cfg.floor_ns, cfg.floor_pct / 100.0 * scale.step_ns)
     out = []
     for f in findings:
-        small = f.kind not in UNSCALED_KINDS and f.level != "L5" and f.impact_ns < floor
+        small = f.kind not in UNSCALED_KINDS and f.level != "L5" and (f.impact_ns < floor or scale.short)
         out.append(dataclasses.replace(f, informational=f.informational or small, step_ns=scale.step_ns))
     return out

@@ -9,7 +9,8 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
    (``attribution.py``): culprits, waiters pointing at the rank they waited
    for, slow links, missing ranks; scores in seconds per iteration.
 3. Persistence (``significance.Persistence``): a rank becomes a suspect of
-   the verdict once it was flagged in k of the last n windows; before that
+   the verdict once it was flagged in the same place in k of the last n
+   windows; before that
    it is ``pending``. Stalls are named at once. A partial window (ranks
    missing) never names the ranks present because others are absent: it
    only feeds the persistence of ranks it flags on their own evidence.
@@ -17,7 +18,7 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
    and at least two suspects share it, the verdict names the host first
    (a degraded NVLink, NIC or PCIe switch slows every GPU behind it).
 5. State: ``stalled`` (a stall finding), ``degraded`` (a confirmed suspect,
-   or an L1 anomaly above the floor), ``unknown`` (no comparison could be
+   an L1 regression, or L1 jitter in k of the last n windows), ``unknown`` (no comparison could be
    made: groups too small and no history yet), else ``healthy``.
 6. Confidence in [0, 1]: 0.4 × the margin of the top suspect (or host) over
    the next (1 − next/top impact), + 0.3 × agreement (distinct levels with
@@ -31,6 +32,7 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from typing import Mapping, Sequence
 
@@ -41,6 +43,8 @@ from trainscope.proto.model import Resource
 from trainscope.proto.v1 import records_pb2
 
 HEALTHY, DEGRADED, STALLED, UNKNOWN = "healthy", "degraded", "stalled", "unknown"
+#: Persistence key of job-level anomalies (L1 jitter), beside the ranks.
+JOB = -1
 
 
 def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
@@ -70,11 +74,16 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
 
     # step 3: persistence
     flagged = {rv.rank: rv for rv in ranked if rv.role in (CULPRIT, LINK, WAITER)}
+    l1 = [f for f in active if f.level == "L1" and f.kind in ("jitter", "regression")]
+    places = {r: _places_of(rv) for r, rv in flagged.items()}
+    if any(f.kind == "jitter" for f in l1):
+        places[JOB] = {"jitter"}          # a job-level jitter must recur too (one spike is not a state)
     if persistence is not None:
-        confirmed = persistence.update(int(window.index), flagged,
+        confirmed = persistence.update(int(window.index), places,
                                        {r: rv.score_ns for r, rv in flagged.items()}, final=final)
     else:
-        confirmed = set(flagged)
+        confirmed = set(places)
+    jitter_held = JOB in confirmed
     confirmed = (confirmed & set(flagged)) | (stalled_ranks & set(flagged))
     smooth = (lambda r: persistence.smoothed_impact(r) or flagged[r].score_ns) if persistence else (
         lambda r: flagged[r].score_ns)
@@ -107,13 +116,12 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     v.pending.extend(pending)
     v.phases.extend(_places(suspects, active, "phase"))
     v.kernels.extend(_places(suspects, active, "kernel"))
-    v.findings.extend(f.to_pb() for f in findings)
+    v.findings.extend(f.to_pb() for f in _named_only(findings, confirmed | stalled_ranks))
     # step 5: state; step 6: confidence
-    l1 = [f for f in active if f.level == "L1" and f.kind in ("jitter", "regression")]
     made = None if comparisons is None else sum(comparisons.values())
     if any(f.kind == "stall" for f in active):
         v.state = STALLED
-    elif suspects or l1:
+    elif suspects or any(f.kind == "regression" for f in l1) or jitter_held:
         v.state = DEGRADED
     elif made == 0 and not pending:
         v.state = UNKNOWN
@@ -123,6 +131,34 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     v.confidence = _confidence(v.state, suspects, resources, host, persistence, comparisons, pending)
     v.summary = summarize(job_id, v, findings, resources)
     return v
+
+
+def _named_only(findings: Sequence[Finding], named: set[int]) -> list[Finding]:
+    """Findings as published: a suspect the verdict does not name (not yet persistent) is moved to
+    the evidence's candidates, and a finding left naming nobody is informational (step 3)."""
+    out = []
+    for f in findings:
+        if f.informational or f.kind in ("stall", "missing_rank") or not f.suspects:
+            out.append(f)
+            continue
+        keep = tuple(s for s in f.suspects if s.rank in named)
+        if len(keep) == len(f.suspects):
+            out.append(f)
+        elif keep:
+            out.append(dataclasses.replace(f, suspects=keep, evidence={**f.evidence, "not_yet_persistent": [
+                s.rank for s in f.suspects if s.rank not in named]}))
+        else:
+            out.append(dataclasses.replace(f, informational=True,
+                                           evidence={**f.evidence, "reason": "not yet persistent"}))
+    return out
+
+
+def _places_of(rv: RankVerdict) -> set[str]:
+    """Where a rank was flagged, for persistence: its places, and the waited-for rank of a waiter."""
+    places = {e.where for e in rv.evidence}
+    if rv.waited_for >= 0:
+        places.add(f"waited for {rv.waited_for}")
+    return places
 
 
 def _shared_host(suspects: list[RankVerdict], resources: Mapping[int, Resource]) -> str:

@@ -98,6 +98,8 @@ class AnalyzerConfig:
     """...or once more than half the ranks are this many windows further on."""
     history_iterations: int = 4096
     """Iteration durations kept per rank for L1."""
+    warmup_iterations: int = 5
+    """A rank's first iterations are warm-up (allocation, compilation): kept out of L1's history."""
     max_jobs: int = 1000
     """Jobs tracked at once; the least recently seen is forgotten beyond it."""
     max_open_windows: int = 64
@@ -120,6 +122,8 @@ class AnalyzerConfig:
                 and 1 <= self.persist_k <= self.persist_n):
             raise ConfigError("analyzer.persist_k", (self.persist_k, self.persist_n),
                               "need integers 1 <= persist_k <= persist_n")
+        if not (isinstance(self.warmup_iterations, int) and self.warmup_iterations >= 0):
+            raise ConfigError("analyzer.warmup_iterations", self.warmup_iterations, "must be an integer >= 0")
         for f in ("progress_windows", "history_iterations", "max_jobs", "max_open_windows"):
             if getattr(self, f) < 1:
                 raise ConfigError(f"analyzer.{f}", getattr(self, f), "must be >= 1")
@@ -154,6 +158,7 @@ class _Job:
         self.last_iter_end: dict[int, int] = {}   # rank -> end of its last iteration (rank clock)
         self.watermark: dict[int, int] = {}       # rank -> latest end of anything it reported
         self.own_history = None                   # individual.History, kept by the OwnHistory level
+        self.first_iteration: dict[int, int] = {}  # rank -> first iteration it reported
 
 
 class Analyzer:
@@ -210,7 +215,10 @@ class Analyzer:
         w = rec.window
         rank = rec.resource.rank
         hist = job.history[rank]
+        first = job.first_iteration.setdefault(rank, min((m.iteration for m in rec.marks), default=0))
         for m in rec.marks:
+            if m.iteration < first + self.config.warmup_iterations:
+                continue    # warm-up (allocation, compilation, caches) is not the job's pace
             hist.append((m.iteration, m.end_ns - m.start_ns))
             if m.end_ns > job.last_iter_end.get(rank, 0):
                 job.last_iter_end[rank] = m.end_ns
@@ -265,8 +273,12 @@ class Analyzer:
                 break
             for signal, rec in recs:
                 self.ingest(signal, rec)
-        return [self._analyse(job, key, "finish")
-                for job in list(self._jobs.values()) for key in sorted(job.open)]
+        out = []
+        for job in list(self._jobs.values()):
+            keys = sorted(job.open)
+            for i, key in enumerate(keys):
+                out.append(self._analyse(job, key, "finish", last=i == len(keys) - 1))
+        return out
 
     def _ready(self, job: _Job, o: _Open, now: float) -> str | None:
         jw = o.jw
@@ -281,7 +293,8 @@ class Analyzer:
         return None
 
     # ------------------------------------------------------------ analysis
-    def _analyse(self, job: _Job, key: tuple[int, int], reason: str) -> records_pb2.Verdict:
+    def _analyse(self, job: _Job, key: tuple[int, int], reason: str, last: bool = False) -> records_pb2.Verdict:
+        """Analyse one window; ``last``: the job's final window at the end of a replay."""
         o = job.open.pop(key)
         jw = o.jw
         job.done_upto[key[0]] = max(job.done_upto.get(key[0], -1), key[1])
@@ -309,8 +322,8 @@ class Analyzer:
                 findings.append(dataclasses.replace(hang, step_ns=scale.step_ns))
         verdict = merge(job.job_id, jw.window, findings, jw.resources, jw=jw, step_ns=scale.step_ns,
                         iterations=scale.iterations, persistence=job.persistence,
-                        comparisons=ctx.comparisons, partial=missing is not None, final=reason == "finish")
-        self._publish([f.to_pb() for f in findings], verdict)
+                        comparisons=ctx.comparisons, partial=missing is not None, final=last)
+        self._publish(list(verdict.findings), verdict)
         self.metrics.counters["windows_analyzed"] += 1
         return verdict
 

@@ -22,8 +22,9 @@ window stays ≤ α whatever M is).
 2. Threshold: |z| ≥ z* = Φ⁻¹(1 − α/M) (one-sided per direction). Assumption:
    z is close to normal under the null; heavy tails are handled by se_r and
    the floor, not by the quantile.
-3. Persistence (``Persistence``): a suspect must hold in ``k`` of the last
-   ``n`` windows before the verdict names it (stalls and hangs excepted);
+3. Persistence (``Persistence``): a suspect must hold in the same place
+   (phase, kernel, category) in ``k`` of the last ``n`` windows before the
+   verdict names it (stalls and hangs excepted);
    with per-window false-alarm probability p the job-level rate falls to
    about C(n,k)·p^k.
 """
@@ -88,41 +89,48 @@ def robust_z(x: np.ndarray, se: np.ndarray | None = None, rel_floor: float = 0.0
 
 
 class Persistence:
-    """Which ranks have been flagged in k of the last n windows of one job (step 3).
+    """Which ranks have been flagged, *in the same place*, in k of the last n windows of one job (step 3).
 
-    ``update(index, flagged)`` is called once per analysed window, in window
-    order; windows never analysed (a gap) count as not flagged. It returns
-    the confirmed ranks. ``since(rank)`` is the first window of the rank's
-    current run (the onset the verdict reports).
+    A real fault keeps showing where it is (the same phase, kernel or
+    category window after window); noise on a busy host moves from place to
+    place. ``update(index, flagged)`` takes {rank: places flagged in this
+    window} once per analysed window, in window order; windows never analysed
+    count as not flagged. It returns the confirmed ranks. ``since(rank)`` is
+    the first window of the rank's current run (the onset the verdict
+    reports).
     """
 
     def __init__(self, k: int, n: int) -> None:
         self.k, self.n = k, n
-        self._recent: collections.deque[tuple[int, frozenset[int]]] = collections.deque(maxlen=n)
+        self._recent: collections.deque[tuple[int, dict[int, frozenset[str]]]] = collections.deque(maxlen=n)
         self._since: dict[int, int] = {}
         self._impact: dict[int, float] = {}
         self.windows = 0
 
-    def update(self, index: int, flagged: Iterable[int], impact: dict[int, float] | None = None,
+    def update(self, index: int, flagged, impact: dict[int, float] | None = None,
                final: bool = False) -> set[int]:
-        """Record one window; return the confirmed ranks. ``final``: the job ended (a replay's last
-        windows): a job that had fewer than k windows in all confirms what every window flagged."""
-        flagged = frozenset(flagged)
+        """Record one window; return the confirmed ranks. ``flagged``: {rank: places} (or ranks,
+        one place each). ``final``: the job ended (a replay's last windows): a job that had fewer
+        than k windows in all confirms what every window flagged."""
+        if not isinstance(flagged, dict):
+            flagged = {r: ("*",) for r in flagged}
+        flagged = {r: frozenset(p) or frozenset(("*",)) for r, p in flagged.items()}
         self.windows += 1
         self._recent.append((index, flagged))
         window = [f for i, f in self._recent if i > index - self.n]
-        counts = collections.Counter(r for f in window for r in f)
+        counts = collections.Counter((r, p) for f in window for r, places in f.items() for p in places)
+        seen = {r for f in window for r in f}
         for r in flagged:
             self._since.setdefault(r, index)
             if impact and r in impact:   # smoothed impact keeps the top suspect stable
                 prev = self._impact.get(r)
                 self._impact[r] = impact[r] if prev is None else 0.5 * prev + 0.5 * impact[r]
         for r in list(self._since):
-            if counts.get(r, 0) == 0:
+            if r not in seen:
                 del self._since[r]
                 self._impact.pop(r, None)
         need = self.k if not (final and self.windows < self.k) else self.windows
-        return {r for r, c in counts.items() if c >= need}
+        return {r for (r, _), c in counts.items() if c >= need}
 
     def held(self, rank: int) -> float:
         """Fraction of the last n windows in which ``rank`` was flagged."""

@@ -146,6 +146,7 @@ class _RankState:
         self.mode = mode                  # "time" | "iterations"; None: auto, not decided yet
         self.first_ns = 0                 # auto: earliest data seen (rank clock)
         self.waiting_phases: list = []    # auto, undecided: phases held until the mode is known
+        self.waiting_stacks: list = []    # ... and stack snapshots
         self.name_ids: dict[str, int] = {}
         self.names: list[str] = []
         self.device = 0
@@ -303,6 +304,9 @@ class Windower:
                         cols.duration_ns, cols.name_id, cols.stream, cols.kind)
         if waiting:
             self.add_phases(st.resource, waiting, st)
+        stacks, st.waiting_stacks = st.waiting_stacks, []
+        if stacks:
+            self.add_stacks(st.resource, stacks)
         self.metrics.inc("window_mode_decided", 1, mode=mode)
 
     def _index_for_time(self, st: _RankState, t: int) -> int | None:
@@ -370,6 +374,13 @@ class Windower:
 
     def add_stacks(self, resource: Resource, snapshots) -> None:
         st = self._state(resource, progress=False)
+        if st.mode is None:                 # auto, undecided: stacks wait with the phases
+            st.waiting_stacks.extend(snapshots)
+            if len(st.waiting_stacks) > self.config.max_stacks_per_window:
+                self.metrics.inc("drops", len(st.waiting_stacks) - self.config.max_stacks_per_window,
+                                 where="stacks")
+                del st.waiting_stacks[: len(st.waiting_stacks) - self.config.max_stacks_per_window]
+            return
         hi = 0
         for s in snapshots:
             index = self._index_for_time(st, s.window_start_ns)

@@ -44,8 +44,8 @@ SLOW_RANK, SLOW_S = 2, 0.03
 CPU_OPS = "TRAINSCOPE_CPU_OPS=period_s=0.5,window_s=0.05,first_after_s=0"
 
 
-def torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+def torchrun(*args: str, world: int = WORLD) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
             str(TRAIN), *args]
 
 
@@ -61,10 +61,10 @@ def retry_torch_abort(run):
     return p
 
 
-def trainscope_run(processor: str, run_dir: Path, *job_args: str, popen: bool = False):
+def trainscope_run(processor: str, run_dir: Path, *job_args: str, popen: bool = False, world: int = WORLD):
     cmd = [sys.executable, "-m", "trainscope.deploy.cli", "run", "--processor", processor, "--no-processor",
            "--stacks-window-s", "1", "--run-dir", str(run_dir), "--job-id", "torchjob", "--set", CPU_OPS,
-           "--", *torchrun(*job_args)]
+           "--", *torchrun(*job_args, world=world)]
     if popen:
         return subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=180)
@@ -87,13 +87,13 @@ def baseline(tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
-def collect(tmp: Path, *job_args: str, attempts: int = 2) -> dict:
+def collect(tmp: Path, *job_args: str, attempts: int = 2, world: int = WORLD, steps: int = STEPS) -> dict:
     tmp.mkdir(exist_ok=True)
     proc = start_processor(window=WindowConfig(length_s=5, lateness_s=1))
     try:
         t0 = time.monotonic()
-        p = trainscope_run(proc.address, tmp / "run", "--steps", str(STEPS), "--out", str(tmp / "r.json"),
-                           *job_args)
+        p = trainscope_run(proc.address, tmp / "run", "--steps", str(steps), "--out", str(tmp / "r.json"),
+                           *job_args, world=world)
         seconds = time.monotonic() - t0
         retry = p.returncode != 0 and torch_crashed(p.stdout + p.stderr) and attempts > 1
         if not retry:
@@ -103,7 +103,7 @@ def collect(tmp: Path, *job_args: str, attempts: int = 2) -> dict:
     finally:
         proc.stop()
     if retry:  # a fresh processor and directory: the retry's records stand alone
-        return collect(tmp / "retry", *job_args, attempts=attempts - 1)
+        return collect(tmp / "retry", *job_args, attempts=attempts - 1, world=world, steps=steps)
     return {"records": records, "result": json.loads((tmp / "r.json").read_text()),
             "stats": rank_stats(tmp / "run"), "output": p.stdout + p.stderr, "seconds": seconds}
 
@@ -252,3 +252,63 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- verdicts on real jobs
+class _Records:
+    """The processor's records of a finished job as an analyzer source (read once)."""
+
+    def __init__(self, records: dict) -> None:
+        self._left = [(sig, r) for sig, rs in records.items() for r in rs]
+
+    def poll(self, timeout_s: float = 0.0) -> list:
+        out, self._left = self._left, []
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def analyse(records: dict):
+    """Every window verdict and the job verdict the analyzer gives on the job's records."""
+    from trainscope.analyzer.merge import merge_windows
+    from trainscope.analyzer.service import Analyzer, AnalyzerConfig
+
+    a = Analyzer(AnalyzerConfig(), _Records(records), [])
+    a.finish()
+    return list(a.verdicts), merge_windows(list(a.verdicts))
+
+
+def test_the_verdict_names_the_rank_with_the_slow_data_loader(collected):
+    windows, job = analyse(collected["records"])
+    assert job.state == "degraded", job.summary
+    top = job.ranks[0]
+    assert top.rank == SLOW_RANK and top.role == "culprit", job.summary
+    assert "dataloader" in list(top.evidence["where"]), job.summary
+    assert all(s.role != "culprit" for s in job.ranks[1:]), job.summary   # the others only waited
+    assert top.impact_s == pytest.approx(SLOW_S, rel=0.5) and top.impact_pct > 5
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory) -> dict:
+    return collect(tmp_path_factory.mktemp("healthy"))
+
+
+def test_a_healthy_real_job_names_nobody(healthy):
+    """Real CPU noise (a 1-3 ms data loader on a ~100 ms step, sampled CPU operators that differ per
+    rank) is informational at most: no window's verdict names a rank."""
+    windows, job = analyse(healthy["records"])
+    assert windows and all(not v.ranks for v in windows), "\n".join(v.summary for v in windows)
+    assert job.state == "healthy", job.summary
+    for v in windows:
+        for d in v.findings:
+            assert not d.suspects or d.kind == "missing_rank", (d.kind, d.scope)
+
+
+def test_a_two_rank_job_names_the_rank_its_partner_waited_for(tmp_path):
+    """Two ranks cannot be compared by majority; the dependency can: rank 1 sleeps in its data loader,
+    rank 0 waits for it in the all-reduce."""
+    got = collect(tmp_path, "--slow-rank", "1", "--slow-s", str(SLOW_S), world=2)
+    windows, job = analyse(got["records"])
+    assert job.state == "degraded" and job.ranks[0].rank == 1, job.summary
+    assert job.comparison == "pair" and "pair" in job.summary

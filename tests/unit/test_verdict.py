@@ -61,8 +61,11 @@ def test_window_scale_and_the_impact_floor():
     jw = JobWindow(job_id="j", window=WIN)
     for r in range(4):
         iw = records_pb2.IterationWindow(mean_ns=200 * MS)
+        for i in range(40, 50):
+            iw.marks.add(iteration=i, start_ns=int(i * 200 * MS), end_ns=int((i + 1) * 200 * MS))
         jw.iterations[r] = iw
     scale = window_scale(jw)
+    assert not scale.short
     assert scale.step_ns == 200 * MS and scale.of(0) == 10 and scale.pct(2 * MS) == pytest.approx(1.0)
     f_small = finding("L3", "degraded_kernel", "k", [(1, "slower", 1.5 * MS)], phase=False)
     f_big = finding("L3", "degraded_kernel", "k2", [(1, "slower", 3 * MS)], phase=False)
@@ -71,6 +74,11 @@ def test_window_scale_and_the_impact_floor():
     pb = small.to_pb()
     assert not pb.suspects and pb.evidence["candidates"][0]["rank"] == 1   # informational: nobody named
     assert big.to_pb().impact_pct == pytest.approx(1.5)
+    # the tail of a job: an iterations window whose records hold 2 of its 10 iterations
+    for iw in jw.iterations.values():
+        del iw.marks[2:]
+    tail = window_scale(jw)
+    assert tail.short and apply_floor([f_big], tail, ImpactConfig())[0].informational
 
 
 # ------------------------------------------------------------------ attribution
