@@ -26,6 +26,13 @@ class FaultScore:
     first_window: int | None
     onset_window: int | None
     verdict: str
+    host_named: bool = False
+    """A verdict after onset named one of the fault's hosts (``Verdict.host``)."""
+    right: bool = False
+    """Top-1 rank right, or (for faults on a whole host or group) the right host named first."""
+    stable: float = 0.0
+    """Share of the verdicts after the first correct one whose top suspect is still a fault rank."""
+    windows_to_diagnosis: int | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -44,27 +51,39 @@ def evaluate(verdicts: list[records_pb2.Verdict], truth: dict, window_iterations
     after its onset window; 3. the first with suspects decides top-1, the
     union of all decides phase/kernel/levels; 4. verdicts with suspects in
     windows before every onset are false alarms."""
-    vs = sorted(verdicts, key=lambda v: v.window.index)
+    vs = sorted((v for v in verdicts if v.window.kind == records_pb2.WINDOW_KIND_ITERATIONS
+                 or not any(x.window.kind == records_pb2.WINDOW_KIND_ITERATIONS for x in verdicts)),
+                key=lambda v: v.window.index)
     onsets = [_window_of(f.get("onset_iteration"), window_iterations) for f in truth.get("faults", [])]
     if truth.get("hung") and vs:
         # a hang at a window boundary shows in the last window there is (no later one exists)
         onsets = [None if o is None else min(o, vs[-1].window.index) for o in onsets]
     first_onset = min((o for o in onsets if o is not None), default=None)
     healthy = [v for v in vs if first_onset is None or v.window.index < first_onset]
-    false_alarms = sum(1 for v in healthy if v.ranks)
+    false_alarms = sum(1 for v in healthy if v.ranks or v.state in ("degraded", "stalled"))
     scores = []
     for f, onset in zip(truth.get("faults", []), onsets):
         ranks = set(f.get("ranks", []))
         phases = set(f.get("phases", []))
         kernels = {k["name"] for k in f.get("kernels", [])}
         after = [v for v in vs if onset is None or v.window.index >= onset]
-        named = [v for v in after if v.ranks or v.findings]
+        named = [v for v in after if v.ranks or _active(v)]
         first = next((v for v in named if v.ranks), None)
         caught_by = [v for v in named if any(r.rank in ranks for r in v.ranks)
-                     or any(fd.kind in ("stall", "jitter", "regression") for fd in v.findings)]
-        levels = sorted({fd.level for v in caught_by for fd in v.findings
+                     or any(fd.kind in ("stall", "jitter", "regression") for fd in _active(v))]
+        levels = sorted({fd.level for v in caught_by for fd in _active(v)
                          if fd.kind in ("stall", "jitter", "regression")
                          or any(s.rank in ranks for s in fd.suspects)})
+        hosts = set(f.get("host_names", []))
+        host_named = any(v.host in hosts for v in after if v.host)
+        top1 = first is not None and first.ranks[0].rank in ranks
+        group_fault = bool(f.get("scope", {}).get("host") or f.get("scope", {}).get("nic")) and len(ranks) > 1
+        first_host = next((v.host for v in after if v.host), "")
+        right = top1 or (group_fault and first_host in hosts)
+        good = [i for i, v in enumerate(after) if v.ranks and (v.ranks[0].rank in ranks or v.host in hosts)]
+        tail = [v for v in after[good[0]:] if v.ranks] if good else []
+        stable = (sum(1 for v in tail if v.ranks[0].rank in ranks or (group_fault and v.host in hosts))
+                  / len(tail)) if tail else 0.0
         scores.append(FaultScore(
             fault=f.get("spec", f.get("type", "?")), ranks=sorted(ranks), caught=bool(caught_by),
             top1=first is not None and first.ranks[0].rank in ranks,
@@ -72,8 +91,15 @@ def evaluate(verdicts: list[records_pb2.Verdict], truth: dict, window_iterations
             kernel=any(k in kernels for v in caught_by for k in v.kernels),
             levels=levels, first_window=caught_by[0].window.index if caught_by else None,
             onset_window=onset, verdict=(first or (named[0] if named else None) or records_pb2.Verdict()).summary,
+            host_named=host_named, right=right, stable=stable,
+            windows_to_diagnosis=(after[good[0]].window.index - onset) if good and onset is not None else None,
         ))
     return Evaluation(scores, false_alarms, len(healthy))
+
+
+def _active(v: records_pb2.Verdict) -> list[records_pb2.Diagnosis]:
+    """The findings that count: informational ones (below the floor, not persistent) do not."""
+    return [d for d in v.findings if not d.informational]
 
 
 def load_truth(path: str) -> dict:

@@ -12,14 +12,19 @@ verdict says which one was used (``Finding.comparison``):
    (spread = 1.4826·MAD of the history, with the personality floor) reaches
    z* = Φ⁻¹(1 − α/M) over the window's comparisons. Needs ``min_history``
    windows first; the impact is now − the history's median.
-2. Pair (two ranks that synchronise, ARGUS §9.5 on two ranks): when one rank
-   spends Δ longer per iteration outside communication than its partner and
-   the partner spends at least half of Δ longer *inside* communication (it
-   waited), the first rank is the culprit; its impact is the partner's
-   wait. The dependency, not a majority, says who is slow, so it works
-   with two ranks; persistence (k of n windows) keeps noise out.
+2. Dependency split (ARGUS §9.5 without a majority): in every synchronising
+   group, sort the members by their time in communication; the widest gap
+   splits those that arrived late (short collectives) from those that
+   waited. When the gap is at least ``pair_min_excess`` of the step, wider
+   than twice the spread inside either side, and the late side was busy
+   outside communication for at least ``pair_busy_share`` of it, the late
+   side are the culprits and their impact is what they kept the others
+   waiting (at most their own extra work). The dependency, not a majority,
+   says who is slow, so it works on two ranks (kind ``pair_straggler``) and
+   on a group split half and half by a slow host (``late_arrivers``), where
+   the median of the peers is meaningless; persistence keeps noise out.
 
-Only ranks whose peer group is too small for L2/L3 are judged here, so a
+Own history judges only ranks whose peer group is too small for L2/L3, so a
 rank is never reported twice for the same slowdown.
 """
 from __future__ import annotations
@@ -49,7 +54,9 @@ class IndividualConfig:
     false_alarm: float = 1e-3
     rel_floor: float = 0.02
     pair_min_excess: float = 0.10
-    """Pair rule: the slower rank's non-communication time exceeds its partner's by this share of the step."""
+    """Dependency rule: the waiters' extra communication time is at least this share of the step ..."""
+    pair_busy_share: float = 0.3
+    """... and the late arrivers were busy outside communication for at least this share of it."""
     dim: str = "dp"
     """Dimension of the comparison group (the one L2/L3 use)."""
 
@@ -62,6 +69,7 @@ class IndividualConfig:
         check_number("individual.false_alarm", self.false_alarm, lambda v: 0 < v < 1, "must be in (0, 1)")
         check_number("individual.rel_floor", self.rel_floor, lambda v: v >= 0, "must be >= 0")
         check_number("individual.pair_min_excess", self.pair_min_excess, lambda v: v > 0, "must be > 0")
+        check_number("individual.pair_busy_share", self.pair_busy_share, lambda v: 0 < v <= 1, "must be in (0, 1]")
 
 
 class History:
@@ -94,12 +102,12 @@ def analyze_individual(jw: JobWindow, scale: WindowScale, history: History,
                        groups_cfg: GroupsConfig = GroupsConfig()) -> tuple[list[Finding], dict[str, int]]:
     """Steps 1-2 for the ranks peers cannot judge; records this window into ``history``.
 
-    Returns the findings and the comparisons made: {"own_history": n, "pair": n}."""
+    Returns the findings and the comparisons made: {"own_history": n, "dependency": n}."""
     ranks, keys, m = rank_times(jw, scale, groups_cfg)
+    if not keys:
+        return [], {"own_history": 0, "dependency": 0}
     small = set(small_ranks(jw, cfg))
     rows = [i for i, r in enumerate(ranks) if r in small]
-    if not rows or not keys:
-        return [], {"own_history": 0, "pair": 0}
     out: list[Finding] = []
     # step 1: own history
     tests = []
@@ -137,11 +145,13 @@ def analyze_individual(jw: JobWindow, scale: WindowScale, history: History,
         for k, key in enumerate(keys):
             if np.isfinite(m[i, k]):
                 history.add(ranks[i], key, float(m[i, k]))
-    return out, {"own_history": comparisons, "pair": pair_cmp}
+    return out, {"own_history": comparisons, "dependency": pair_cmp}
 
 
 def _pairs(jw, ranks, keys, m, scale: WindowScale, cfg: IndividualConfig,
            groups_cfg: GroupsConfig) -> tuple[list[Finding], int]:
+    """Step 2 on every synchronising group (two ranks, or a group split in two: half of a DP group
+    on a slow host makes the peers' median useless, but not the dependency)."""
     res = resources_with(jw.resources, {**jw.phases, **jw.kernels})
     comm = np.array([k == "[communication]" or (not k.startswith("[") and groups_cfg.routing.is_communication(k))
                      for k in keys])
@@ -149,32 +159,43 @@ def _pairs(jw, ranks, keys, m, scale: WindowScale, cfg: IndividualConfig,
     phase_cols = np.array([not k.startswith("[") for k in keys])
     out, n = [], 0
     row = {r: i for i, r in enumerate(ranks)}
+    if scale.step_ns <= 0:
+        return out, 0
     for members in group_of(res, cfg.dim).values():
-        if len(members) != 2 or not all(r in row for r in members):
+        members = [r for r in members if r in row]
+        if len(members) < 2:
             continue
-        a, b = (row[r] for r in members)
-        cols = phase_cols if np.isfinite(m[[a, b]][:, phase_cols]).any() else ~phase_cols
-        other = np.nan_to_num(m[[a, b]][:, cols & ~comm]).sum(axis=1)
-        wait = np.nan_to_num(m[[a, b]][:, cols & comm]).sum(axis=1)
+        rows = np.array([row[r] for r in members])
+        cols = phase_cols if np.isfinite(m[rows][:, phase_cols]).any() else ~phase_cols
+        other = np.nan_to_num(m[rows][:, cols & ~comm]).sum(axis=1)
+        wait = np.nan_to_num(m[rows][:, cols & comm]).sum(axis=1)
         n += 1
-        slow, fast = (0, 1) if other[0] >= other[1] else (1, 0)
-        delta = other[slow] - other[fast]
-        waited = wait[fast] - wait[slow]
-        if scale.step_ns <= 0 or delta < cfg.pair_min_excess * scale.step_ns or waited < 0.5 * delta:
+        order = np.argsort(wait, kind="stable")
+        w = wait[order]
+        j = int(np.argmax(np.diff(w)))                 # the widest gap splits late arrivers from waiters
+        gap = float(w[j + 1] - w[j])
+        late, waiters = order[: j + 1], order[j + 1:]
+        spread = max(float(np.ptp(w[: j + 1])), float(np.ptp(w[j + 1:])))
+        busy = float(other[late].mean() - other[waiters].mean())
+        if (gap < cfg.pair_min_excess * scale.step_ns or gap < 2 * spread
+                or busy < cfg.pair_busy_share * gap):
             continue
-        r = members[slow]
-        gap = np.where(cols & ~comm, np.nan_to_num(m[a if slow == 0 else b] - m[b if slow == 0 else a]), -np.inf)
-        where = keys[int(np.argmax(gap))]
+        excess = np.where(cols & ~comm, np.nan_to_num(m[rows[late]].mean(axis=0) - m[rows[waiters]].mean(axis=0)),
+                          -np.inf)
+        where = keys[int(np.argmax(excess))]
         scope = Scope(kernel=where, group=cfg.dim) if where.startswith("[") else Scope(phase=where, group=cfg.dim)
+        pair = len(members) == 2
+        suspects = tuple(SuspectRank(members[i], float(gap / scale.step_ns), {
+            "extra_time_outside_communication_ns": float(other[i] - other[waiters].mean()),
+            "peers_waited_ns": gap, "waiters": [members[k] for k in waiters.tolist()][:16],
+            "direction": "slower",
+            "ratio": float(other[i] / other[waiters].mean()) if other[waiters].mean() > 0 else 0.0},
+            impact_ns=float(max(0.0, min(other[i] - other[waiters].mean(), gap))))
+            for i in late.tolist())
         out.append(Finding(
-            level="L2", kind="pair_straggler", job_id=jw.job_id, window=jw.window,
-            scope=scope, comparison="pair",
-            suspects=(SuspectRank(r, float(delta / scale.step_ns), {
-                "extra_time_outside_communication_ns": float(delta), "partner": members[fast],
-                "partner_waited_ns": float(waited), "direction": "slower",
-                "ratio": float(other[slow] / other[fast]) if other[fast] > 0 else 0.0},
-                impact_ns=float(min(delta, waited))),),
-            severity=float(delta / scale.step_ns),
-            evidence={"communication": False,
-                      "explanation": "its partner waited in communication for as long as it was busy elsewhere"}))
+            level="L2", kind="pair_straggler" if pair else "late_arrivers", job_id=jw.job_id,
+            window=jw.window, scope=scope, comparison="pair" if pair else "dependency",
+            suspects=tuple(sorted(suspects, key=lambda x: -x.impact_ns)), severity=float(gap / scale.step_ns),
+            evidence={"communication": False, "group_size": len(members), "late": len(late),
+                      "explanation": "the others waited in communication while these were busy elsewhere"}))
     return out, n

@@ -344,6 +344,7 @@ def l1_findings(
     cfg: L1Config = L1Config(),
     *,
     since_iteration: int | None = None,
+    report_any_regression: bool = False,
 ) -> list[Finding]:
     """Job-level jitter and regression findings over a bounded history (step 5).
 
@@ -353,6 +354,10 @@ def l1_findings(
     detectable (``min_segment`` points after it) at or after it. By default
     ``since_iteration`` is the window's first iteration for an iterations
     window, and None (report everything in the series) for a time window.
+    ``report_any_regression``: report a regression found anywhere in the
+    history (the caller deduplicates): a change point becomes detectable
+    only ``min_segment`` points after it, often after its window was
+    analysed.
     """
     ranks, cols = _clean(series_by_rank)
     iters, job = _job_series(cols)
@@ -414,7 +419,7 @@ def l1_findings(
             job_impact_ns=per_iter,
         ))
     reg = res.regression
-    if reg is not None and it[min(reg.split + cfg.min_segment - 1, n - 1)] >= since:
+    if reg is not None and (report_any_regression or it[min(reg.split + cfg.min_segment - 1, n - 1)] >= since):
         cols_at = np.arange(max(0, reg.split - ctx), min(n, reg.split + ctx))
         m = _columns(cols, iters[cols_at])
         after = cols_at >= reg.split

@@ -97,7 +97,7 @@ class L1Iterations:
             return []
         ctx.comparisons[self.level] = len(series)
         w = ctx.jw.window
-        found = l1_iteration.l1_findings(ctx.jw.job_id, series, w, self.cfg)
+        found = l1_iteration.l1_findings(ctx.jw.job_id, series, w, self.cfg, report_any_regression=True)
         if self.on_state is not None:
             kinds = {f.kind for f in found} & {"jitter", "regression"}
             self.on_state("both" if len(kinds) == 2 else next(iter(kinds), "stable"))
@@ -108,6 +108,14 @@ class L1Iterations:
             at = f.evidence.get("start_iteration", f.evidence.get("split_iteration"))
             if (w.kind == records_pb2.WINDOW_KIND_ITERATIONS and w.last_iteration >= w.first_iteration
                     and isinstance(at, (int, float)) and at > w.last_iteration):
+                continue
+            if f.kind == "regression":
+                # one change point, whose estimate moves a little as points arrive: reported once
+                split = f.evidence["split_iteration"]
+                if any(m[0] == "regression" and abs(m[1] - split) <= self.cfg.min_segment for m in ctx.reported):
+                    continue
+                ctx.reported.add(("regression", split))
+                new.append(f)
                 continue
             mark = (f.kind, f.evidence.get("start_iteration"), f.evidence.get("split_iteration"),
                     tuple(s.rank for s in f.suspects))

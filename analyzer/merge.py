@@ -259,7 +259,7 @@ def summarize(job_id: str, v: records_pb2.Verdict, findings: Sequence[Finding],
     parts = [head]
     l1 = sorted({f.kind for f in findings if f.level == "L1" and not f.informational})
     if l1:
-        parts.append("iteration time: " + "+".join(l1))
+        parts.append("iteration time: " + "+".join(l1) + (" (once: watching)" if v.state == HEALTHY else ""))
     if v.host:
         on = [s.rank for s in v.ranks if s.host == v.host]
         parts.append(f"host {v.host} (ranks {_ranges(on)})")
@@ -294,7 +294,7 @@ def _ranges(ranks: list[int]) -> str:
 
 
 #: What a level's comparisons compared a rank with (``WindowContext.comparisons`` keys).
-_COMPARED = {"L1": "peers", "L2": "peers", "L3": "peers"}
+_COMPARED = {"L1": "iteration_history", "L2": "peers", "L3": "peers"}
 
 _STATE_ORDER = {STALLED: 3, DEGRADED: 2, UNKNOWN: 1, HEALTHY: 0}
 

@@ -40,6 +40,8 @@ def job(world=32, tp=4, *, seed=0, slow=None, index=0, noise=0.01, coords=True) 
             pw.phases.add(phase=name, count=ITERS, mean_ns=m, p50_ns=m, p99_ns=m * 1.02, total_ns=m * ITERS)
         jw.phases[r] = pw
         iw = records_pb2.IterationWindow(resource=res.to_pb(), window=w, mean_ns=50 * MS)
+        for i in range(w.first_iteration, w.last_iteration + 1):
+            iw.marks.add(iteration=i, start_ns=i * 50 * MS, end_ns=(i + 1) * 50 * MS)
         jw.iterations[r] = iw
     return jw
 
@@ -82,7 +84,7 @@ def test_own_history_finds_a_rank_slower_than_itself_when_peers_cannot_be_compar
     for i in range(4):                                                # 2 ranks: no peer comparison
         jw = job(world=2, tp=1, index=i, seed=3)
         found, made = analyze_individual(jw, window_scale(jw), hist, cfg)
-        assert found == [] and (made["own_history"] > 0) == (i >= cfg.min_history) and made["pair"] == 1
+        assert found == [] and (made["own_history"] > 0) == (i >= cfg.min_history) and made["dependency"] == 1
     jw = job(world=2, tp=1, index=4, seed=3, slow=slowdown)
     found, _ = analyze_individual(jw, window_scale(jw), hist, cfg)
     [f] = [f for f in found if f.kind == "individual_slowdown"]
@@ -122,14 +124,24 @@ def test_small_jobs_say_which_comparison_was_made_and_unknown_when_none(tmp_path
     jw = job(world=2, tp=1)
     for r in (0, 1):
         bus.publish(topic_for("phases"), b"j", jw.phases[r].SerializeToString())
+        bus.publish(topic_for("iterations"), b"j", jw.iterations[r].SerializeToString())
     a.step(0)
     t[0] += 1
     (v,) = a.step(0)
-    assert v.state == "healthy" and v.comparison == "pair" and "compared with pair" in v.summary
-    # one rank: nothing to compare it with, no history: unknown, never "healthy"
+    assert v.state == "healthy" and "dependency" in v.comparison and "compared with" in v.summary
+    # one rank with its iteration marks: only its own iteration time can be judged, and the verdict says so
     solo = job(world=1, tp=1)
-    solo.phases[0].resource.job_id = "solo"
+    solo.phases[0].resource.job_id = solo.iterations[0].resource.job_id = "solo"
     bus.publish(topic_for("phases"), b"solo", solo.phases[0].SerializeToString())
+    bus.publish(topic_for("iterations"), b"solo", solo.iterations[0].SerializeToString())
+    a.step(0)
+    t[0] += 1
+    (s1,) = a.step(0)
+    assert s1.state == "healthy" and s1.comparison == "iteration_history"
+    # one rank, phases only: nothing to compare it with at all: unknown, never "healthy"
+    bare = job(world=1, tp=1)
+    bare.phases[0].resource.job_id = "bare"
+    bus.publish(topic_for("phases"), b"bare", bare.phases[0].SerializeToString())
     a.step(0)
     t[0] += 1
     (u,) = a.step(0)
