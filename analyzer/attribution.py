@@ -17,11 +17,14 @@ evidence and attributes the waiting to the member that made the others wait.
 2. Sync partners of a rank: the ranks it shares a TP, CP, EP or DP group
    with, and its PP neighbours (same dp/tp/ep/cp, stage ± 1).
 3. Inherited lateness: a rank whose only culprit evidence is arriving late
-   to a collective (no slow compute, memory or host phase of its own) and
-   that also *waited* for a sync partner with slow work of its own was late
-   because of that partner (a TP partner of a slow GPU arrives late to the
-   data-parallel all-reduce too): it is a waiter pointing at the partner,
-   and the partner's score takes the lateness' impact.
+   to a collective (or being slower in forward/backward, which hold
+   tensor-parallel collectives) while a sync partner has slow work of its
+   own (compute, memory, a host phase, or a host function its stacks show)
+   worth at least ``INHERIT_SHARE`` of it, was late because of that partner
+   (a TP partner of a slow GPU arrives late to the data-parallel all-reduce
+   too; so does that partner's pipeline neighbour: followed transitively):
+   it is a waiter pointing at the partner, and the owner's score takes the
+   lateness' impact.
    Each waiter points at the partner with culprit evidence whose impact is
    largest (``waited_for``). When no partner was flagged, the records of the
    window decide: in the waiter's tensor-parallel group (the most tightly
@@ -42,11 +45,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import re
 from typing import Iterable, Mapping
 
 from trainscope.analyzer.model import CULPRIT, LINK, MISSING, WAITER, Finding, JobWindow
 from trainscope.analyzer.topology import RoutingConfig, has_coords
 from trainscope.proto.model import DIMS, Resource
+
+#: A partner's own slow work explains a rank's lateness when it is at least this share of it.
+INHERIT_SHARE = 0.2
+#: Phases that hold collectives inside them (forward/backward of tensor-parallel layers): being
+#: slower there is culprit evidence, but not proof of slow work of the rank's own.
+AMBIGUOUS = re.compile(r"^(forward|backward)$|^fwd$|^bwd$", re.IGNORECASE)
 
 #: Verdict order of roles.
 ROLE_ORDER = {CULPRIT: 0, LINK: 1, WAITER: 2, MISSING: 3}
@@ -78,8 +88,8 @@ class Evidence:
 
     @property
     def own(self) -> bool:
-        """Slow work of its own (not a collective it arrived late to)."""
-        return self.role == CULPRIT and not self.communication
+        """Slow work of its own (not a collective it arrived late to, not a phase holding collectives)."""
+        return self.role == CULPRIT and not self.communication and not AMBIGUOUS.search(self.where)
 
     @property
     def strength(self) -> float:
@@ -190,16 +200,24 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
             if e.where not in rv.where:
                 rv.where.append(e.where)
         out[r] = rv
-    # step 3: lateness inherited from a partner that was slow on its own
+    # step 3: lateness inherited from a partner that was slow on its own, transitively (a pipeline
+    # neighbour of a TP partner of the slow rank is late too): follow partners to the owner
     owners = {r for r, rv in out.items() if any(e.own for e in rv.evidence)}
-    for rv in list(out.values()):
-        if rv.role != CULPRIT or rv.rank in owners or not any(e.role == WAITER for e in rv.evidence):
-            continue
-        parts = sync_partners(rv.rank, resources)
-        cands = [p for ps in parts.values() for p in ps if p in owners]
-        if cands:
-            rv.role = WAITER
-            rv.waited_for = max(cands, key=lambda p: (out[p].impact_ns, -p))
+    root: dict[int, int] = {r: r for r in owners}
+    changed = True
+    while changed:
+        changed = False
+        for rv in out.values():
+            if rv.role != CULPRIT or rv.rank in root:
+                continue
+            parts = sync_partners(rv.rank, resources)
+            cands = [p for ps in parts.values() for p in ps if p in root
+                     and out[root[p]].impact_ns >= INHERIT_SHARE * rv.impact_ns]
+            if cands:
+                best = max(cands, key=lambda p: (out[root[p]].impact_ns, -p))
+                root[rv.rank] = root[best]
+                rv.role, rv.waited_for = WAITER, best
+                changed = True
     # step 3: waiters point at a culprit partner
     iterations = iterations or {}
     for rv in list(out.values()):
@@ -234,11 +252,15 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
         if len(members) >= 2:
             for rv in members:
                 rv.role = LINK
-    # step 5: culprits score at least what their waiters lost
+    # step 5: culprits score at least what their waiters lost (followed along chains of waiters)
     for rv in out.values():
-        if rv.role == WAITER and rv.waited_for in out:
-            c = out[rv.waited_for]
-            c.waiters.append(rv.rank)
-            c.score_ns = max(c.score_ns, rv.impact_ns)
+        if rv.role != WAITER or rv.waited_for not in out:
+            continue
+        out[rv.waited_for].waiters.append(rv.rank)
+        c, seen = out[rv.waited_for], {rv.rank}
+        while c.role == WAITER and c.waited_for in out and c.rank not in seen:
+            seen.add(c.rank)
+            c = out[c.waited_for]
+        c.score_ns = max(c.score_ns, rv.impact_ns)
     return sorted(out.values(), key=lambda v: (ROLE_ORDER.get(v.role, 9), -v.score_ns,
                                                -len(v.culprit_levels), v.rank))

@@ -68,6 +68,7 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     for f in active:
         if f.level != "L5":
             evidence += evidence_of(f)
+    evidence += _host_evidence(active, evidence, resources)
     ranked = attribute(evidence, resources, jw, iterations)
     host_fn = {s.rank: s.evidence.get("function") for f in active if f.level == "L5" for s in f.suspects}
     stalled_ranks = {s.rank for f in active if f.kind == "stall" for s in f.suspects}
@@ -131,6 +132,29 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     v.confidence = _confidence(v.state, suspects, resources, host, persistence, comparisons, pending)
     v.summary = summarize(job_id, v, findings, resources)
     return v
+
+
+def _host_evidence(active: Sequence[Finding], evidence: list[Evidence],
+                   resources: Mapping[int, Resource]) -> list[Evidence]:
+    """L5 corroborates: a rank whose stacks sit in a host function its peers' do not (a GC pause, a
+    data-loader wait) while it or its sync partners are flagged did slow work of its own, worth
+    what the flagged ones among them lost."""
+    from trainscope.analyzer.attribution import sync_partners
+
+    impact: dict[int, float] = collections.defaultdict(float)
+    for e in evidence:
+        impact[e.rank] = max(impact[e.rank], e.impact_ns)
+    out = []
+    for f in active:
+        if f.level != "L5":
+            continue
+        for s in f.suspects:
+            near = [s.rank] + [p for ps in sync_partners(s.rank, resources).values() for p in ps]
+            worth = max((impact[r] for r in near if r in impact), default=0.0)
+            if worth > 0:
+                out.append(Evidence(s.rank, "L5", f.kind, str(s.evidence.get("function", f.kind)), False,
+                                    True, 1.0, worth, "peers"))
+    return out
 
 
 def _named_only(findings: Sequence[Finding], named: set[int]) -> list[Finding]:
