@@ -32,6 +32,11 @@ evidence and attributes the waiting to the member that made the others wait.
    arrived last; if it is shorter than the waiter by at least half the
    waiter's excess, it is the culprit by dependency (evidence level
    ``DEP``), with the waiter's excess as its impact.
+   3b. Late arrivers linked to each other with no flagged work of their
+   own: the one with clearly (``TIEBREAK_MARGIN``) the most extra work
+   outside communication against its DP peers, significant or not, is where
+   the lateness starts (a slightly slower GPU that makes its TP partner and
+   their pipeline neighbours late).
 4. Waiters left without a culprit: when two or more share a host and no
    member of their sync groups arrived late, the link between them is slow
    (role ``link``: a degraded NVLink/NIC slows every member's collective
@@ -48,10 +53,14 @@ import math
 import re
 from typing import Iterable, Mapping
 
+import numpy as np
+
 from trainscope.analyzer.model import CULPRIT, LINK, MISSING, WAITER, Finding, JobWindow
 from trainscope.analyzer.topology import RoutingConfig, has_coords
 from trainscope.proto.model import DIMS, Resource
 
+#: Step 3b: the late rank with the most own work must have this many times the next one's.
+TIEBREAK_MARGIN = 1.5
 #: A partner's own slow work explains a rank's lateness when it is at least this share of it.
 INHERIT_SHARE = 0.2
 #: Phases that hold collectives inside them (forward/backward of tensor-parallel layers): being
@@ -181,6 +190,60 @@ def _tp_last_arriver(jw: JobWindow | None, waiter: Evidence, partners: list[int]
     return best if times[best] <= mine - 0.5 * waiter.impact_ns else None
 
 
+def _own_work_tiebreak(out: dict[int, "RankVerdict"], owners: set[int], resources: Mapping[int, Resource],
+                       jw: JobWindow) -> set[int]:
+    """Step 3b: late arrivers connected to each other with no flagged work of their own (a TP pair
+    and its pipeline neighbours, all late): the one with clearly the most extra work outside
+    communication against its own DP peers, significant or not, is where the lateness starts."""
+    from trainscope.analyzer.impact import window_scale
+    from trainscope.analyzer.l2_groups import GroupsConfig, rank_times
+    from trainscope.analyzer.topology import group_of
+
+    late = [r for r, rv in out.items() if rv.role == CULPRIT and r not in owners]
+    if len(late) < 2:
+        return set()
+    cfg = GroupsConfig()
+    ranks, keys, m = rank_times(jw, window_scale(jw), cfg)
+    if not keys:
+        return set()
+    row = {r: i for i, r in enumerate(ranks)}
+    own_cols = np.array([not (cfg.routing.is_communication(k) or k == "[communication]" or AMBIGUOUS.search(k))
+                         for k in keys])
+    excess = collections.defaultdict(float)
+    for members in group_of({r: resources[r] for r in ranks if r in resources}, "dp").values():
+        rows = [row[r] for r in members]
+        if len(rows) < 2:
+            continue
+        with np.errstate(all="ignore"):
+            med = np.nanmedian(m[rows][:, own_cols], axis=0)
+        for r in members:
+            if r in out:
+                excess[r] = float(np.nansum(np.maximum(m[row[r], own_cols] - med, 0.0)))
+    # components of late ranks linked by sync partnership
+    left, found = set(late), set()
+    while left:
+        comp, todo = set(), [left.pop()]
+        while todo:
+            r = todo.pop()
+            comp.add(r)
+            for ps in sync_partners(r, resources).values():
+                for p in ps:
+                    if p in left:
+                        left.discard(p)
+                        todo.append(p)
+        if len(comp) < 2:
+            continue
+        best = sorted(comp, key=lambda r: -excess.get(r, 0.0))
+        top, second = excess.get(best[0], 0.0), excess.get(best[1], 0.0)
+        if top > 0 and top >= TIEBREAK_MARGIN * second:
+            rv = out[best[0]]
+            rv.evidence.append(Evidence(best[0], "DEP", "own_work", "own work outside communication", False,
+                                        True, 1.0, rv.impact_ns, "dependency"))
+            rv.levels.add("DEP")
+            found.add(best[0])
+    return found
+
+
 def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
               jw: JobWindow | None = None, iterations: Mapping[int, float] | None = None) -> list[RankVerdict]:
     """Steps 2-5: one ``RankVerdict`` per rank named by any evidence, best first."""
@@ -203,6 +266,8 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
     # step 3: lateness inherited from a partner that was slow on its own, transitively (a pipeline
     # neighbour of a TP partner of the slow rank is late too): follow partners to the owner
     owners = {r for r, rv in out.items() if any(e.own for e in rv.evidence)}
+    if jw is not None:
+        owners |= _own_work_tiebreak(out, owners, resources, jw)
     root: dict[int, int] = {r: r for r in owners}
     changed = True
     while changed:

@@ -53,7 +53,7 @@ class IndividualConfig:
     """Ranks with a comparison group (same role) of fewer ranks are judged here."""
     false_alarm: float = 1e-3
     rel_floor: float = 0.02
-    pair_min_excess: float = 0.10
+    pair_min_excess: float = 0.03
     """Dependency rule: the waiters' extra communication time is at least this share of the step ..."""
     pair_busy_share: float = 0.3
     """... and the late arrivers were busy outside communication for at least this share of it."""
