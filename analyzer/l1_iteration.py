@@ -28,8 +28,8 @@ both (ARGUS §6.1):
    than ``W`` are jitter, not a level, so they are clipped to a running median
    (a Hampel-style filter, which keeps steps) before the scan; otherwise a
    single spike would break the "both segments are stable" condition.
-4. Stall (EROICA §4.1, rule 2): no iteration has ended for ``stall_factor``
-   (5) × the recent mean iteration time.
+4. Stall (EROICA §4.1, rule 2): one rule for the whole analyzer, read on two
+   clocks, in ``stall.py``.
 5. Job level (``l1_findings``): the job's iteration time is, per iteration,
    the max over ranks (the job waits for its slowest rank, and the final
    gradient sync aligns them, ARGUS §9.3), built without a ranks × history
@@ -247,13 +247,6 @@ def classify(series, cfg: L1Config = L1Config()) -> L1Result:
     return L1Result(state, jit, reg)
 
 
-def detect_stall(now_ns: int, last_end_ns: int, recent_mean_ns: float, factor: float = 5.0) -> bool:
-    """EROICA §4.1 rule 2: blocked when ``now - last end ≥ factor × recent mean``."""
-    if not recent_mean_ns > 0:
-        return False
-    return (now_ns - last_end_ns) >= factor * recent_mean_ns
-
-
 # ---------------------------------------------------------------- job level (step 5)
 
 
@@ -437,39 +430,3 @@ def l1_findings(
                       "points_before": reg.split, "points_after": int(n - reg.split)},
         ))
     return out
-
-
-def stall_finding(
-    job_id: str,
-    window: records_pb2.Window,
-    *,
-    now_ns: int,
-    last_end_ns: int,
-    recent_mean_ns: float,
-    last_iteration_by_rank: Mapping[int, int] | None = None,
-    cfg: L1Config = L1Config(),
-) -> Finding | None:
-    """A ``stall`` finding when ``detect_stall`` holds (step 4).
-
-    ``now_ns`` and ``last_end_ns`` must be on one clock (the caller's receipt
-    clock, say: ranks' clocks are not comparable). Ranks whose last completed
-    iteration lags the others' are suspects: they stopped first.
-    """
-    if not detect_stall(now_ns, last_end_ns, recent_mean_ns, cfg.stall_factor):
-        return None
-    suspects: tuple[SuspectRank, ...] = ()
-    last = dict(last_iteration_by_rank or {})
-    if len(last) >= 2:
-        top = max(last.values())
-        behind = sorted((r for r, i in last.items() if i < top), key=lambda r: (last[r], r))
-        if behind and len(behind) <= max(1, int(cfg.max_suspect_fraction * len(last))):
-            suspects = tuple(SuspectRank(r, float(top - last[r]),
-                                         {"last_iteration": last[r], "others_last_iteration": top})
-                             for r in behind)
-    since = now_ns - last_end_ns
-    return Finding(
-        level="L1", kind="stall", job_id=job_id, window=window, suspects=suspects,
-        severity=since / recent_mean_ns,
-        evidence={"since_last_iteration_ns": int(since), "recent_mean_ns": float(recent_mean_ns),
-                  "stall_factor": cfg.stall_factor},
-    )

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from trainscope.analyzer.l1_iteration import (
-    L1Config, classify, detect_jitter, detect_regression, detect_stall, l1_findings, stall_finding,
+    L1Config, classify, detect_jitter, detect_regression, l1_findings,
     thresholds,
 )
 from trainscope.proto.errors import ConfigError
@@ -91,16 +91,22 @@ def test_jitter_on_top_of_a_regression_is_both():
     assert [(j.effective_start, j.effective_width) for j in r.jitter] == [(80, 1), (260, 2)]
 
 
-def test_stall_rule_is_five_times_the_recent_mean():
-    assert not detect_stall(now_ns=14_000, last_end_ns=10_000, recent_mean_ns=1_000)
-    assert detect_stall(now_ns=15_000, last_end_ns=10_000, recent_mean_ns=1_000)
-    assert not detect_stall(now_ns=15_000, last_end_ns=10_000, recent_mean_ns=1_000, factor=6)
-    assert not detect_stall(now_ns=15_000, last_end_ns=10_000, recent_mean_ns=0)
+def test_stall_rule_is_five_times_the_typical_interval_on_either_clock():
+    from trainscope.analyzer.stall import arrival_stall, stalled, telemetry_stall
+    assert not stalled(4.0, 1.0, 5.0) and stalled(5.0, 1.0, 5.0) and not stalled(5.0, 1.0, 6.0)
+    assert not stalled(50.0, 0.0, 5.0) and not stalled(5.0, 1.0, 5.0, floor=10.0)
     win = records_pb2.Window()
-    f = stall_finding("j", win, now_ns=20_000, last_end_ns=10_000, recent_mean_ns=1_000,
-                      last_iteration_by_rank={0: 41, 1: 41, 2: 40, 3: 41})
-    assert f.kind == "stall" and [s.rank for s in f.suspects] == [2] and f.severity == 10.0
-    assert stall_finding("j", win, now_ns=12_000, last_end_ns=10_000, recent_mean_ns=1_000) is None
+    f = arrival_stall("j", win, quiet_s=20.0, mean_gap_s=2.0, factor=5.0, floor_s=10.0)
+    assert f.kind == "stall" and f.severity == 10.0
+    assert arrival_stall("j", win, quiet_s=9.0, mean_gap_s=1.0, factor=5.0, floor_s=10.0) is None
+    # rank clocks: ranks 0, 1, 3 ran 10 iterations past their last one; rank 2 stopped 3 earlier
+    hist = {r: [(i, 1_000) for i in range(20)] for r in range(4)}
+    end = {r: 20_000 for r in range(4)}
+    wm = {0: 30_000, 1: 30_000, 2: 27_000, 3: 30_000}
+    h = telemetry_stall("j", win, last_iter_end=end, watermark=wm, history=hist, ended=set(), factor=5.0)
+    assert h.kind == "stall" and [s.rank for s in h.suspects] == [2] and h.suspects[0].impact_ns == 1_000
+    assert telemetry_stall("j", win, last_iter_end=end, watermark={r: 22_000 for r in range(4)}, history=hist,
+                           ended=set(), factor=5.0) is None
 
 
 def ranks_series(n_ranks, n_iter, seed=0):
