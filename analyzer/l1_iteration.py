@@ -73,8 +73,6 @@ class L1Config:
     """Fewest points either side of a change point."""
     despike: bool = True
     """Clip spikes narrower than W to a running median before the change-point scan (step 3)."""
-    stall_factor: float = 5.0
-    """A job stalls when no iteration has ended for this × the recent mean (EROICA §4.1)."""
     max_suspect_fraction: float = 0.25
     """Name suspects only when at most this fraction of ranks (at least one) carry the anomaly."""
     suspect_context: int = 64
@@ -92,7 +90,6 @@ class L1Config:
                      "must be an integer >= 2", int)
         check_number("l1.suspect_context", self.suspect_context, lambda v: v >= 1,
                      "must be an integer >= 1", int)
-        check_number("l1.stall_factor", self.stall_factor, lambda v: v > 1, "must be > 1")
         check_number("l1.max_suspect_fraction", self.max_suspect_fraction, lambda v: 0 < v <= 1,
                      "must be in (0, 1]")
         if not isinstance(self.despike, bool):

@@ -171,7 +171,7 @@ def test_job_series_is_the_max_over_ranks_without_a_dense_matrix():
 def test_config_and_input_are_validated():
     for field, bad in [("window", 1), ("window", 4.0), ("ratio_threshold", 1.0), ("min_segment", 1),
                        ("noise_sigmas", -1.0),
-                       ("max_rel_std", 0.0), ("stall_factor", float("nan")), ("max_suspect_fraction", 2)]:
+                       ("max_rel_std", 0.0), ("min_segment", float("nan")), ("max_suspect_fraction", 2)]:
         with pytest.raises(ConfigError) as e:
             L1Config(**{field: bad})
         assert e.value.setting == f"l1.{field}"
