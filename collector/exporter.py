@@ -31,12 +31,14 @@ import logging
 import os
 import queue
 import random
+import socket
 import threading
 import time
 from typing import Callable, Deque, Iterator
 
 import grpc
 
+from trainscope.proto import env
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import Resource
 from trainscope.proto.v1 import telemetry_pb2
@@ -63,7 +65,7 @@ _PAYLOAD_FIELD = {
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ExporterConfig:
-    target: str = "unix:///tmp/trainscope/processor.sock"
+    target: str = env.DEFAULT_PROCESSOR_TARGET
     """gRPC target of the host's processor: ``unix:///path`` (default) or ``host:port``."""
     max_queue_bytes: int = 64 << 20
     """Bound on the bytes held (queued plus sent-but-unconfirmed) before drops."""
@@ -407,3 +409,18 @@ class BatchExporter:
             self._unconfirmed.remove(big)
             self._held_bytes -= big.nbytes
             self.stats.dropped["rejected_oversize"] += 1
+
+
+def reachable(target: str, timeout_s: float = 0.5) -> bool:
+    """Whether something accepts connections at a gRPC target (``unix:///path`` or ``host:port``)."""
+    try:
+        if target.startswith("unix:"):
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(timeout_s)
+                s.connect(target[len("unix://"):] if target.startswith("unix://") else target[5:])
+        else:
+            host, _, port = target.rpartition(":")
+            socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s).close()
+        return True
+    except (OSError, ValueError):
+        return False

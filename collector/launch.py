@@ -47,17 +47,15 @@ from typing import Any, Sequence
 
 from trainscope.collector.bootstrap import DIR as BOOTSTRAP_DIR
 from trainscope.collector.bootstrap import AfterImport, install_autostart_pth  # noqa: F401 (API)
-from trainscope.collector.bootstrap._trainscope_boot import (
-    AUTOSTART, MATCH, RANK_PID, RUN_PID, identity)
-from trainscope.deploy import env
+from trainscope.collector.exporter import reachable
+from trainscope.proto import env
+from trainscope.proto.env import (
+    AUTOSTART, MATCH, RANK_PID, RUN_PID, identity,
+    CPU_OPS, CUPTI, HOOKS, NCCL_TIMING, OFF as _OFF, RUN_DIR, SHIP_INTERVAL_S, SHUTDOWN_TIMEOUT_S, STACKS,
+    STACKS_WINDOW_S)
 from trainscope.proto.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-# Environment variables of enablement: named once, in deploy/env.py.
-from trainscope.deploy.env import (  # noqa: E402
-    CPU_OPS, CUPTI, HOOKS, NCCL_TIMING, RUN_DIR, SHIP_INTERVAL_S, SHUTDOWN_TIMEOUT_S, STACKS, STACKS_WINDOW_S)
-_OFF = ("0", "false", "no", "off")
 
 
 # ======================================================== in the rank process
@@ -215,7 +213,7 @@ def _spawn_sidecar(run_dir: str, environ, window_s: float | None = None) -> subp
         lock.close()
         return None  # another process of this host runs it
     cmd = [sys.executable, "-m", "trainscope.collector.stacks", "--run-dir", run_dir,
-           "--window-s", str(window_s or _float_env(STACKS_WINDOW_S, 10.0, environ))]
+           "--window-s", str(window_s or _float_env(STACKS_WINDOW_S, env.DEFAULT_STACKS_WINDOW_S, environ))]
     child_env = {k: v for k, v in environ.items() if k != RANK_PID}
     child_env[AUTOSTART] = "0"
     try:
@@ -226,14 +224,7 @@ def _spawn_sidecar(run_dir: str, environ, window_s: float | None = None) -> subp
 
 
 def _float_env(name: str, default: float, environ=None) -> float:
-    environ = os.environ if environ is None else environ
-    v = environ.get(name)
-    if not v:
-        return default
-    try:
-        return float(v)
-    except ValueError:
-        raise ConfigError(name, v, "must be a number") from None
+    return env.number(name, default, environ)
 
 
 # ============================================= parallel groups, by convention
@@ -287,7 +278,7 @@ class RunConfig:
     """Start a processor on this host when none answers at ``processor``."""
     stacks: bool = True
     """Run the py-spy stack sidecar for the ranks of this host."""
-    stacks_window_s: float = 10.0
+    stacks_window_s: float = env.DEFAULT_STACKS_WINDOW_S
     """Stack sampling window per rank."""
     job_id: str = ""
     """Job id; empty: ``TRAINSCOPE_JOB_ID``, else generated."""
@@ -353,21 +344,6 @@ def child_env(config: RunConfig, *, job_id: str, processor: str, run_dir: str, b
     return e
 
 
-def reachable(target: str, timeout_s: float = 0.5) -> bool:
-    """Whether something accepts connections at a gRPC target (``unix:///path`` or ``host:port``)."""
-    try:
-        if target.startswith("unix:"):
-            with socket.socket(socket.AF_UNIX) as s:
-                s.settimeout(timeout_s)
-                s.connect(target[len("unix://"):] if target.startswith("unix://") else target[5:])
-        else:
-            host, _, port = target.rpartition(":")
-            socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s).close()
-        return True
-    except (OSError, ValueError):
-        return False
-
-
 def start_processor(target: str, home: str, timeout_s: float = 30.0) -> subprocess.Popen:
     """Start ``trainscope processor --listen target`` and wait until it answers."""
     cmd = [sys.executable, "-m", "trainscope.deploy.cli", "processor", "--listen", target, "--home", home]
@@ -399,7 +375,7 @@ def _stop(proc: subprocess.Popen | None, timeout_s: float) -> None:
 def run(config: RunConfig) -> RunResult:
     """``trainscope run``: processor, sidecar, the job under the bootstrap hook, counters."""
     job_id = config.job_id or os.environ.get(env.JOB_ID) or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    target = config.processor or os.environ.get(env.PROCESSOR) or "unix:///tmp/trainscope/processor.sock"
+    target = config.processor or os.environ.get(env.PROCESSOR) or env.DEFAULT_PROCESSOR_TARGET
     run_dir = config.run_dir or tempfile.mkdtemp(prefix="trainscope-run-")
     os.makedirs(run_dir, exist_ok=True)
     proc = sidecar = None
@@ -459,7 +435,7 @@ def print_env(config: RunConfig, out=None) -> None:
     """Shell ``export`` lines that enable collection for a launcher that cannot be wrapped."""
     out = sys.stdout if out is None else out
     e = child_env(config, job_id=config.job_id,
-                  processor=config.processor or "unix:///tmp/trainscope/processor.sock",
+                  processor=config.processor or env.DEFAULT_PROCESSOR_TARGET,
                   run_dir=config.run_dir or os.path.join(tempfile.gettempdir(), "trainscope", "ranks"), base={})
     e.pop(RUN_PID, None)
     if not config.job_id:

@@ -25,7 +25,7 @@ from typing import Iterator
 
 from trainscope.collector.exporter import BatchExporter, ExporterConfig
 from trainscope.collector.sources import KernelSource
-from trainscope.deploy import env
+from trainscope.proto import env
 from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import ParallelCoords, Resource, coords_for_rank
@@ -78,16 +78,10 @@ class CollectorConfig:
     def from_env(cls, environ=os.environ, **overrides) -> "CollectorConfig":
         """Read the launcher's variables (torchrun's RANK/WORLD_SIZE/LOCAL_RANK) and ours."""
         def num(name: str, default: int) -> int:
-            v = environ.get(name)
-            if v is None or v == "":
-                return default
-            try:
-                return int(v)
-            except ValueError:
-                raise ConfigError(name, v, "must be an integer") from None
+            return env.integer(name, default, environ)
 
         kw: dict = dict(
-            enabled=environ.get(env.ENABLED, "1") not in ("0", "false", "no", "off"),
+            enabled=env.switch(env.ENABLED, True, environ),
             job_id=environ.get(env.JOB_ID) or environ.get(env.LAUNCHER_RUN_ID) or "local",
             rank=num(env.RANK, 0), world_size=num(env.WORLD_SIZE, 1), local_rank=num(env.LOCAL_RANK, 0),
             topology=parse_topology(environ.get(env.TOPOLOGY, "")),

@@ -46,6 +46,7 @@ import threading
 import time
 from typing import Sequence
 
+from trainscope.proto import env
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import ParallelCoords, Resource
 from trainscope.proto.v1 import telemetry_pb2
@@ -57,7 +58,7 @@ _THREAD = re.compile(r"^thread \((0x[0-9a-fA-F]+|\d+)\)(?::\s*(.*))?$")
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class StackSamplerConfig:
-    window_s: float = 10.0
+    window_s: float = env.DEFAULT_STACKS_WINDOW_S
     """Length of one sampling window per rank."""
     rate_hz: int = 20
     """py-spy samples per second."""
@@ -310,8 +311,7 @@ class StackSidecar:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m trainscope.collector.stacks``: run the sidecar for one run directory."""
-    from trainscope.collector.exporter import BatchExporter, ExporterConfig
-    from trainscope.deploy import env
+    from trainscope.collector.exporter import BatchExporter, ExporterConfig, reachable
 
     ap = argparse.ArgumentParser(prog="trainscope-stacks", description=__doc__.split("\n\n")[0])
     ap.add_argument("--run-dir", required=True, help="directory where ranks announce themselves")
@@ -335,7 +335,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: car.stop())
     rc = car.run()
-    from trainscope.collector.launch import reachable
     exporter.shutdown(3.0 if reachable(args.processor) else 0.2)  # nobody to flush to: do not linger
     return rc
 

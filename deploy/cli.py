@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Sequence
 
-from trainscope.deploy import env
+from trainscope.proto import env
 from trainscope.proto.errors import ConfigError, TrainscopeError
 
 

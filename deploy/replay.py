@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from trainscope.collector.exporter import BatchExporter, ExporterConfig
-from trainscope.collector.sources.replay import resource_for, scan_replay_dir
+from trainscope.collector.sources.replay_dir import resource_for, scan_replay_dir
 from trainscope.deploy.embedded import EmbeddedAnalysis
 from trainscope.processor.daemon import Processor, ProcessorConfig
 from trainscope.processor.store import SqliteStore

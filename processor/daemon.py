@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import grpc
 from prometheus_client import CollectorRegistry
 
+from trainscope.proto import env
 from trainscope.processor.bus import EmbeddedBus, BusSink
 from trainscope.processor.ingest import IngestServicer
 from trainscope.processor.pipeline import Pipeline
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ProcessorConfig:
-    listen: str = "unix:///tmp/trainscope/processor.sock"
+    listen: str = env.DEFAULT_PROCESSOR_TARGET
     """gRPC listen address: ``unix:///path`` (default, ARGUS §5.1) or ``host:port`` (port 0 = any)."""
     max_message_bytes: int = 16 << 20
     """Largest accepted message; larger ones get RESOURCE_EXHAUSTED."""

@@ -1,7 +1,23 @@
-"""Every environment variable trainscope reads, named once (STYLE.md point 4).
+"""Every environment variable trainscope reads, named once (STYLE.md point 4), and one way to parse them.
 
 Resolution order everywhere: CLI flag, then environment variable, then default.
+A contract shared by the collector (inside the training process), the
+processor and the CLI, so it lives in ``proto/`` which every stage may import.
+A bad value raises :class:`~trainscope.proto.errors.ConfigError` naming the
+variable (the CLI turns it into one line and exit 2).
 """
+import os
+from typing import Mapping
+
+from trainscope.proto.errors import ConfigError
+
+#: The processor's default listen address and the collector's default target.
+DEFAULT_PROCESSOR_TARGET = "unix:///tmp/trainscope/processor.sock"
+#: Seconds of stack sampling per window (collector/stacks.py, launch.py).
+DEFAULT_STACKS_WINDOW_S = 10.0
+#: Values that turn a switch off ("0" and friends, case-insensitive).
+OFF = ("0", "false", "no", "off")
+
 ENABLED = "TRAINSCOPE_ENABLED"            # "0" turns the in-process collector into a no-op
 PROCESSOR = "TRAINSCOPE_PROCESSOR"        # gRPC target of the host's processor
 JOB_ID = "TRAINSCOPE_JOB_ID"              # job id; default from the launcher (TORCHELASTIC_RUN_ID)
@@ -10,9 +26,14 @@ HOME = "TRAINSCOPE_HOME"                  # where the embedded default keeps its
 KAFKA_BOOTSTRAP = "KAFKA_BOOTSTRAP"       # bootstrap servers of a real Kafka cluster
 PROMETHEUS_PORT = "TRAINSCOPE_PROMETHEUS_PORT"
 REMOTE_WRITE_URL = "TRAINSCOPE_REMOTE_WRITE_URL"
-# Enablement of the in-process collectors (collector/launch.py). The start-up
-# hook (collector/bootstrap/_trainscope_boot.py) is stdlib-only and names its
-# own few (AUTOSTART, MATCH, RANK_PID, RUN_PID) itself.
+# Enablement of the in-process collectors (collector/launch.py) and of the
+# start-up hook (collector/bootstrap/_trainscope_boot.py, which imports this
+# module: keep it standard-library only).
+AUTOSTART = "TRAINSCOPE_AUTOSTART"        # "1": every Python process checks whether it is a rank
+RANK_PID = "TRAINSCOPE_RANK_PID"          # set by a rank that started its collector; children are not ranks
+RUN_PID = "TRAINSCOPE_RUN_PID"            # pid of `trainscope run`; its direct child is rank 0 of 1
+MATCH = "TRAINSCOPE_MATCH"                # regex the rank's command line must match
+DEBUG_BOOT = "TRAINSCOPE_DEBUG_BOOT"      # "1": the start-up hook prints its decision
 RUN_DIR = "TRAINSCOPE_RUN_DIR"            # where ranks announce themselves and leave their counters
 STACKS = "TRAINSCOPE_STACKS"              # "0" off, "1" local rank 0 starts the sidecar, "external"
 STACKS_WINDOW_S = "TRAINSCOPE_STACKS_WINDOW_S"
@@ -27,3 +48,57 @@ RANK = "RANK"
 LOCAL_RANK = "LOCAL_RANK"
 WORLD_SIZE = "WORLD_SIZE"
 LAUNCHER_RUN_ID = "TORCHELASTIC_RUN_ID"
+
+
+def identity(environ) -> tuple[int, int, int] | None:
+    """(rank, world_size, local_rank) from the launcher's variables, or None."""
+    for rank, world, local in (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+                               ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+                               ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"),
+                               ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")):
+        r, w = environ.get(rank), environ.get(world)
+        if r is not None and w is not None:
+            try:
+                return int(r), int(w), int(environ.get(local, "0") or 0)
+            except ValueError:
+                return None
+    return None
+
+
+def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
+
+
+def text(name: str, default: str = "", environ: Mapping[str, str] | None = None) -> str:
+    """The variable's value, ``default`` when unset or empty."""
+    return _env(environ).get(name) or default
+
+
+def switch(name: str, default: bool = True, environ: Mapping[str, str] | None = None) -> bool:
+    """False when set to one of :data:`OFF`, True when set to anything else, ``default`` when unset/empty."""
+    v = _env(environ).get(name)
+    if not v:
+        return default
+    return v.strip().lower() not in OFF
+
+
+def number(name: str, default: float, environ: Mapping[str, str] | None = None) -> float:
+    """A float; ``default`` when unset or empty; ConfigError naming the variable otherwise."""
+    v = _env(environ).get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return float(v)
+    except ValueError:
+        raise ConfigError(name, v, "must be a number") from None
+
+
+def integer(name: str, default: int, environ: Mapping[str, str] | None = None) -> int:
+    """An int; ``default`` when unset or empty; ConfigError naming the variable otherwise."""
+    v = _env(environ).get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ConfigError(name, v, "must be an integer") from None

@@ -2,8 +2,10 @@
 
 Loaded by ``sitecustomize`` in *every* Python process that inherits the
 environment (launchers, data-loader and compile workers, tools the job runs),
-so it imports only the standard library and decides from the environment and
-the command line alone:
+so it imports only the standard library and ``trainscope.proto.env`` (itself
+stdlib-only: the variable names and the launcher identity it shares with
+``collector/launch.py``) and decides from the environment and the command line
+alone:
 
 1. Off when ``TRAINSCOPE_AUTOSTART`` or ``TRAINSCOPE_ENABLED`` say so.
 2. Skip children of a rank: a rank that started its collector exports
@@ -26,13 +28,9 @@ import os
 import re
 import sys
 
-AUTOSTART = "TRAINSCOPE_AUTOSTART"
-ENABLED = "TRAINSCOPE_ENABLED"
-RANK_PID = "TRAINSCOPE_RANK_PID"
-RUN_PID = "TRAINSCOPE_RUN_PID"
-MATCH = "TRAINSCOPE_MATCH"
-DEBUG = "TRAINSCOPE_DEBUG_BOOT"
-_OFF = ("0", "false", "no", "off")
+from trainscope.proto.env import (  # stdlib-only module: the names are a contract with launch
+    AUTOSTART, DEBUG_BOOT as DEBUG, ENABLED, MATCH, OFF as _OFF, RANK_PID, RUN_PID, identity)
+
 #: Launcher modules / console scripts: they start ranks, they are not ranks.
 LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch", "torchrun", "deepspeed.launcher.runner",
              "deepspeed.launcher.launch", "deepspeed", "accelerate", "accelerate.commands.launch")
@@ -40,21 +38,6 @@ LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch", "torchrun", "d
 HELPER_MODULES = ("torch._inductor", "torch.utils.cpp_extension", "pip", "setuptools", "triton",
                   "trainscope")
 HELPER_CODE = ("multiprocessing", "compile_worker", "concurrent.futures", "joblib")
-
-
-def identity(environ) -> tuple[int, int, int] | None:
-    """(rank, world_size, local_rank) from the launcher's variables, or None."""
-    for rank, world, local in (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
-                               ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-                               ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"),
-                               ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")):
-        r, w = environ.get(rank), environ.get(world)
-        if r is not None and w is not None:
-            try:
-                return int(r), int(w), int(environ.get(local, "0") or 0)
-            except ValueError:
-                return None
-    return None
 
 
 def _entry(argv: list[str]) -> str:

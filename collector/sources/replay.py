@@ -25,22 +25,13 @@ import gzip
 import json
 import math
 import os
+import re
 import zlib
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
-# The directory half (ReplayJob and friends) is re-exported here for existing importers.
-from trainscope.collector.sources.replay_dir import (  # noqa: F401
-    _GZIP_MAGIC,
-    RANK_FILE_RE,
-    TOPOLOGY_FILE,
-    ReplayJob,
-    Topology,
-    resource_for,
-    scan_replay_dir,
-)
 from trainscope.proto.columnar import KIND_KERNEL, KIND_MEMCPY, KIND_MEMSET, KernelColumns
 from trainscope.proto.errors import TraceFileError
 from trainscope.proto.v1.telemetry_pb2 import (
@@ -49,6 +40,9 @@ from trainscope.proto.v1.telemetry_pb2 import (
     IterationMark,
     PhaseTiming,
 )
+
+_GZIP_MAGIC = b"\x1f\x8b"  # the first two bytes of a .gz file
+RANK_FILE_RE = re.compile(r"^rank-(\d+)\.json(\.gz)?$")  # rank-<N>.json[.gz]
 
 try:  # optional: about as fast as json here, but cheaper on memory
     import orjson as _orjson

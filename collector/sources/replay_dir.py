@@ -14,17 +14,13 @@ import os
 import re
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from trainscope.collector.sources.replay import _GZIP_MAGIC, RANK_FILE_RE, RankTrace, load_rank_trace
 from trainscope.proto.errors import ConfigError, TraceFileError
 from trainscope.proto.model import DEFAULT_ORDER, DIMS, ParallelCoords, Resource, coords_for_rank
 
-if TYPE_CHECKING:  # replay imports this module; RankTrace is only an annotation here
-    from trainscope.collector.sources.replay import RankTrace
 
-RANK_FILE_RE = re.compile(r"^rank-(\d+)\.json(\.gz)?$")
 TOPOLOGY_FILE = "topology.json"
-_GZIP_MAGIC = b"\x1f\x8b"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,8 +109,6 @@ class ReplayJob:
 
     def load(self, rank: int) -> RankTrace:
         """Load one rank's trace, with the rank this job assigned to it."""
-        from trainscope.collector.sources.replay import load_rank_trace  # at call time: replay imports us
-
         trace = load_rank_trace(self.files[rank], rank=rank, job_id=self.job_id)
         if trace.rank != rank:
             trace = dataclasses.replace(trace, rank=rank, rank_source="filename")

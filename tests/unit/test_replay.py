@@ -10,12 +10,8 @@ import numpy as np
 import pytest
 
 from trainscope.collector.sources import KernelSource, ReplayKernelSource
-from trainscope.collector.sources.replay import (
-    Topology,
-    load_rank_trace,
-    resource_for,
-    scan_replay_dir,
-)
+from trainscope.collector.sources.replay import load_rank_trace
+from trainscope.collector.sources.replay_dir import Topology, resource_for, scan_replay_dir
 from trainscope.proto.columnar import KIND_KERNEL, KIND_MEMCPY, KIND_MEMSET
 from trainscope.proto.errors import ConfigError, TraceFileError
 from trainscope.proto.v1.telemetry_pb2 import PHASE_CLOCK_CPU, PHASE_CLOCK_CUDA_EVENT
