@@ -7,7 +7,7 @@ One core (BLAS pinned to one thread). Times are CPU seconds of this process
 wall-clock total is printed at the end. Per scale: time to
 flatten the window's ``KernelWindow`` protobufs into flat arrays, to route
 ranks into groups, and to score (CDFs, sorted prefix-sum mean W1, IQR
-fence). Rank-to-rank noise is lognormal (1 %); one rank gets one kernel 30 %
+significance test). Rank-to-rank noise is lognormal (1 %); one rank gets one kernel 30 %
 slower, and the run checks that exactly that is found.
 
 * 1,000 ranks (one DP group of 1,000) and 10,000 ranks (tp=8: groups of
@@ -89,7 +89,7 @@ def resources(world: int, **degrees) -> dict[int, Resource]:
 
 
 def found_ok(flagged: list[tuple[str, int, float]]) -> str:
-    """``flagged``: (kernel, rank, effect / group-median mean) of every flagged rank."""
+    """``flagged``: (kernel, rank, time ratio to the group median - 1) of every flagged rank."""
     hit = any(k == f"kernel_{BAD_KEY}" and r == BAD_RANK for k, r, _ in flagged)
     other = [e for k, r, e in flagged if not (k == f"kernel_{BAD_KEY}" and r == BAD_RANK)]
     extra = (f", {len(other)} other flag(s) from noise (largest effect {max(other):.1%})"
@@ -111,8 +111,8 @@ def proto_scale(ranks: int, keys: int, degrees: dict, cfg: L3Config) -> tuple[fl
     groups, t_group = timed(group_of, res, "dp")
     findings, t_score = timed(kernel_findings, "bench", records_pb2.Window(), t, groups, cfg)
     d = t.dist_rank.size
-    flags = [(f.scope.kernel, s.rank, s.evidence["effect"] / s.evidence["group_median_mean_ns"])
-             for f in findings for s in f.suspects]
+    flags = [(f.scope.kernel, s.rank, s.evidence["ratio"] - 1.0)
+             for f in findings if f.kind == "degraded_kernel" for s in f.suspects]
     print(f"{ranks:>7} ranks x {keys} keys, groups of {len(next(iter(groups.values())))}: "
           f"flatten {t_flat:6.2f} s ({t_flat / d * 1e6:.2f} us/dist)  groups {t_group:5.2f} s  "
           f"score {t_score:6.2f} s ({t_score / d * 1e6:.1f} us/dist)  "
@@ -168,8 +168,8 @@ def main(argv=None) -> None:
     rg = np.array([rgm[r] for r in range(ranks)], dtype=np.int64)
     res, t_score = timed(score_kernels, t, rg, cfg)
     per_key = t_score / k
-    flags = [(t.keys[o.key][0], int(t.dist_rank[d]), (s - o.median) / o.median_mean_ns)
-             for o in res.outliers for d, s in zip(o.dists, o.scores)]
+    flags = [(t.keys[o.key][0], int(r), float(x / o.median_ns - 1.0))
+             for o in res.outliers if o.key >= 0 for r, x in zip(o.ranks, o.x_ns)]
     flat_est = flat_per_dist * ranks * a.keys
     print(f"{ranks:>7} ranks x {k} keys (flat arrays), groups of 2500: score {t_score:6.2f} s = "
           f"{per_key:.2f} s/key -> {a.keys} keys ~{per_key * a.keys:.0f} s; groups {t_group:.2f} s; "
