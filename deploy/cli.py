@@ -179,7 +179,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_sim(args) -> int:
-    from trainscope.collector.sim import FAULT_TYPES, run_sim, sim_config
+    from trainscope.collector.sim import FAULT_TYPES, sim_config
+    from trainscope.deploy.embedded import run_sim
 
     if args.list_faults:
         for k in FAULT_TYPES.values():

@@ -12,8 +12,8 @@ import os
 from typing import TextIO
 
 from trainscope.analyzer.evaluate import evaluate, load_truth
-from trainscope.collector.sim import run_sim, sim_config
-from trainscope.deploy.embedded import SimAnalysis
+from trainscope.collector.sim import sim_config
+from trainscope.deploy.embedded import SimAnalysis, run_sim
 
 FAULT = "gpu_throttle:rank=13,onset=30s,factor=1.4"
 

@@ -3,14 +3,23 @@
 Used by ``trainscope replay``, ``trainscope sim`` and ``trainscope demo``: the
 analyzer consumes the processor's embedded bus continuously on its own thread
 (the same code path as the Kafka service) and writes diagnoses and verdicts
-to the local store next to the processor's records.
+to the local store next to the processor's records. :func:`run_sim` is the
+simulator on that default (the simulator itself only emits to an address).
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+import tempfile
 import threading
-from typing import Any
+import time
+from typing import Any, Callable, Sequence
 
-from trainscope.processor.daemon import Processor
+from trainscope.collector.sim import SimConfig, SimResult
+from trainscope.collector.sim import run_sim as _emit_sim
+from trainscope.collector.sim.emit import SimSink
+from trainscope.processor.daemon import Processor, ProcessorConfig
+from trainscope.processor.windows import WindowConfig
 
 
 class EmbeddedAnalysis:
@@ -61,3 +70,63 @@ class SimAnalysis:
 
     def hooks(self) -> dict:
         return {"on_start": self.on_start, "on_processor": self.on_processor}
+
+
+def run_sim(
+    config: SimConfig,
+    processor_address: str | None = None,
+    *,
+    embedded: bool = True,
+    sinks: Sequence[SimSink] = (),
+    processor_options: dict[str, Any] | None = None,
+    on_processor: Callable | None = None,
+    on_start: Callable | None = None,
+) -> SimResult:
+    """The simulator on the embedded default.
+
+    1. With no ``processor_address`` and ``embedded`` (the default), start an
+       in-process processor on a unix socket with its store under ``home``
+       (``processor_options``: ``kafka``, ``prometheus``, ``perfetto`` sink
+       configs); ``on_start(proc, store_path)`` right after (an embedded
+       analyzer attaches there).
+    2. Emit the simulation to it (``collector.sim.run_sim``), draining its
+       pipeline after every chunk so nothing is dropped for backlog.
+    3. Drain it so every window is closed and published; call
+       ``on_processor(proc)`` before it stops (tests read its bus there).
+    """
+    if processor_address is not None or not embedded:
+        return _emit_sim(config, processor_address, sinks=sinks)
+    t0 = time.perf_counter()
+    home = config.home or tempfile.mkdtemp(prefix="trainscope-sim-")
+    os.makedirs(home, exist_ok=True)
+    config = dataclasses.replace(config, home=home)
+    proc, store_path = _start_sim_processor(config, home, processor_options or {})  # step 1
+    try:
+        if on_start is not None:
+            on_start(proc, store_path)
+        res = _emit_sim(config, proc.address, sinks=sinks,  # step 2
+                        barrier=lambda: proc.pipeline.drain(600.0, close_windows=False))
+        proc.drain(600.0)  # step 3
+        metrics = proc.metrics.snapshot()
+        if on_processor is not None:
+            on_processor(proc)
+    finally:
+        proc.stop()
+    return dataclasses.replace(res, store_path=store_path, processor=metrics, wall_s=time.perf_counter() - t0)
+
+
+def _start_sim_processor(config: SimConfig, home: str, options: dict) -> tuple[Processor, str]:
+    store_path = os.path.join(home, "store.sqlite")  # where `trainscope query` looks by default
+    if os.path.exists(store_path):
+        os.unlink(store_path)
+    sock = os.path.join(tempfile.mkdtemp(prefix="ts-sim-"), "processor.sock")
+    cfg = ProcessorConfig(
+        listen=f"unix://{sock}",
+        # Telemetry arrives a chunk (emit_every iterations) at a time: time windows must
+        # wait that long before closing, or the chunk's tail would be dropped as late.
+        window=WindowConfig(mode=config.window_mode, iterations=config.window_iterations,
+                            length_s=config.window_length_s, idle_close_s=3600,
+                            lateness_s=max(2.0, 2.0 * config.emit_every * config.iteration_s)),
+        store_path=store_path, **options,
+    )
+    return Processor(cfg).start(), store_path

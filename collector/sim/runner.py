@@ -1,14 +1,14 @@
-"""``run_sim``: the facade the CLI, the tests and the benchmarks call.
+"""``run_sim``: simulate a job and emit its telemetry to what it is given.
 
 1. Validate the config (``SimConfig``), build the simulation.
-2. Pick the destination: a processor at ``processor_address`` (the real
-   exporter → gRPC path), else an embedded in-process ``Processor`` on a unix
-   socket with its store under ``home`` (the default), else none
-   (``embedded=False``: only the ``sinks`` given, e.g. a ``MemorySink``).
-   ``traces_out`` adds a Kineto-trace sink.
-3. Stream every chunk to the sinks; unless the job hung, send every rank's
-   end-of-process marker; close the sinks (exporters flush); drain the
-   embedded processor so every window is closed and published.
+2. Pick the destinations: a processor at ``processor_address`` (the real
+   exporter → gRPC path) and/or the ``sinks`` given (e.g. a ``MemorySink``);
+   ``traces_out`` adds a Kineto-trace sink. The simulator never builds a
+   processor: the embedded default (a processor and an analyzer in this
+   process) is assembled by ``deploy/embedded.py``, which calls this.
+3. Stream every chunk to the sinks (``barrier()`` after each chunk lets a
+   caller's in-process processor work off its backlog); unless the job hung,
+   send every rank's end-of-process marker; close the sinks (exporters flush).
 4. Write the ground truth and return a :class:`SimResult` with the volumes and
    the rates (events generated per second of wall time).
 """
@@ -79,36 +79,21 @@ def run_sim(
     config: SimConfig,
     processor_address: str | None = None,
     *,
-    embedded: bool = True,
     sinks: Sequence[SimSink] = (),
-    processor_options: dict[str, Any] | None = None,
-    on_processor: Callable | None = None,
-    on_start: Callable | None = None,
+    barrier: Callable[[], Any] | None = None,
 ) -> SimResult:
-    """Run ``config`` end to end (module docstring steps); returns what happened.
+    """Run ``config`` (module docstring steps) to ``processor_address`` and ``sinks``; returns what happened.
 
-    ``processor_options`` (``kafka``, ``prometheus``, ``perfetto`` sink configs)
-    go to the embedded processor; ``on_processor(proc)`` is called with it
-    after draining and before it stops (tests read its bus there);
-    ``on_start(proc, store_path)`` right after it starts (an embedded analyzer
-    attaches there).
+    ``barrier()`` is called by the exporter sink after each chunk (the
+    embedded processor drains there, so nothing is dropped for backlog).
     """
     t0 = time.perf_counter()
     sim = Simulation(config)  # step 1
     home = config.home or tempfile.mkdtemp(prefix="trainscope-sim-")
     os.makedirs(home, exist_ok=True)
-    proc = store_path = None
-    if processor_address is None and embedded:  # step 2
-        proc, store_path = _start_embedded(config, home, processor_options or {})
-        processor_address = proc.address
-        if on_start is not None:
-            on_start(proc, store_path)
-    out: list[SimSink] = list(sinks)
+    out: list[SimSink] = list(sinks)  # step 2
     exporter_sink = None
     if processor_address is not None:
-        barrier = None
-        if proc is not None:  # lossless: let the embedded processor work off its backlog per chunk
-            barrier = lambda: proc.pipeline.drain(600.0, close_windows=False)  # noqa: E731
         exporter_sink = ExporterSink(processor_address, sim.topo, config.job_id, exporters=config.exporters,
                                      barrier=barrier)
         out.append(exporter_sink)
@@ -117,28 +102,18 @@ def run_sim(
     fan = FanOut(out)
     counts = dict(k=0, p=0, m=0, s=0)
     t_setup = time.perf_counter() - t0
-    try:
-        t1 = time.perf_counter()
-        for chunk in sim.chunks():  # step 3
-            fan.write(chunk)
-            counts["k"] += chunk.kernel_events
-            counts["p"] += chunk.phase_events
-            counts["m"] += chunk.mark_events
-            counts["s"] += 0 if chunk.stack_s is None else int((chunk.stack_s.sum(axis=1) > 0).sum())
-        # simulating + encoding + handing over, without the waits for the processor
-        generate_s = time.perf_counter() - t1 - (exporter_sink.wait_s if exporter_sink else 0.0) + t_setup
-        if exporter_sink is not None and not sim.hung:
-            exporter_sink.finish()
-        fan.close()
-        metrics: dict = {}
-        if proc is not None:
-            proc.drain(600.0)
-            metrics = proc.metrics.snapshot()
-            if on_processor is not None:
-                on_processor(proc)
-    finally:
-        if proc is not None:
-            proc.stop()
+    t1 = time.perf_counter()
+    for chunk in sim.chunks():  # step 3
+        fan.write(chunk)
+        counts["k"] += chunk.kernel_events
+        counts["p"] += chunk.phase_events
+        counts["m"] += chunk.mark_events
+        counts["s"] += 0 if chunk.stack_s is None else int((chunk.stack_s.sum(axis=1) > 0).sum())
+    # simulating + encoding + handing over, without the waits for the processor
+    generate_s = time.perf_counter() - t1 - (exporter_sink.wait_s if exporter_sink else 0.0) + t_setup
+    if exporter_sink is not None and not sim.hung:
+        exporter_sink.finish()
+    fan.close()
     truth_path = config.ground_truth_path or os.path.join(home, "sim-ground-truth.json")
     write_ground_truth(ground_truth(sim), truth_path)  # step 4
     wall = time.perf_counter() - t0
@@ -147,27 +122,8 @@ def run_sim(
         sim_seconds=sim.end_ns / 1e9, hung=sim.hung,
         kernel_events=counts["k"], phase_events=counts["p"], iteration_events=counts["m"],
         stack_snapshots=counts["s"], wall_s=wall, generate_s=max(generate_s, 1e-9),
-        ground_truth_path=truth_path, processor_address=processor_address, store_path=store_path,
+        ground_truth_path=truth_path, processor_address=processor_address,
         traces_out=config.traces_out, exporter=exporter_sink.stats() if exporter_sink else {},
-        processor=metrics, kernels_per_iteration=sim.tmpl.kernels_per_iteration(),
+        kernels_per_iteration=sim.tmpl.kernels_per_iteration(),
     )
 
-
-def _start_embedded(config: SimConfig, home: str, options: dict):
-    from trainscope.processor.daemon import Processor, ProcessorConfig
-    from trainscope.processor.windows import WindowConfig
-
-    store_path = os.path.join(home, "store.sqlite")  # where `trainscope query` looks by default
-    if os.path.exists(store_path):
-        os.unlink(store_path)
-    sock = os.path.join(tempfile.mkdtemp(prefix="ts-sim-"), "processor.sock")
-    cfg = ProcessorConfig(
-        listen=f"unix://{sock}",
-        # Telemetry arrives a chunk (emit_every iterations) at a time: time windows must
-        # wait that long before closing, or the chunk's tail would be dropped as late.
-        window=WindowConfig(mode=config.window_mode, iterations=config.window_iterations,
-                            length_s=config.window_length_s, idle_close_s=3600,
-                            lateness_s=max(2.0, 2.0 * config.emit_every * config.iteration_s)),
-        store_path=store_path, **options,
-    )
-    return Processor(cfg).start(), store_path

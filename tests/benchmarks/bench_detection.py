@@ -17,7 +17,8 @@ import tempfile
 import time
 
 from trainscope.analyzer.evaluate import evaluate, load_truth
-from trainscope.collector.sim import run_sim, sim_config
+from trainscope.collector.sim import sim_config
+from trainscope.deploy.embedded import run_sim
 from trainscope.deploy.embedded import SimAnalysis
 
 # Faults that L1-L3 are expected to catch (ARGUS Table 6), with a scope and a

@@ -26,6 +26,7 @@ import tempfile
 import time
 
 from trainscope.collector.sim import SimConfig, parse_fault, run_sim
+from trainscope.deploy.embedded import run_sim as run_sim_embedded
 from trainscope.collector.sim.emit import MemorySink
 from trainscope.collector.sim.simulate import Simulation
 from trainscope.proto.v1.telemetry_pb2 import IterationBatch, PhaseBatch
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
               flush=True)
     if args.embedded:
         with tempfile.TemporaryDirectory(prefix="bench-sim-") as home:
-            res = run_sim(config(args, home=home))
+            res = run_sim_embedded(config(args, home=home))
         print(f"3. embedded (in-process processor, shared interpreter): {res.events:,} events in "
               f"{res.wall_s:.2f} s = {res.events_per_s:,.0f} events/s; drops {res.dropped}", flush=True)
     return 0

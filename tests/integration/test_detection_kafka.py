@@ -18,7 +18,8 @@ from trainscope.analyzer.service import Analyzer, AnalyzerConfig
 from trainscope.analyzer.sinks import StoreDiagnosisSink
 from trainscope.analyzer.sources import KafkaSource
 from trainscope.analyzer.store import DiagnosisStore
-from trainscope.collector.sim import run_sim, sim_config
+from trainscope.collector.sim import sim_config
+from trainscope.deploy.embedded import run_sim
 from trainscope.processor.kafka_sink import KafkaSinkConfig
 
 pytestmark = pytest.mark.integration

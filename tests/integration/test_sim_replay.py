@@ -9,6 +9,7 @@ import pytest
 
 from support.pipeline import bus_records, start_processor
 from trainscope.collector.sim import MemorySink, SimConfig, parse_fault, run_sim
+from trainscope.deploy.embedded import run_sim as run_sim_embedded
 from trainscope.deploy.cli import main
 from trainscope.deploy.replay import kernel_stats_json
 from trainscope.processor.windows import WindowConfig
@@ -41,7 +42,7 @@ def test_traces_out_replays_with_matching_counts(tmp_path, capsys):
     cfg = SimConfig(ranks=16, tp=2, pp=2, ep=2, layers=1, micro_batches=2, iterations=6, seed=7,
                     job_id="simreplay", faults=(parse_fault(FAULT),))
     mem = MemorySink()
-    run_sim(cfg, embedded=False, sinks=[mem])
+    run_sim(cfg, sinks=[mem])
     generated: collections.Counter = collections.Counter()
     for r in range(16):
         k = mem.kernels(r)
@@ -102,7 +103,7 @@ def test_embedded_processor_with_time_windows(tmp_path):
 
     cfg = SimConfig(ranks=16, tp=2, pp=2, layers=1, micro_batches=2, iterations=8, iteration_s=2.0,
                     window_mode="time", window_length_s=5.0, home=str(tmp_path))
-    res = run_sim(cfg, on_processor=grab)
+    res = run_sim_embedded(cfg, on_processor=grab)
     assert res.store_path and res.dropped == 0
     assert sum(kw.events for kw in seen["kernels"]) == res.kernel_events
     marks = [m for iw in seen["iterations"] for m in iw.marks]

@@ -18,7 +18,7 @@ SMALL = dict(ranks=32, tp=2, pp=2, ep=2, iterations=8, layers=1, micro_batches=2
 def simulate(faults=(), **kw):
     cfg = SimConfig(**{**SMALL, **kw}, faults=tuple(parse_fault(f) for f in faults))
     mem = MemorySink()
-    res = run_sim(cfg, embedded=False, sinks=[mem])
+    res = run_sim(cfg, sinks=[mem])
     return mem, res
 
 
