@@ -17,6 +17,7 @@ import threading
 from typing import Sequence
 
 from trainscope.proto import env
+from trainscope.deploy.render import render_evaluation, render_query, render_sim, render_verdicts
 from trainscope.proto.errors import ConfigError, TrainscopeError
 
 
@@ -110,65 +111,28 @@ def cmd_replay(args) -> int:
     return 0 if not any(res.exporter_drops.values()) else 1
 
 
-def render_verdicts(verdicts) -> str:
-    """One line per window that has findings; 'healthy' when none has."""
-    lines = [f"  window {v.window.index}: {v.summary}" for v in verdicts if v.ranks or v.findings]
-    if not lines:
-        return "verdict: healthy (no suspects)"
-    return "verdict:\n" + "\n".join(lines)
-
-
 def cmd_analyzer(args) -> int:
-    """The analyzer service: Kafka consumer group, or tail of the local store."""
-    from prometheus_client import CollectorRegistry
-
-    from trainscope.analyzer.prom import AnalyzerMetrics
-    from trainscope.analyzer.service import Analyzer, AnalyzerConfig
-    from trainscope.analyzer.sinks import KafkaDiagnosisSink, StoreDiagnosisSink
-    from trainscope.analyzer.sources import KafkaSource, StoreSource
-    from trainscope.analyzer.store import DiagnosisStore
+    """The analyzer service (deploy/analyzer_daemon.py): Kafka consumer group, or tail of the local store."""
+    from trainscope.deploy.analyzer_daemon import AnalyzerDaemon, AnalyzerDaemonConfig
 
     home = _home(args)
     store_path = args.store or os.path.join(home, "store.sqlite")
-    bootstrap = args.kafka_bootstrap or os.environ.get(env.KAFKA_BOOTSTRAP)
-    if not bootstrap and not os.path.exists(store_path):
-        raise ConfigError("--store", store_path, "no processor store there (start `trainscope processor` "
-                          "first, or give --kafka-bootstrap)")
-    sinks: list = [StoreDiagnosisSink(DiagnosisStore(store_path))]
-    if bootstrap:
-        from trainscope.processor.kafka_sink import KafkaSink, KafkaSinkConfig
-        source = KafkaSource(bootstrap, group_id=args.group_id)
-        sinks.append(KafkaDiagnosisSink(KafkaSink(KafkaSinkConfig(
-            bootstrap=bootstrap, client_id="trainscope-analyzer",
-            spool_dir=os.path.join(home, "analyzer-spool")))))
-        where = f"Kafka {bootstrap} (group {args.group_id})"
-    else:
-        source = StoreSource(store_path)
-        where = f"store {store_path}"
-    metrics = AnalyzerMetrics()
-    analyzer = Analyzer(AnalyzerConfig(window_timeout_s=args.window_timeout_s), source, sinks, metrics=metrics)
-    server = None
-    if args.prometheus_port is not None:
-        from trainscope.processor.prom_exporter import start_metrics_server
-        registry = CollectorRegistry()
-        registry.register(metrics)
-        server = start_metrics_server(registry, "127.0.0.1", args.prometheus_port)
-        print(f"metrics on {server.url}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    print(f"trainscope analyzer reading {where}; diagnoses to {store_path}", flush=True)
+    cfg = AnalyzerDaemonConfig(
+        store_path=store_path, spool_dir=os.path.join(home, "analyzer-spool"),
+        kafka_bootstrap=args.kafka_bootstrap or os.environ.get(env.KAFKA_BOOTSTRAP) or None,
+        group_id=args.group_id, window_timeout_s=args.window_timeout_s, prometheus_port=args.prometheus_port)
+    daemon = AnalyzerDaemon(cfg)
     try:
-        while not stop.is_set():
-            for v in analyzer.step(0.5):
-                if v.ranks or v.findings:
-                    print(f"[{v.job_id} window {v.window.index}] {v.summary}", flush=True)
+        daemon.start()
+        if daemon.metrics_server is not None:
+            print(f"metrics on {daemon.metrics_server.url}", flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"trainscope analyzer reading {daemon.where}; diagnoses to {store_path}", flush=True)
+        daemon.run(stop, lambda v: print(f"[{v.job_id} window {v.window.index}] {v.summary}", flush=True))
     finally:
-        source.close()
-        for s in analyzer.sinks:
-            s.close()
-        if server is not None:
-            server.close()
+        daemon.stop()
     return 0
 
 
@@ -202,7 +166,7 @@ def cmd_sim(args) -> int:
         from trainscope.deploy.embedded import SimAnalysis
         analysis = SimAnalysis()
     res = run_sim(cfg, args.processor, processor_options=options, **(analysis.hooks() if analysis else {}))
-    _render_sim(res, sys.stdout)
+    render_sim(res, sys.stdout)
     if analysis is not None:
         from trainscope.analyzer.evaluate import evaluate, load_truth
         print(render_verdicts(analysis.verdicts))
@@ -212,36 +176,6 @@ def cmd_sim(args) -> int:
         from trainscope.deploy.replay import write_json
         write_json(res.to_dict(), args.json_out)
     return 0 if not res.dropped else 1
-
-
-def render_evaluation(ev) -> str:
-    """Verdicts against the ground truth, one line per injected fault."""
-    lines = [f"against the ground truth: {ev.false_alarm_windows} of {ev.healthy_windows} healthy windows "
-             "named a suspect"]
-    for f in ev.faults:
-        mark = "caught" if f.caught else "MISSED"
-        lines.append(f"  {f.fault}: {mark}" + (f" at window {f.first_window} (onset {f.onset_window})"
-                                                 if f.caught else "")
-                     + f"; top-1 rank {'right' if f.top1 else 'wrong'}, phase {'right' if f.phase else '-'}, "
-                       f"kernel {'right' if f.kernel else '-'}; levels {'+'.join(f.levels) or '-'}")
-    return "\n".join(lines)
-
-
-def _render_sim(res, out) -> None:
-    print(f"simulated job {res.job_id!r}: {res.ranks} ranks, {res.iterations} iterations, "
-          f"{res.sim_seconds:.1f} simulated s" + (" (hung)" if res.hung else ""), file=out)
-    print(f"  {res.kernel_events:,} kernel events, {res.phase_events:,} phases, {res.iteration_events:,} "
-          f"iteration marks, {res.stack_snapshots:,} stack snapshots "
-          f"({'/'.join(map(str, sorted(set(res.kernels_per_iteration))))} kernels per rank per iteration)", file=out)
-    print(f"  wall {res.wall_s:.2f} s: {res.events_per_s:,.0f} events/s end to end, "
-          f"{res.generated_per_s:,.0f} events/s generated", file=out)
-    where = res.processor_address or "no processor"
-    print(f"  sent to {where}" + (f", {res.dropped} dropped" if res.dropped else ", nothing dropped"), file=out)
-    if res.store_path:
-        print(f"  store: {res.store_path}", file=out)
-    if res.traces_out:
-        print(f"  traces: {res.traces_out}", file=out)
-    print(f"  ground truth: {res.ground_truth_path}", file=out, flush=True)
 
 
 def cmd_query(args) -> int:
@@ -295,50 +229,6 @@ def parse_since(text: str | None, now_s: float) -> int:
     except ValueError:
         raise ConfigError("--since", text, "use a duration like 90s, 30m, 2h, 1d or an ISO time "
                                            "like 2024-05-01T12:00:00Z") from None
-
-
-def render_query(result) -> str:
-    """A query answer as text: a verdict as summary + tables, a list answer as one table."""
-    from trainscope.analyzer.query import VerdictView
-
-    if isinstance(result, VerdictView):
-        v = result
-        its = f" (iterations {v.iterations[0]}-{v.iterations[1]})" if v.iterations else ""
-        out = [f"job {v.job}, window {v.window}{its}", v.summary]
-        if not v.suspects and not v.findings:
-            return "\n".join(out + ["verdict: healthy (no suspects)"])
-        for title, rows in (("suspects", v.suspects), ("findings", v.findings)):
-            out += ["", f"{title}:", _table(rows)] if rows else []
-        return "\n".join(out)
-    if not result.rows:
-        since = result.params.get("since")
-        return f"no {result.query} for job {result.job}" + (f" since {since}" if since else "")
-    return _table(result.rows)
-
-
-def _table(rows) -> str:
-    """Dataclass rows as aligned columns; ``*_s`` fields as durations, long cells cut (not the last)."""
-    import dataclasses
-
-    def cell(name: str, v) -> str:
-        if v is None or v == ():
-            return "-"
-        if isinstance(v, bool):
-            return "yes" if v else "no"
-        if isinstance(v, tuple):
-            return ",".join(map(str, v))
-        if isinstance(v, float) and name.endswith("_s"):
-            return next(f"{v * k:.3g} {u}" for k, u in ((1, "s"), (1e3, "ms"), (1e6, "us"), (1e9, "ns"))
-                        if v * k >= 1 or u == "ns")
-        return f"{v:.2f}" if isinstance(v, float) else str(v)
-
-    names = [f.name for f in dataclasses.fields(rows[0])]
-    grid = [[n.upper() for n in names]]
-    for r in rows:
-        cells = [cell(n, getattr(r, n)) for n in names]
-        grid.append([c if len(c) <= 60 or i == len(names) - 1 else c[:59] + "…" for i, c in enumerate(cells)])
-    widths = [max(len(row[i]) for row in grid) for i in range(len(names))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in grid)
 
 
 def _add_query_parser(sub) -> None:

@@ -14,12 +14,12 @@ from typing import TextIO
 from trainscope.analyzer.evaluate import evaluate, load_truth
 from trainscope.collector.sim import sim_config
 from trainscope.deploy.embedded import SimAnalysis, run_sim
+from trainscope.deploy.render import render_evaluation, render_verdicts
 
 FAULT = "gpu_throttle:rank=13,onset=30s,factor=1.4"
 
 
 def run_demo(home: str, ranks: int = 32, out: TextIO | None = None, fault: str = FAULT) -> int:
-    from trainscope.deploy.cli import render_evaluation, render_verdicts
     from trainscope.processor.perfetto_sink import PerfettoConfig
 
     def say(s: str = "") -> None:

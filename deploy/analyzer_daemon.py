@@ -1,0 +1,98 @@
+"""``trainscope analyzer``: the analyzer as a long-running service, assembled once.
+
+Mirrors ``processor/daemon.py``: a validated config, a class that wires the
+parts, ``start``/``stop`` and a context manager.
+
+1. Source: a Kafka consumer group when ``kafka_bootstrap`` is set, else a
+   tail of the processor's local store.
+2. Sinks: the local diagnosis store always; Kafka's diagnosis topic as well
+   when there is a broker (its own spool under ``spool_dir``).
+3. Metrics: flagged suspects on ``127.0.0.1:prometheus_port/metrics`` when a
+   port is given (loopback only, STYLE.md: secure by default).
+4. ``run(stop)`` steps the analyzer until ``stop`` is set and calls
+   ``on_verdict`` with every verdict that names someone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from typing import Callable
+
+from trainscope.proto.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class AnalyzerDaemonConfig:
+    store_path: str
+    """The processor's SQLite store: where diagnoses go, and the source without Kafka."""
+    spool_dir: str
+    """Where the Kafka diagnosis sink spools while the broker is away."""
+    kafka_bootstrap: str | None = None
+    """Kafka bootstrap servers; None reads the local store instead."""
+    group_id: str = "trainscope-analyzer"
+    """Kafka consumer group."""
+    window_timeout_s: float = 60.0
+    """Analyse a window with the ranks that have arrived after this long."""
+    prometheus_port: int | None = None
+    """Serve the analyzer's metrics on 127.0.0.1:PORT (0 = any); None: no endpoint."""
+
+    def __post_init__(self) -> None:
+        if not self.kafka_bootstrap and not os.path.exists(self.store_path):
+            raise ConfigError("--store", self.store_path, "no processor store there (start `trainscope "
+                              "processor` first, or give --kafka-bootstrap)")
+
+
+class AnalyzerDaemon:
+    def __init__(self, config: AnalyzerDaemonConfig) -> None:
+        from trainscope.analyzer.prom import AnalyzerMetrics
+        from trainscope.analyzer.service import Analyzer, AnalyzerConfig
+        from trainscope.analyzer.sinks import KafkaDiagnosisSink, StoreDiagnosisSink
+        from trainscope.analyzer.sources import KafkaSource, StoreSource
+        from trainscope.analyzer.store import DiagnosisStore
+
+        self.config = config
+        sinks: list = [StoreDiagnosisSink(DiagnosisStore(config.store_path))]  # step 2
+        if config.kafka_bootstrap:  # step 1
+            from trainscope.processor.kafka_sink import KafkaSink, KafkaSinkConfig
+            self.source = KafkaSource(config.kafka_bootstrap, group_id=config.group_id)
+            sinks.append(KafkaDiagnosisSink(KafkaSink(KafkaSinkConfig(
+                bootstrap=config.kafka_bootstrap, client_id="trainscope-analyzer", spool_dir=config.spool_dir))))
+            self.where = f"Kafka {config.kafka_bootstrap} (group {config.group_id})"
+        else:
+            self.source = StoreSource(config.store_path)
+            self.where = f"store {config.store_path}"
+        self.metrics = AnalyzerMetrics()
+        self.analyzer = Analyzer(AnalyzerConfig(window_timeout_s=config.window_timeout_s), self.source, sinks,
+                                 metrics=self.metrics)
+        self.metrics_server = None
+
+    def start(self) -> "AnalyzerDaemon":
+        if self.config.prometheus_port is not None:  # step 3
+            from prometheus_client import CollectorRegistry
+
+            from trainscope.processor.prom_exporter import start_metrics_server
+            registry = CollectorRegistry()
+            registry.register(self.metrics)
+            self.metrics_server = start_metrics_server(registry, "127.0.0.1", self.config.prometheus_port)
+        return self
+
+    def run(self, stop: threading.Event, on_verdict: Callable | None = None) -> None:
+        """Step 4: analyse until ``stop`` is set."""
+        while not stop.is_set():
+            for v in self.analyzer.step(0.5):
+                if on_verdict is not None and (v.ranks or v.findings):
+                    on_verdict(v)
+
+    def stop(self) -> None:
+        self.source.close()
+        for s in self.analyzer.sinks:
+            s.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+
+    def __enter__(self) -> "AnalyzerDaemon":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

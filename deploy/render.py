@@ -1,0 +1,87 @@
+"""Text for people: verdicts, scores against ground truth, simulator runs, query answers.
+
+The CLI and the demo print through these; every number carries its unit.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+def render_verdicts(verdicts) -> str:
+    """One line per window that has findings; 'healthy' when none has."""
+    lines = [f"  window {v.window.index}: {v.summary}" for v in verdicts if v.ranks or v.findings]
+    if not lines:
+        return "verdict: healthy (no suspects)"
+    return "verdict:\n" + "\n".join(lines)
+
+
+def render_evaluation(ev) -> str:
+    """Verdicts against the ground truth, one line per injected fault."""
+    lines = [f"against the ground truth: {ev.false_alarm_windows} of {ev.healthy_windows} healthy windows "
+             "named a suspect"]
+    for f in ev.faults:
+        mark = "caught" if f.caught else "MISSED"
+        lines.append(f"  {f.fault}: {mark}" + (f" at window {f.first_window} (onset {f.onset_window})"
+                                                 if f.caught else "")
+                     + f"; top-1 rank {'right' if f.top1 else 'wrong'}, phase {'right' if f.phase else '-'}, "
+                       f"kernel {'right' if f.kernel else '-'}; levels {'+'.join(f.levels) or '-'}")
+    return "\n".join(lines)
+
+
+def render_sim(res, out) -> None:
+    print(f"simulated job {res.job_id!r}: {res.ranks} ranks, {res.iterations} iterations, "
+          f"{res.sim_seconds:.1f} simulated s" + (" (hung)" if res.hung else ""), file=out)
+    print(f"  {res.kernel_events:,} kernel events, {res.phase_events:,} phases, {res.iteration_events:,} "
+          f"iteration marks, {res.stack_snapshots:,} stack snapshots "
+          f"({'/'.join(map(str, sorted(set(res.kernels_per_iteration))))} kernels per rank per iteration)", file=out)
+    print(f"  wall {res.wall_s:.2f} s: {res.events_per_s:,.0f} events/s end to end, "
+          f"{res.generated_per_s:,.0f} events/s generated", file=out)
+    where = res.processor_address or "no processor"
+    print(f"  sent to {where}" + (f", {res.dropped} dropped" if res.dropped else ", nothing dropped"), file=out)
+    if res.store_path:
+        print(f"  store: {res.store_path}", file=out)
+    if res.traces_out:
+        print(f"  traces: {res.traces_out}", file=out)
+    print(f"  ground truth: {res.ground_truth_path}", file=out, flush=True)
+
+
+def render_query(result) -> str:
+    """A query answer as text: a verdict as summary + tables, a list answer as one table."""
+    from trainscope.analyzer.query import VerdictView
+
+    if isinstance(result, VerdictView):
+        v = result
+        its = f" (iterations {v.iterations[0]}-{v.iterations[1]})" if v.iterations else ""
+        out = [f"job {v.job}, window {v.window}{its}", v.summary]
+        if not v.suspects and not v.findings:
+            return "\n".join(out + ["verdict: healthy (no suspects)"])
+        for title, rows in (("suspects", v.suspects), ("findings", v.findings)):
+            out += ["", f"{title}:", _table(rows)] if rows else []
+        return "\n".join(out)
+    if not result.rows:
+        since = result.params.get("since")
+        return f"no {result.query} for job {result.job}" + (f" since {since}" if since else "")
+    return _table(result.rows)
+
+
+def _table(rows) -> str:
+    """Dataclass rows as aligned columns; ``*_s`` fields as durations, long cells cut (not the last)."""
+    def cell(name: str, v) -> str:
+        if v is None or v == ():
+            return "-"
+        if isinstance(v, bool):
+            return "yes" if v else "no"
+        if isinstance(v, tuple):
+            return ",".join(map(str, v))
+        if isinstance(v, float) and name.endswith("_s"):
+            return next(f"{v * k:.3g} {u}" for k, u in ((1, "s"), (1e3, "ms"), (1e6, "us"), (1e9, "ns"))
+                        if v * k >= 1 or u == "ns")
+        return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+    names = [f.name for f in dataclasses.fields(rows[0])]
+    grid = [[n.upper() for n in names]]
+    for r in rows:
+        cells = [cell(n, getattr(r, n)) for n in names]
+        grid.append([c if len(c) <= 60 or i == len(names) - 1 else c[:59] + "…" for i, c in enumerate(cells)])
+    widths = [max(len(row[i]) for row in grid) for i in range(len(names))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in grid)

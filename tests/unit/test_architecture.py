@@ -1,0 +1,145 @@
+"""Dependencies point one way (docs/architecture.md): read from the source, not from a diagram.
+
+Every module of the five stage folders is parsed with ``ast``; every
+``import``/``from ... import`` of a ``trainscope`` module (at any depth: a
+call-time import is still a dependency) becomes an edge. The rules:
+
+1. ``collector/`` (code that runs inside the training process) imports only
+   ``trainscope.proto`` and itself.
+2. ``proto/`` imports only itself.
+3. Stages are layered proto → collector, processor → analyzer → deploy: no
+   module imports a stage to its right, except ``deploy`` (the composition root)
+   which may import all of them.
+4. No import cycle among trainscope modules.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+STAGES = ("proto", "collector", "processor", "analyzer", "deploy")
+#: What each stage may import besides itself.
+ALLOWED = {
+    "proto": {"proto"},
+    "collector": {"proto"},
+    "processor": {"proto"},
+    "analyzer": {"proto", "processor"},
+    "deploy": {"proto", "collector", "processor", "analyzer"},
+}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for stage in STAGES:
+        for p in (ROOT / stage).rglob("*.py"):
+            if p.name.endswith("_pb2.py") or p.name.endswith("_pb2_grpc.py"):
+                continue  # generated: imports only protobuf and its siblings
+            parts = list(p.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods["trainscope." + ".".join(parts)] = p
+    return mods
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: pathlib.Path) -> set[str]:
+    """The trainscope modules ``name`` imports (a package's ``from pkg import mod`` names the module)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("trainscope."))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if not mod.startswith("trainscope."):
+                continue
+            for a in node.names:
+                out.add(f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod)
+    return {m for m in out if m != name}
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _stage(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_the_graph_is_read():
+    """The walk finds the stages and real edges (a broken walk would pass every rule below)."""
+    assert {_stage(m) for m in MODULES} == set(STAGES)
+    assert "trainscope.proto.env" in GRAPH["trainscope.collector.sdk"]
+    assert "trainscope.processor.daemon" in GRAPH["trainscope.deploy.embedded"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_stage_imports_only_what_it_may(stage):
+    bad = sorted(f"{m} -> {d}" for m, deps in GRAPH.items() if _stage(m) == stage
+                 for d in deps if _stage(d) != stage and _stage(d) not in ALLOWED[stage])
+    assert not bad, f"{stage}/ may import only {sorted(ALLOWED[stage])}:\n" + "\n".join(bad)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            for w in it:
+                if w not in graph:
+                    continue
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        found.append(sorted(comp))
+    return found
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    cycles = _cycles(GRAPH)
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
