@@ -115,18 +115,23 @@ def run_sim(
     return dataclasses.replace(res, store_path=store_path, processor=metrics, wall_s=time.perf_counter() - t0)
 
 
-def _start_sim_processor(config: SimConfig, home: str, options: dict) -> tuple[Processor, str]:
-    store_path = os.path.join(home, "store.sqlite")  # where `trainscope query` looks by default
+def embedded_processor_config(home: str, window: WindowConfig, **sinks: Any) -> ProcessorConfig:
+    """The embedded default's processor: a private unix socket, the store at ``home/store.sqlite``.
+
+    One assembly for ``replay``, ``sim`` and ``demo``. The store of a previous
+    run in the same home is replaced (it is where ``trainscope query`` looks).
+    """
+    store_path = os.path.join(home, "store.sqlite")
     if os.path.exists(store_path):
         os.unlink(store_path)
-    sock = os.path.join(tempfile.mkdtemp(prefix="ts-sim-"), "processor.sock")
-    cfg = ProcessorConfig(
-        listen=f"unix://{sock}",
-        # Telemetry arrives a chunk (emit_every iterations) at a time: time windows must
-        # wait that long before closing, or the chunk's tail would be dropped as late.
-        window=WindowConfig(mode=config.window_mode, iterations=config.window_iterations,
-                            length_s=config.window_length_s, idle_close_s=3600,
-                            lateness_s=max(2.0, 2.0 * config.emit_every * config.iteration_s)),
-        store_path=store_path, **options,
-    )
-    return Processor(cfg).start(), store_path
+    sock = os.path.join(tempfile.mkdtemp(prefix="ts-"), "processor.sock")
+    return ProcessorConfig(listen=f"unix://{sock}", window=window, store_path=store_path, **sinks)
+
+
+def _start_sim_processor(config: SimConfig, home: str, options: dict) -> tuple[Processor, str]:
+    # Telemetry arrives a chunk (emit_every iterations) at a time: time windows must
+    # wait that long before closing, or the chunk's tail would be dropped as late.
+    cfg = embedded_processor_config(home, WindowConfig(
+        mode=config.window_mode, iterations=config.window_iterations, length_s=config.window_length_s,
+        idle_close_s=3600, lateness_s=max(2.0, 2.0 * config.emit_every * config.iteration_s)), **options)
+    return Processor(cfg).start(), cfg.store_path

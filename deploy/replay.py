@@ -17,8 +17,8 @@ from typing import Any
 
 from trainscope.collector.exporter import BatchExporter, ExporterConfig
 from trainscope.collector.sources.replay_dir import resource_for, scan_replay_dir
-from trainscope.deploy.embedded import EmbeddedAnalysis
-from trainscope.processor.daemon import Processor, ProcessorConfig
+from trainscope.deploy.embedded import EmbeddedAnalysis, embedded_processor_config
+from trainscope.processor.daemon import Processor
 from trainscope.processor.store import SqliteStore
 from trainscope.processor.windows import WindowConfig
 from trainscope.proto.v1 import telemetry_pb2
@@ -101,15 +101,10 @@ def run_replay(
     job = scan_replay_dir(directory)
     home = home or tempfile.mkdtemp(prefix="trainscope-replay-")
     os.makedirs(home, exist_ok=True)
-    store_path = os.path.join(home, "store.sqlite")
-    if os.path.exists(store_path):
-        os.unlink(store_path)
-    sock = os.path.join(tempfile.mkdtemp(prefix="ts-"), "processor.sock")
-    cfg = ProcessorConfig(
-        listen=f"unix://{sock}",
-        window=WindowConfig(mode="iterations", iterations=window_iterations, idle_close_s=3600),
-        store_path=store_path, kafka=kafka, perfetto=perfetto, prometheus=prometheus,
-    )
+    cfg = embedded_processor_config(
+        home, WindowConfig(mode="iterations", iterations=window_iterations, idle_close_s=3600),
+        kafka=kafka, perfetto=perfetto, prometheus=prometheus)
+    store_path = cfg.store_path
     sent: dict[int, int] = {}
     skipped: dict[int, dict[str, int]] = {}
     drops: dict[int, int] = {}
