@@ -1,8 +1,8 @@
-"""Enablement: ``trainscope run -- torchrun ... train.py``, one environment variable, or one import.
+"""Enablement inside the training process: the bootstrap hook, one environment variable, or one import.
 
 Three ways to turn collection on, from most to least managed:
 
-* ``trainscope run [opts] -- CMD`` (:func:`run`): makes sure a processor
+* ``trainscope run [opts] -- CMD`` (``deploy/launcher.py``): makes sure a processor
   listens (starts one on this host unless told not to), starts the py-spy
   stack sidecar, runs ``CMD`` with the environment below, forwards signals,
   then stops what it started and reports each rank's collector counters.
@@ -35,24 +35,17 @@ import dataclasses
 import json
 import logging
 import os
-import shlex
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import uuid
-from typing import Any, Sequence
+from typing import Any
 
-from trainscope.collector.bootstrap import DIR as BOOTSTRAP_DIR
 from trainscope.collector.bootstrap import AfterImport, install_autostart_pth  # noqa: F401 (API)
 from trainscope.collector.exporter import reachable
 from trainscope.proto import env
 from trainscope.proto.env import (
-    AUTOSTART, MATCH, RANK_PID, RUN_PID, identity,
-    CPU_OPS, CUPTI, HOOKS, NCCL_TIMING, OFF as _OFF, RUN_DIR, SHIP_INTERVAL_S, SHUTDOWN_TIMEOUT_S, STACKS,
-    STACKS_WINDOW_S)
+    CPU_OPS, CUPTI, HOOKS, OFF as _OFF, RANK_PID, RUN_DIR, SHIP_INTERVAL_S, SHUTDOWN_TIMEOUT_S, STACKS,
+    STACKS_WINDOW_S, identity)
 from trainscope.proto.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -148,7 +141,7 @@ def _start(environ) -> InProcess:
     write_rank_file(state.run_dir, state.collector.resource)
     mode = environ.get(STACKS, "1").lower()
     if mode not in _OFF and mode != "external" and local == 0:
-        state.sidecar = _spawn_sidecar(state.run_dir, environ)
+        state.sidecar = spawn_sidecar(state.run_dir, environ)
     atexit.register(state.shutdown)
     if "torch" in sys.modules:
         _on_torch(state, environ)
@@ -201,7 +194,7 @@ def _has_cuda_driver() -> bool:
     return os.path.exists("/proc/driver/nvidia/version") or ctypes.util.find_library("cuda") is not None
 
 
-def _spawn_sidecar(run_dir: str, environ, window_s: float | None = None) -> subprocess.Popen | None:
+def spawn_sidecar(run_dir: str, environ, window_s: float | None = None) -> subprocess.Popen | None:
     """Start the host's stack sidecar unless one already holds the run directory's lock."""
     import fcntl
 
@@ -267,184 +260,5 @@ def declare_megatron(hooks=None):
     return declare_groups(hooks, **groups)
 
 
-# ================================================================ the wrapper
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class RunConfig:
-    command: tuple[str, ...]
-    """The launcher or program to run (``torchrun ... train.py``)."""
-    processor: str = ""
-    """Processor address; empty: ``TRAINSCOPE_PROCESSOR`` or the host's default socket."""
-    start_processor: bool = True
-    """Start a processor on this host when none answers at ``processor``."""
-    stacks: bool = True
-    """Run the py-spy stack sidecar for the ranks of this host."""
-    stacks_window_s: float = env.DEFAULT_STACKS_WINDOW_S
-    """Stack sampling window per rank."""
-    job_id: str = ""
-    """Job id; empty: ``TRAINSCOPE_JOB_ID``, else generated."""
-    match: str | None = None
-    """Regex rank command lines must match; None: derived from the command's script/module."""
-    run_dir: str = ""
-    """Rank registry and counters; empty: a fresh temporary directory."""
-    home: str = ""
-    """State directory of a processor started here; empty: ``./.trainscope``."""
-    extra_env: tuple[tuple[str, str], ...] = ()
-    """More variables for the job (e.g. ``TRAINSCOPE_CPU_OPS``)."""
-
-    def __post_init__(self) -> None:
-        if not self.command:
-            raise ConfigError("run.command", self.command, "give the command after --")
-        if not self.stacks_window_s >= 1:
-            raise ConfigError("run.stacks_window_s", self.stacks_window_s, "must be >= 1 (py-spy takes whole seconds)")
-
-
-@dataclasses.dataclass
-class RunResult:
-    returncode: int
-    job_id: str
-    processor: str
-    processor_started: bool
-    run_dir: str
-    ranks: list = dataclasses.field(default_factory=list)
-    """Per-rank counters written at exit (``InProcess.stats``), by rank."""
-
-
-def default_match(command: Sequence[str]) -> str | None:
-    """The training script (``*.py``) or ``-m module`` of a command, as a regex."""
-    args = list(command)
-    for i, a in enumerate(args):
-        if a == "-m" and i + 1 < len(args) and not args[i + 1].startswith("torch.distributed"):
-            return _re_escape(args[i + 1])
-        if a.endswith(".py") and os.path.basename(a) not in ("torchrun", "run.py"):
-            return _re_escape(os.path.basename(a))
-    return None
-
-
-def _re_escape(s: str) -> str:
-    import re
-    return re.escape(s)
-
-
-def child_env(config: RunConfig, *, job_id: str, processor: str, run_dir: str, base=None) -> dict:
-    """The environment the job runs with (also what ``--print-env`` prints)."""
-    e = dict(os.environ if base is None else base)
-    e["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR] + [p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p])
-    e[AUTOSTART] = "1"
-    e[env.JOB_ID] = job_id
-    e[env.PROCESSOR] = processor
-    e[RUN_DIR] = run_dir
-    e[RUN_PID] = str(os.getpid())
-    e[STACKS] = "external" if config.stacks else "0"
-    e.setdefault(NCCL_TIMING, "1")
-    e.pop(RANK_PID, None)
-    match = config.match if config.match is not None else default_match(config.command)
-    if match:
-        e[MATCH] = match
-    e.update(dict(config.extra_env))
-    return e
-
-
-def start_processor(target: str, home: str, timeout_s: float = 30.0) -> subprocess.Popen:
-    """Start ``trainscope processor --listen target`` and wait until it answers."""
-    cmd = [sys.executable, "-m", "trainscope.deploy.cli", "processor", "--listen", target, "--home", home]
-    e = {k: v for k, v in os.environ.items() if k not in (AUTOSTART, RANK_PID)}
-    proc = subprocess.Popen(cmd, env=e, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise ConfigError("run.processor", target, f"the processor exited with status {proc.returncode}")
-        if reachable(target):
-            return proc
-        time.sleep(0.1)
-    proc.terminate()
-    raise ConfigError("run.processor", target, f"no processor answered within {timeout_s:.0f} s")
-
-
-def _stop(proc: subprocess.Popen | None, timeout_s: float) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def run(config: RunConfig) -> RunResult:
-    """``trainscope run``: processor, sidecar, the job under the bootstrap hook, counters."""
-    job_id = config.job_id or os.environ.get(env.JOB_ID) or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    target = config.processor or os.environ.get(env.PROCESSOR) or env.DEFAULT_PROCESSOR_TARGET
-    run_dir = config.run_dir or tempfile.mkdtemp(prefix="trainscope-run-")
-    os.makedirs(run_dir, exist_ok=True)
-    proc = sidecar = None
-    if not reachable(target):
-        if config.start_processor:
-            proc = start_processor(target, config.home or os.path.join(os.getcwd(), ".trainscope"))
-        else:
-            print(f"trainscope: no processor at {target}; the job runs, its telemetry is counted as dropped",
-                  file=sys.stderr)
-    e = child_env(config, job_id=job_id, processor=target, run_dir=run_dir)
-    try:
-        if config.stacks:
-            sidecar = _spawn_sidecar(run_dir, e, config.stacks_window_s)
-        child = subprocess.Popen(list(config.command), env=e)
-        forward = lambda sig, _frame: child.send_signal(sig)  # noqa: E731
-        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            rc = child.wait()
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-    finally:
-        _stop(sidecar, 10.0)
-        _stop(proc, 60.0)  # the processor drains and closes its windows on SIGTERM
-    return RunResult(rc, job_id, target, proc is not None, run_dir, read_stats(run_dir))
-
-
-def read_stats(run_dir: str) -> list[dict]:
-    out = []
-    for name in sorted(os.listdir(run_dir)):
-        if name.startswith("stats-") and name.endswith(".json"):
-            try:
-                with open(os.path.join(run_dir, name)) as f:
-                    out.append(json.load(f))
-            except (OSError, ValueError):
-                continue
-    return sorted(out, key=lambda s: s["resource"]["rank"])
-
-
-def summary_lines(result: RunResult) -> list[str]:
-    """Human-readable per-rank counters of a finished run."""
-    lines = [f"trainscope: job {result.job_id!r} exited with status {result.returncode}; processor "
-             f"{result.processor}{' (started here, now stopped)' if result.processor_started else ''}"]
-    for s in result.ranks:
-        c, h, k = s.get("collector", {}), s.get("hooks") or {}, s.get("kernel_source") or {}
-        lines.append(
-            f"  rank {s['resource']['rank']}: {c.get('confirmed', 0)}/{c.get('submitted', 0)} batches confirmed, "
-            f"{c.get('dropped_total', 0)} dropped {c.get('dropped', {}) or ''}; "
-            f"{h.get('iterations', 0)} iterations (sequence {h.get('pattern')}); "
-            f"kernels: {k.get('name', 'none')}" + "".join(f"; {n}" for n in s.get("notes", [])))
-    if not result.ranks:
-        lines.append("  no rank reported counters (were ranks selected? TRAINSCOPE_DEBUG_BOOT=1 shows why)")
-    return lines
-
-
-def print_env(config: RunConfig, out=None) -> None:
-    """Shell ``export`` lines that enable collection for a launcher that cannot be wrapped."""
-    out = sys.stdout if out is None else out
-    e = child_env(config, job_id=config.job_id,
-                  processor=config.processor or env.DEFAULT_PROCESSOR_TARGET,
-                  run_dir=config.run_dir or os.path.join(tempfile.gettempdir(), "trainscope", "ranks"), base={})
-    e.pop(RUN_PID, None)
-    if not config.job_id:
-        e.pop(env.JOB_ID)  # the collector falls back to the launcher's TORCHELASTIC_RUN_ID
-    e[STACKS] = "1" if config.stacks else "0"
-    for k in sorted(e):
-        print(f"export {k}={shlex.quote(e[k])}" + (":$PYTHONPATH" if k == "PYTHONPATH" else ""), file=out)
-
-
-__all__ = ["InProcess", "RunConfig", "RunResult", "child_env", "current", "declare_device_mesh", "declare_groups",
-           "declare_megatron", "default_match", "install_autostart_pth", "print_env", "reachable", "read_stats", "run",
-           "start_in_process", "start_processor", "summary_lines"]
+__all__ = ["InProcess", "current", "declare_device_mesh", "declare_groups", "declare_megatron",
+           "install_autostart_pth", "reachable", "spawn_sidecar", "start_in_process"]

@@ -261,7 +261,8 @@ def _add_query_parser(sub) -> None:
 
 
 def cmd_run(args) -> int:
-    from trainscope.collector import launch
+    from trainscope.collector.bootstrap import install_autostart_pth
+    from trainscope.deploy import launcher as launch
 
     command = list(args.command[1:] if args.command[:1] == ["--"] else args.command)
     extra = []
@@ -271,7 +272,7 @@ def cmd_run(args) -> int:
             raise ConfigError("run --set", item, "expected NAME=VALUE")
         extra.append((name, value))
     if args.install_pth is not None:
-        print(f"wrote {launch.install_autostart_pth(args.install_pth or None)}; "
+        print(f"wrote {install_autostart_pth(args.install_pth or None)}; "
               "set TRAINSCOPE_AUTOSTART=1 in the job's environment to enable collection")
         return 0
     cfg = launch.RunConfig(

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from trainscope.collector import launch
+from trainscope.deploy import launcher
 from trainscope.collector.bootstrap import DIR as BOOTSTRAP_DIR
 from trainscope.collector.bootstrap._trainscope_boot import identity, select
 from trainscope.proto.errors import ConfigError
@@ -66,14 +67,14 @@ def test_disabled_and_non_matching_processes_are_skipped():
 
 
 def test_default_match_finds_the_script_or_module():
-    assert launch.default_match(["torchrun", "--nproc-per-node", "8", "/src/train.py", "--x"]) == r"train\.py"
-    assert launch.default_match(["python", "-m", "torch.distributed.run", "-m", "pkg.main"]) == r"pkg\.main"
-    assert launch.default_match(["deepspeed", "run_clm"]) is None
+    assert launcher.default_match(["torchrun", "--nproc-per-node", "8", "/src/train.py", "--x"]) == r"train\.py"
+    assert launcher.default_match(["python", "-m", "torch.distributed.run", "-m", "pkg.main"]) == r"pkg\.main"
+    assert launcher.default_match(["deepspeed", "run_clm"]) is None
 
 
 def test_child_env_puts_the_hook_first_and_names_the_run():
-    cfg = launch.RunConfig(command=("torchrun", "train.py"), extra_env=(("TRAINSCOPE_CPU_OPS", "0"),))
-    e = launch.child_env(cfg, job_id="j1", processor="127.0.0.1:5", run_dir="/tmp/r",
+    cfg = launcher.RunConfig(command=("torchrun", "train.py"), extra_env=(("TRAINSCOPE_CPU_OPS", "0"),))
+    e = launcher.child_env(cfg, job_id="j1", processor="127.0.0.1:5", run_dir="/tmp/r",
                          base={"PYTHONPATH": "/a:/b", "TRAINSCOPE_RANK_PID": "9", "PATH": "/bin"})
     assert e["PYTHONPATH"].split(os.pathsep) == [BOOTSTRAP_DIR, "/a", "/b"]
     assert (e["TRAINSCOPE_JOB_ID"], e["TRAINSCOPE_PROCESSOR"], e["TRAINSCOPE_RUN_DIR"]) == ("j1", "127.0.0.1:5", "/tmp/r")
@@ -85,7 +86,7 @@ def test_child_env_puts_the_hook_first_and_names_the_run():
 
 
 def test_print_env_for_launchers_that_cannot_be_wrapped(capsys):
-    launch.print_env(launch.RunConfig(command=("x",), processor="10.0.0.1:7070"))
+    launcher.print_env(launcher.RunConfig(command=("x",), processor="10.0.0.1:7070"))
     out = capsys.readouterr().out
     assert f"export PYTHONPATH={BOOTSTRAP_DIR}:$PYTHONPATH" in out
     assert "export TRAINSCOPE_PROCESSOR=10.0.0.1:7070" in out and "TRAINSCOPE_RUN_PID" not in out
@@ -94,9 +95,9 @@ def test_print_env_for_launchers_that_cannot_be_wrapped(capsys):
 
 def test_run_config_is_validated():
     with pytest.raises(ConfigError, match="run.command"):
-        launch.RunConfig(command=())
+        launcher.RunConfig(command=())
     with pytest.raises(ConfigError, match="stacks_window_s"):
-        launch.RunConfig(command=("x",), stacks_window_s=0.5)
+        launcher.RunConfig(command=("x",), stacks_window_s=0.5)
 
 
 def test_after_import_hook_fires_once_after_the_module_ran(tmp_path, monkeypatch):
@@ -155,4 +156,4 @@ def test_in_process_stats_and_shutdown_never_raise(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINSCOPE_SHUTDOWN_TIMEOUT_S", "0.1")
     st = launch.InProcess(Col(), run_dir=str(tmp_path))
     st.shutdown()
-    assert launch.read_stats(str(tmp_path))[0]["collector"] == {"submitted": 1}
+    assert launcher.read_stats(str(tmp_path))[0]["collector"] == {"submitted": 1}
