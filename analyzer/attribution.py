@@ -207,7 +207,7 @@ def _own_work_tiebreak(out: dict[int, "RankVerdict"], owners: set[int], resource
     if not keys:
         return set()
     row = {r: i for i, r in enumerate(ranks)}
-    own_cols = np.array([not (cfg.routing.is_communication(k) or k == "[communication]" or AMBIGUOUS.search(k))
+    own_cols = np.array([not (cfg.routing.is_communication(k) or AMBIGUOUS.search(k))
                          for k in keys])
     excess = collections.defaultdict(float)
     for members in group_of({r: resources[r] for r in ranks if r in resources}, "dp").values():

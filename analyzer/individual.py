@@ -153,8 +153,7 @@ def _pairs(jw, ranks, keys, m, scale: WindowScale, cfg: IndividualConfig,
     """Step 2 on every synchronising group (two ranks, or a group split in two: half of a DP group
     on a slow host makes the peers' median useless, but not the dependency)."""
     res = resources_with(jw.resources, {**jw.phases, **jw.kernels})
-    comm = np.array([k == "[communication]" or (not k.startswith("[") and groups_cfg.routing.is_communication(k))
-                     for k in keys])
+    comm = np.array([groups_cfg.routing.is_communication(k) for k in keys])
     # phases and kernel sums overlap (a forward phase holds kernels): use phases when a rank has any
     phase_cols = np.array([not k.startswith("[") for k in keys])
     out, n = [], 0

@@ -25,7 +25,6 @@ compared with each other:
 from __future__ import annotations
 
 import dataclasses
-import re
 import warnings
 
 import numpy as np
@@ -34,7 +33,7 @@ from trainscope.analyzer.impact import WindowScale
 from trainscope.analyzer.l2_phases import phase_matrix
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
 from trainscope.analyzer.significance import robust_z, z_threshold
-from trainscope.analyzer.topology import RoutingConfig, check_number, group_of, has_coords
+from trainscope.analyzer.topology import CATEGORIES, RoutingConfig, check_number, group_of, has_coords
 from trainscope.proto.errors import ConfigError
 
 
@@ -52,8 +51,8 @@ class GroupsConfig:
     """Family-wise false-alarm probability per window (Bonferroni over the (group, key) comparisons)."""
     rel_floor: float = 0.02
     """Floor of the siblings' spread, × their median."""
-    memory: str = r"^mem(cpy|set)|memcpy|memset"
     routing: RoutingConfig = RoutingConfig()
+    """Which phases and kernels are communication, and the kernel categories."""
 
     def __post_init__(self) -> None:
         for d in self.dims:
@@ -70,8 +69,7 @@ def rank_times(jw: JobWindow, scale: WindowScale, cfg: GroupsConfig) -> tuple[li
     """Step 2: ranks, keys and (ranks × keys) time per iteration in ns (NaN where absent)."""
     ranks = sorted(set(jw.phases) | set(jw.kernels))
     p_ranks, p_names, _, p_tot = phase_matrix(jw, totals=True)
-    mem = re.compile(cfg.memory, re.IGNORECASE)
-    keys = list(p_names) + ["[compute]", "[memory]", "[communication]"]
+    keys = list(p_names) + [f"[{c}]" for c in CATEGORIES]
     m = np.full((len(ranks), len(keys)), np.nan)
     row = {r: i for i, r in enumerate(ranks)}
     iters = scale.iterations_array(ranks)
@@ -81,8 +79,7 @@ def rank_times(jw: JobWindow, scale: WindowScale, cfg: GroupsConfig) -> tuple[li
         sums = np.zeros(3)
         for ks in kw.kernels:
             total = ks.total_ns or sum(c.count * c.p50_ns for c in ks.clusters)
-            c = 2 if cfg.routing.is_communication(ks.kernel) else 1 if mem.search(ks.kernel) else 0
-            sums[c] += total
+            sums[cfg.routing.category(ks.kernel)] += total
         m[row[r], len(p_names):] = np.where(sums > 0, sums, np.nan)
     return ranks, keys, m / iters[:, None]
 
@@ -133,7 +130,7 @@ def analyze_groups(jw: JobWindow, scale: WindowScale, cfg: GroupsConfig = Groups
                 if slow.sum() < cfg.uniform * rows.size:
                     continue
                 hosts = sorted({resources[ranks[i]].host for i in rows if resources[ranks[i]].host})
-                comm = cfg.routing.is_communication(key) or key == "[communication]"
+                comm = cfg.routing.is_communication(key)
                 suspects = tuple(
                     SuspectRank(ranks[i], float(own[n] / med), {
                         "time_per_iteration_ns": float(own[n]), "siblings_median_ns": med,

@@ -50,7 +50,6 @@ every (kernel, stream) their duration distributions should agree. Per
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -61,7 +60,7 @@ from trainscope.analyzer.impact import WindowScale, window_scale
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
 from trainscope.analyzer.significance import robust_z, z_threshold
 from trainscope.analyzer.topology import (
-    RoutingConfig, check_number, group_of, rank_to_group, resources_with,
+    CATEGORIES, RoutingConfig, check_number, group_of, rank_to_group, resources_with,
 )
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import records_pb2
@@ -83,8 +82,6 @@ class L3Config:
     """Family-wise false-alarm probability per window (Bonferroni over every comparison, step 5)."""
     rel_floor: float = 0.02
     """Floor of the peers' spread, × their median time (per-rank personality, docs/noise.md)."""
-    memory: str = r"^mem(cpy|set)|memcpy|memset"
-    """Regular expression naming memory-copy kernels (category ``memory``, step 5b)."""
     missing_min_present: float = 0.75
     """A key on at least this fraction of a group's ranks (not all) makes the rest ``missing_kernel``."""
     block_elements: int = 1 << 21
@@ -100,10 +97,6 @@ class L3Config:
         check_number("l3.min_ranks", self.min_ranks, lambda v: v >= 3, "must be an integer >= 3", int)
         check_number("l3.false_alarm", self.false_alarm, lambda v: 0 < v < 1, "must be in (0, 1)")
         check_number("l3.rel_floor", self.rel_floor, lambda v: v >= 0, "must be >= 0")
-        try:
-            re.compile(self.memory)
-        except (re.error, TypeError) as e:
-            raise ConfigError("l3.memory", self.memory, f"not a regular expression: {e}") from None
         check_number("l3.missing_min_present", self.missing_min_present, lambda v: 0 < v <= 1,
                      "must be in (0, 1]")
         check_number("l3.block_elements", self.block_elements, lambda v: v >= 1024,
@@ -370,13 +363,8 @@ class L3Result:
 
 
 def _categories(t: KernelTable, cfg: L3Config) -> np.ndarray:
-    """Per key: 0 compute, 1 memory, 2 communication (step 5b)."""
-    mem = re.compile(cfg.memory, re.IGNORECASE)
-    return np.array([2 if cfg.routing.is_communication(k) else 1 if mem.search(k) else 0
-                     for k, _ in t.keys], dtype=np.int64)
-
-
-CATEGORY_NAMES = ("compute", "memory", "communication")
+    """Per key: its index into ``topology.CATEGORIES`` (step 5b)."""
+    return np.array([cfg.routing.category(k) for k, _ in t.keys], dtype=np.int64)
 
 
 def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Config(),
@@ -472,7 +460,7 @@ def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Conf
                 continue
             outliers += _flag(t, np.array([-1 - c]), np.array([g]), np.full((1, m.size), -1), None,
                               x[None, :], np.sqrt(cat_v[m, c])[None, :], np.array([c == 2]), z_star, cfg,
-                              ranks=t.ranks[m][None, :], category=CATEGORY_NAMES[c])
+                              ranks=t.ranks[m][None, :], category=CATEGORIES[c])
     outliers.sort(key=lambda o: -float(np.abs(o.x_ns - o.median_ns).max()))
     return L3Result(outliers, missing, int(scored.sum()), int(seg_n[scored].sum()), comparisons, z_star)
 
@@ -520,7 +508,7 @@ def kernel_findings(job_id: str, window: records_pb2.Window, t: KernelTable,
             kernel, stream = t.keys[o.key]
         else:
             kernel, stream = f"[{o.category}]", -1
-        comm = cfg.routing.is_communication(kernel) or o.category == "communication"
+        comm = cfg.routing.is_communication(kernel)
         suspects = []
         for k in range(o.ranks.size):
             x, d = float(o.x_ns[k]), int(o.dists[k])

@@ -25,6 +25,9 @@ identical work.
    collective, ARGUS §9.5).
 5. ``kernel_group_dim``: L3 compares kernels within the DP group: ranks with
    the same role run identical kernel sequences (ARGUS §6.2).
+6. ``category(kernel)``: compute, memory copy or communication; detectors
+   sum a rank's kernels per category (keys ``[compute]``, ``[memory]``,
+   ``[communication]``).
 """
 from __future__ import annotations
 
@@ -62,6 +65,12 @@ DEFAULT_COMMUNICATION = (
     r"all_?to_?all|broadcast|barrier|\bsend\b|\brecv\b|send_?recv|p2p|nccl|collective"
 )
 
+#: Memory-copy kernels (CUPTI memcpy/memset, the profiler's "Memcpy HtoD ...").
+DEFAULT_MEMORY = r"^mem(cpy|set)|memcpy|memset"
+
+#: Kernel categories, in this order (``RoutingConfig.category``); their sums are keys named ``[<category>]``.
+CATEGORIES = ("compute", "memory", "communication")
+
 #: L3 compares a kernel within this dimension's groups (ARGUS §6.2).
 KERNEL_GROUP_DIM = "dp"
 
@@ -78,8 +87,11 @@ class RoutingConfig:
     """Regular expression (``re.search``, case-insensitive) naming communication phases."""
     kernel_group_dim: str = KERNEL_GROUP_DIM
     """Dimension L3 compares kernels within."""
+    memory: str = DEFAULT_MEMORY
+    """Regular expression naming memory-copy kernels (category ``memory``)."""
     _compiled: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
     _comm: object = dataclasses.field(init=False, repr=False, compare=False, default=None)
+    _mem: object = dataclasses.field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         compiled = []
@@ -95,6 +107,7 @@ class RoutingConfig:
                 raise ConfigError(f"routing.{name}", getattr(self, name), f"must be one of {GROUP_DIMS}")
         object.__setattr__(self, "_compiled", tuple(compiled))
         object.__setattr__(self, "_comm", _compile("routing.communication", self.communication))
+        object.__setattr__(self, "_mem", _compile("routing.memory", self.memory))
 
     def route(self, phase: str) -> str:
         """The dimension whose groups ``phase`` is compared within."""
@@ -104,8 +117,13 @@ class RoutingConfig:
         return self.fallback
 
     def is_communication(self, phase: str) -> bool:
-        """Whether ``phase`` is a collective or a point-to-point transfer."""
-        return self._comm.search(phase) is not None
+        """Whether ``phase`` (or kernel) is a collective or a point-to-point transfer, or the
+        communication category's sum ``[communication]``."""
+        return phase == "[communication]" or self._comm.search(phase) is not None
+
+    def category(self, kernel: str) -> int:
+        """Index into ``CATEGORIES``: communication, else memory copy, else compute."""
+        return 2 if self.is_communication(kernel) else 1 if self._mem.search(kernel) else 0
 
 
 def _compile(setting: str, pattern: str) -> re.Pattern:

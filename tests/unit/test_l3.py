@@ -224,7 +224,7 @@ def test_low_level_entry_point_and_empty_input():
 def test_config_is_validated():
     for field, bad in [("alpha", 0), ("grid_points", 4), ("min_ranks", 2), ("missing_min_present", 1.5),
                        ("false_alarm", 0.0), ("grid_points", 64.0), ("false_alarm", 1.0),
-                       ("rel_floor", -0.1), ("memory", "(")]:
+                       ("rel_floor", -0.1)]:
         with pytest.raises(ConfigError) as e:
             L3Config(**{field: bad})
         assert e.value.setting == f"l3.{field}"
