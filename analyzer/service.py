@@ -47,6 +47,7 @@ from trainscope.analyzer.model import MISSING, Finding, JobWindow, Scope, Suspec
 from trainscope.analyzer.significance import Persistence
 from trainscope.analyzer.prom import AnalyzerMetrics
 from trainscope.analyzer.sources import RecordSource
+from trainscope.proto.contracts import Signal
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import Resource
 from trainscope.proto.v1 import records_pb2
@@ -184,9 +185,9 @@ class Analyzer:
         job.resources[res.rank] = res
         w = rec.window
         key = (w.kind, w.index)
-        if signal != "stacks":  # stacks come from an optional sidecar: never waited for
+        if signal != Signal.STACKS:  # stacks come from an optional sidecar: never waited for
             job.signals.add(signal)
-        if signal == "iterations":
+        if signal == Signal.ITERATIONS:
             self._note_iterations(job, rec, now)
         if w.index <= job.done_upto.get(w.kind, -1) and key not in job.open:
             self.metrics.counters["late_records"] += 1

@@ -1,0 +1,67 @@
+"""Names the stages agree on: signals, their record types and topics, window modes.
+
+The wire messages are in ``v1/*.proto``; this module holds the Python-side
+contract around them, so no stage spells a signal name or a window mode as a
+string literal of its own (docs/architecture.md, "Contracts").
+
+The enums are ``str`` enums: a member *is* its value (``Signal.KERNELS ==
+"kernels"``, ``f"{Signal.KERNELS}" == "kernels"``), so metric labels, store
+tables, Kafka topic names and config files keep their spelling.
+"""
+from __future__ import annotations
+
+import enum
+
+from trainscope.proto.v1 import records_pb2
+
+
+class _StrEnum(str, enum.Enum):
+    # str() and format() give the value (plain ``str, Enum`` would give "Signal.KERNELS").
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class Signal(_StrEnum):
+    """What a window holds; metric labels, Kafka topic suffixes, store tables."""
+
+    KERNELS = "kernels"
+    PHASES = "phases"
+    ITERATIONS = "iterations"
+    STACKS = "stacks"
+
+
+SIGNALS: tuple[Signal, ...] = tuple(Signal)
+
+#: The record each signal's windows become (Kafka values, store rows, bus messages).
+RECORD_TYPES = {
+    Signal.KERNELS: records_pb2.KernelWindow,
+    Signal.PHASES: records_pb2.PhaseWindow,
+    Signal.ITERATIONS: records_pb2.IterationWindow,
+    Signal.STACKS: records_pb2.StackWindow,
+}
+
+#: Topic prefix of every signal and of the analyzer's outputs (Kafka and embedded bus alike).
+TOPIC_PREFIX = "trainscope"
+
+
+def topic_for(signal: str, prefix: str = TOPIC_PREFIX) -> str:
+    """The topic of one signal: ``<prefix>.<signal>.v1`` (Kafka and embedded bus alike)."""
+    return f"{prefix}.{signal}.v1"
+
+
+class WindowMode(_StrEnum):
+    """How the processor cuts a rank's telemetry into windows (``processor/windows.py``)."""
+
+    AUTO = "auto"              # iterations once a rank sends iteration marks, else time
+    TIME = "time"
+    ITERATIONS = "iterations"
+
+
+WINDOW_MODES: tuple[WindowMode, ...] = tuple(WindowMode)
+
+
+class AnalyzerOutput(_StrEnum):
+    """What the analyzer publishes (topic suffixes, like the signals)."""
+
+    DIAGNOSES = "diagnoses"
+    VERDICTS = "verdicts"
