@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping
 
 from google.protobuf.json_format import MessageToDict
 
+from trainscope.proto.contracts import Signal
 from trainscope.proto.errors import ConfigError, TrainscopeError
 from trainscope.proto.v1 import records_pb2
 
@@ -245,7 +246,7 @@ class Query:
         records, diagnoses = self._open()
         rows = []
         for job in self.job_ids():
-            its = list(records.records("iterations", job))
+            its = list(records.records(Signal.ITERATIONS, job))
             latest = diagnoses.latest_verdict(job)
             rows.append(JobRow(job=job, ranks=len({r.resource.rank for r in its}),
                                windows=len({(r.window.kind, r.window.index) for r in its}),
@@ -310,7 +311,7 @@ class Query:
         # per kernel, per rank: (calls, busy ns) summed over the stored windows
         busy: dict[str, dict[int, list[float]]] = {}
         ranks = set()
-        for rec in records.records("kernels", job):
+        for rec in records.records(Signal.KERNELS, job):
             ranks.add(rec.resource.rank)
             for k in rec.kernels:
                 c = busy.setdefault(k.kernel, {}).setdefault(rec.resource.rank, [0, 0.0])
@@ -339,7 +340,7 @@ class Query:
         job = self.resolve_job(job)
         records, _ = self._open()
         by_window: dict[tuple[int, int], dict[int, records_pb2.IterationWindow]] = {}
-        for rec in records.records("iterations", job):
+        for rec in records.records(Signal.ITERATIONS, job):
             if rank is None or rec.resource.rank == rank:
                 by_window.setdefault((rec.window.kind, rec.window.index), {})[rec.resource.rank] = rec
         if not by_window:
@@ -363,7 +364,7 @@ class Query:
         """Each rank's newest resource: from iteration and phase records, else kernel records."""
         records, _ = self._open()
         newest: dict[int, tuple[int, Any]] = {}
-        for signals in (("iterations", "phases"), ("kernels", "stacks")):
+        for signals in ((Signal.ITERATIONS, Signal.PHASES), (Signal.KERNELS, Signal.STACKS)):
             for signal in signals:
                 for rec in records.records(signal, job):
                     r = rec.resource

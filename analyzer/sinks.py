@@ -7,7 +7,8 @@ Topics: ``<prefix>.diagnoses.v1`` (one ``Diagnosis`` per finding) and
 from __future__ import annotations
 
 from trainscope.analyzer.store import DiagnosisStore
-from trainscope.processor.bus import EmbeddedBus, topic_for
+from trainscope.processor.bus import EmbeddedBus
+from trainscope.proto.contracts import AnalyzerOutput, topic_for
 from trainscope.proto.v1 import records_pb2
 
 
@@ -33,9 +34,9 @@ class BusDiagnosisSink:
 
     def publish(self, diagnoses: list[records_pb2.Diagnosis], verdict: records_pb2.Verdict | None) -> None:
         for d in diagnoses:
-            self.bus.publish(topic_for("diagnoses", self.prefix), d.job_id.encode(), d.SerializeToString())
+            self.bus.publish(topic_for(AnalyzerOutput.DIAGNOSES, self.prefix), d.job_id.encode(), d.SerializeToString())
         if verdict is not None:
-            self.bus.publish(topic_for("verdicts", self.prefix), verdict.job_id.encode(),
+            self.bus.publish(topic_for(AnalyzerOutput.VERDICTS, self.prefix), verdict.job_id.encode(),
                              verdict.SerializeToString())
 
     def close(self) -> None:

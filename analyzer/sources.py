@@ -19,8 +19,8 @@ from typing import Protocol
 
 from google.protobuf.message import DecodeError, Message
 
-from trainscope.processor.bus import EmbeddedBus, topic_for
-from trainscope.processor.model import RECORD_TYPES, SIGNALS
+from trainscope.processor.bus import EmbeddedBus
+from trainscope.proto.contracts import RECORD_TYPES, SIGNALS, topic_for
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from trainscope.deploy.embedded import EmbeddedAnalysis, embedded_processor_conf
 from trainscope.processor.daemon import Processor
 from trainscope.processor.store import SqliteStore
 from trainscope.processor.windows import WindowConfig
+from trainscope.proto.contracts import WindowMode
 from trainscope.proto.v1 import telemetry_pb2
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def run_replay(
     home = home or tempfile.mkdtemp(prefix="trainscope-replay-")
     os.makedirs(home, exist_ok=True)
     cfg = embedded_processor_config(
-        home, WindowConfig(mode="iterations", iterations=window_iterations, idle_close_s=3600),
+        home, WindowConfig(mode=WindowMode.ITERATIONS, iterations=window_iterations, idle_close_s=3600),
         kafka=kafka, perfetto=perfetto, prometheus=prometheus)
     store_path = cfg.store_path
     sent: dict[int, int] = {}

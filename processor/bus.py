@@ -14,14 +14,10 @@ import threading
 from typing import Deque
 
 from trainscope.processor.model import WindowOutput
+from trainscope.proto.contracts import TOPIC_PREFIX, topic_for
 from trainscope.processor.selfmetrics import SelfMetrics
 
-DEFAULT_PREFIX = "trainscope"
-
-
-def topic_for(signal: str, prefix: str = DEFAULT_PREFIX) -> str:
-    """The topic of one signal: ``<prefix>.<signal>.v1`` (Kafka and embedded bus alike)."""
-    return f"{prefix}.{signal}.v1"
+DEFAULT_PREFIX = TOPIC_PREFIX
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

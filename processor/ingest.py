@@ -29,6 +29,7 @@ from google.protobuf.message import DecodeError
 
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.proto.columnar import KernelColumns
+from trainscope.proto.contracts import Signal
 from trainscope.proto.errors import BadInput
 from trainscope.proto.model import Resource
 from trainscope.proto.v1 import telemetry_pb2
@@ -75,11 +76,11 @@ class Validator:
         self._dedup(res, b.seq, raw)
         if signal is None:
             return Decoded(res, "final", None, 0, len(raw), b.sent_unix_ns, b.dropped_total)
-        if signal == "kernels":
+        if signal == Signal.KERNELS:
             payload, n = self._kernels(b.kernels)
-        elif signal == "phases":
+        elif signal == Signal.PHASES:
             payload, n = self._phases(b.phases.phases)
-        elif signal == "iterations":
+        elif signal == Signal.ITERATIONS:
             payload, n = self._iterations(b.iterations.marks)
         else:
             payload, n = tuple(b.stacks.snapshots), len(b.stacks.snapshots)

@@ -42,7 +42,8 @@ from google.protobuf.message import Message
 
 # KafkaSinkConfig (and COMPRESSIONS) re-exported here for existing importers.
 from trainscope.processor.kafka_config import _NAME, COMPRESSIONS, KafkaSinkConfig  # noqa: F401
-from trainscope.processor.model import SIGNALS, WindowOutput
+from trainscope.processor.model import WindowOutput
+from trainscope.proto.contracts import SIGNALS, topic_for
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.processor.spool import DiskSpool, SpoolFrame
 from trainscope.proto.errors import ConfigError, SinkError
@@ -142,7 +143,7 @@ class KafkaSink:
         if topic is None:
             if not _NAME.match(signal):
                 raise ValueError(f"signal {signal!r} cannot be part of a topic name")
-            topic = self._topics[signal] = f"{self.config.topic_prefix}.{signal}.v1"
+            topic = self._topics[signal] = topic_for(signal, self.config.topic_prefix)
         return topic
 
     def export(self, out: WindowOutput) -> None:

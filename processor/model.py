@@ -7,22 +7,10 @@ from typing import Iterator
 from google.protobuf.message import Message
 
 from trainscope.proto.columnar import KernelColumns
+from trainscope.proto.contracts import SIGNALS
 from trainscope.proto.model import Resource
 from trainscope.proto.v1 import records_pb2, telemetry_pb2
 
-#: Signal names: metric labels, Kafka topic suffixes, store tables.
-KERNELS = "kernels"
-PHASES = "phases"
-ITERATIONS = "iterations"
-STACKS = "stacks"
-SIGNALS = (KERNELS, PHASES, ITERATIONS, STACKS)
-#: The record each signal's windows become (Kafka values, store rows, bus messages).
-RECORD_TYPES = {
-    KERNELS: records_pb2.KernelWindow,
-    PHASES: records_pb2.PhaseWindow,
-    ITERATIONS: records_pb2.IterationWindow,
-    STACKS: records_pb2.StackWindow,
-}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

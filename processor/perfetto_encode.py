@@ -27,7 +27,8 @@ import collections
 import numpy as np
 from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
 
-from trainscope.processor.model import ITERATIONS, KERNELS, PHASES, STACKS, ClosedWindow
+from trainscope.proto.contracts import Signal
+from trainscope.processor.model import ClosedWindow
 from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.v1 import telemetry_pb2
 
@@ -326,7 +327,8 @@ def encode_window(raw: ClosedWindow, *, max_events: int = 1_000_000,
         keep = np.argsort(kernels.start_ns, kind="stable")
         cut_ns = int(kernels.start_ns[keep[budget]])
         kernels = kernels.take(np.sort(keep[:budget]))
-    written = {ITERATIONS: len(iters), PHASES: len(phases), STACKS: len(snaps), KERNELS: len(kernels)}
+    written = {Signal.ITERATIONS: len(iters), Signal.PHASES: len(phases), Signal.STACKS: len(snaps),
+               Signal.KERNELS: len(kernels)}
     dropped = len(raw.iterations) + len(raw.phases) + len(raw.stacks) + len(raw.kernels) - sum(written.values())
 
     interned = pb.InternedData()

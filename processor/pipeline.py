@@ -19,6 +19,7 @@ from trainscope.processor.model import ClosedWindow, WindowOutput
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.processor.sink import Sink
 from trainscope.processor.windows import WindowConfig, Windower
+from trainscope.proto.contracts import Signal
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +109,13 @@ class Pipeline:
                     if item.flush_windows:
                         w.flush()
                     item.done.set()
-                elif item.signal == "kernels":
+                elif item.signal == Signal.KERNELS:
                     w.add_kernels(item.resource, item.payload)
-                elif item.signal == "phases":
+                elif item.signal == Signal.PHASES:
                     w.add_phases(item.resource, item.payload)
-                elif item.signal == "iterations":
+                elif item.signal == Signal.ITERATIONS:
                     w.add_iterations(item.resource, item.payload)
-                elif item.signal == "stacks":
+                elif item.signal == Signal.STACKS:
                     w.add_stacks(item.resource, item.payload)
                 elif item.signal == "final":
                     w.finish_rank(item.resource)

@@ -44,7 +44,8 @@ from prometheus_client.core import (
     Metric,
 )
 
-from trainscope.processor.model import ITERATIONS, KERNELS, PHASES, WindowOutput
+from trainscope.proto.contracts import Signal
+from trainscope.processor.model import WindowOutput
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.proto.errors import ConfigError
 
@@ -186,8 +187,8 @@ class PrometheusSink:
         dropped = 0
         with self._lock:
             self._maybe_sweep(now)
-            for signal, rec in ((ITERATIONS, out.iterations), (PHASES, out.phases),
-                                (KERNELS, out.kernels)):
+            for signal, rec in ((Signal.ITERATIONS, out.iterations), (Signal.PHASES, out.phases),
+                                (Signal.KERNELS, out.kernels)):
                 if rec is None:
                     continue
                 res = rec.resource if rec.HasField("resource") else out.raw.resource.to_pb()
@@ -195,9 +196,9 @@ class PrometheusSink:
                 if rank is None:
                     dropped += 1
                     continue
-                if signal == ITERATIONS:
+                if signal == Signal.ITERATIONS:
                     self._iterations(rank, rec)
-                elif signal == PHASES:
+                elif signal == Signal.PHASES:
                     dropped += self._phases(rank, rec, now)
                 else:
                     events = rec.events or sum(k.count for k in rec.kernels)

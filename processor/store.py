@@ -12,7 +12,8 @@ import sqlite3
 import threading
 from typing import Iterator
 
-from trainscope.processor.model import RECORD_TYPES, SIGNALS, WindowOutput
+from trainscope.processor.model import WindowOutput
+from trainscope.proto.contracts import RECORD_TYPES, SIGNALS
 from trainscope.processor.selfmetrics import SelfMetrics
 
 

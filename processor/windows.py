@@ -40,6 +40,7 @@ import numpy as np
 from trainscope.processor.model import ClosedWindow
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.proto.columnar import KernelColumns
+from trainscope.proto.contracts import WINDOW_MODES, WindowMode
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import Resource
 from trainscope.proto.v1 import records_pb2, telemetry_pb2
@@ -49,7 +50,7 @@ RankKey = tuple[str, int]  # (job_id, rank)
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class WindowConfig:
-    mode: str = "auto"
+    mode: str = WindowMode.AUTO
     """``auto`` (iterations when the rank sends iteration marks, else time), ``time`` or ``iterations``."""
     length_s: float = 10.0
     """Window length in seconds, for ``time`` mode."""
@@ -70,7 +71,7 @@ class WindowConfig:
     the rank falls back to time windows."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("auto", "time", "iterations"):
+        if self.mode not in WINDOW_MODES:
             raise ConfigError("window.mode", self.mode, "must be 'auto', 'time' or 'iterations'")
         if not self.auto_wait_s > 0:
             raise ConfigError("window.auto_wait_s", self.auto_wait_s, "must be > 0")
@@ -196,7 +197,8 @@ class Windower:
         key = (resource.job_id, resource.rank)
         st = self._ranks.get(key)
         if st is None:
-            st = self._ranks[key] = _RankState(resource, None if self.config.mode == "auto" else self.config.mode)
+            mode = None if self.config.mode == WindowMode.AUTO else self.config.mode
+            st = self._ranks[key] = _RankState(resource, mode)
             self.metrics.set("ranks", len(self._ranks))
         elif progress and st.resource != resource:
             # a restarted process of the same rank (not the py-spy sidecar, which
@@ -224,7 +226,7 @@ class Windower:
         gid = st.lut(cols.names)[cols.name_id]
         end_max = int((cols.start_ns + cols.duration_ns).max())
         self._note_first(st, int(cols.start_ns.min()))
-        if st.mode == "time":
+        if st.mode == WindowMode.TIME:
             self._route(st, cols.start_ns // np.uint64(self.config.length_ns),
                         cols.start_ns, cols.duration_ns, gid, cols.stream, cols.kind)
         else:
@@ -297,7 +299,7 @@ class Windower:
         """Auto mode: fix the rank's mode and hand it what waited (module docstring)."""
         st.mode = mode
         waiting, st.waiting_phases = st.waiting_phases, []
-        if mode == "time" and st.pending.n:
+        if mode == WindowMode.TIME and st.pending.n:
             cols = st.pending.columns(tuple(st.names), st.device)
             st.pending = _KernelChunks()
             self._route(st, cols.start_ns // np.uint64(self.config.length_ns), cols.start_ns,
@@ -310,7 +312,7 @@ class Windower:
         self.metrics.inc("window_mode_decided", 1, mode=mode)
 
     def _index_for_time(self, st: _RankState, t: int) -> int | None:
-        if st.mode == "time":
+        if st.mode == WindowMode.TIME:
             return t // self.config.length_ns
         if not st.mark_starts:
             return None
@@ -330,7 +332,7 @@ class Windower:
             return
         hi = 0
         for ph in phases:
-            if st.mode == "iterations":
+            if st.mode == WindowMode.ITERATIONS:
                 index = ph.iteration // self.config.iterations
             else:
                 index = ph.start_ns // self.config.length_ns
@@ -347,10 +349,10 @@ class Windower:
     def add_iterations(self, resource: Resource, marks) -> None:
         st = self._state(resource)
         if st.mode is None and len(marks):
-            self._decide(st, "iterations")
+            self._decide(st, WindowMode.ITERATIONS)
         hi = 0
         for m in marks:
-            if st.mode == "iterations":
+            if st.mode == WindowMode.ITERATIONS:
                 index = m.iteration // self.config.iterations
                 j = bisect.bisect_left(st.mark_iters, m.iteration)
                 if j < len(st.mark_iters) and st.mark_iters[j] == m.iteration:
@@ -368,7 +370,7 @@ class Windower:
             w.iterations.append(m)
             w.lo, w.hi = min(w.lo, m.start_ns), max(w.hi, m.end_ns)
             hi = max(hi, m.end_ns)
-        if st.mode == "iterations":
+        if st.mode == WindowMode.ITERATIONS:
             self._assign_pending(st, final=False)
         self._advance(st, hi)
 
@@ -395,7 +397,7 @@ class Windower:
                 continue
             w.stacks.append(s)
             hi = max(hi, s.window_end_ns)
-        if st.mode == "time":
+        if st.mode == WindowMode.TIME:
             self._advance(st, hi)
 
     # -------------------------------------------------------------- closing
@@ -404,11 +406,11 @@ class Windower:
             st.watermark = t
         if st.mode is None:
             if st.first_ns and st.watermark - st.first_ns >= int(self.config.auto_wait_s * 1e9):
-                self._decide(st, "time")     # no iteration marks: time windows
+                self._decide(st, WindowMode.TIME)     # no iteration marks: time windows
             else:
                 return
         horizon = st.watermark - self.config.lateness_ns
-        if st.mode == "time":
+        if st.mode == WindowMode.TIME:
             for index in sorted(st.open):
                 if (index + 1) * self.config.length_ns <= horizon:
                     self._close(st, index, "watermark")
@@ -428,7 +430,7 @@ class Windower:
         w = st.open.pop(index)
         st.closed_upto = max(st.closed_upto, index)
         window = records_pb2.Window(index=index, final=final)
-        if st.mode == "time":
+        if st.mode == WindowMode.TIME:
             window.kind = records_pb2.WINDOW_KIND_TIME
             window.start_ns = index * self.config.length_ns
             window.end_ns = (index + 1) * self.config.length_ns
@@ -481,8 +483,8 @@ class Windower:
         iteration, into one window of their own (nothing is dropped). An auto
         rank still undecided at closing time never sent a mark: time windows."""
         if st.mode is None:
-            self._decide(st, "time")
-        if st.mode != "iterations" or not st.pending.n:
+            self._decide(st, WindowMode.TIME)
+        if st.mode != WindowMode.ITERATIONS or not st.pending.n:
             return
         if st.mark_starts:
             self._assign_pending(st, final=True)

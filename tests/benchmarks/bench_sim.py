@@ -78,7 +78,7 @@ def generate(args) -> tuple[int, int, float, float]:
 
 PROCESSOR = r"""
 import json, signal, sys, threading
-from trainscope.processor.bus import topic_for
+from trainscope.proto.contracts import topic_for
 from trainscope.processor.daemon import Processor, ProcessorConfig
 from trainscope.processor.windows import WindowConfig
 from trainscope.proto.v1 import records_pb2

@@ -17,7 +17,8 @@ from confluent_kafka import Consumer
 from confluent_kafka.admin import AdminClient
 
 from trainscope.processor.kafka_sink import KafkaSink, KafkaSinkConfig
-from trainscope.processor.model import SIGNALS, ClosedWindow, WindowOutput
+from trainscope.processor.model import ClosedWindow, WindowOutput
+from trainscope.proto.contracts import SIGNALS
 from trainscope.processor.sink import Sink
 from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.errors import ConfigError

@@ -6,9 +6,8 @@ import time
 import grpc
 
 from trainscope.collector.exporter import INGEST_METHOD
-from trainscope.processor.bus import topic_for
 from trainscope.processor.daemon import Processor, ProcessorConfig
-from trainscope.processor.model import RECORD_TYPES
+from trainscope.proto.contracts import RECORD_TYPES, topic_for
 from trainscope.processor.windows import WindowConfig
 from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.model import Resource

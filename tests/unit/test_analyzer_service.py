@@ -8,7 +8,8 @@ from trainscope.analyzer.service import Analyzer, AnalyzerConfig
 from trainscope.analyzer.sinks import BusDiagnosisSink, StoreDiagnosisSink
 from trainscope.analyzer.sources import BusSource
 from trainscope.analyzer.store import DiagnosisStore
-from trainscope.processor.bus import EmbeddedBus, topic_for
+from trainscope.processor.bus import EmbeddedBus
+from trainscope.proto.contracts import topic_for
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import Resource, coords_for_rank
 from trainscope.proto.v1 import records_pb2, telemetry_pb2

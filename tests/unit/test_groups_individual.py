@@ -115,7 +115,8 @@ def test_pair_dependency_names_the_rank_its_partner_waited_for():
 def test_small_jobs_say_which_comparison_was_made_and_unknown_when_none(tmp_path):
     from trainscope.analyzer.service import Analyzer, AnalyzerConfig
     from trainscope.analyzer.sources import BusSource
-    from trainscope.processor.bus import EmbeddedBus, topic_for
+    from trainscope.processor.bus import EmbeddedBus
+    from trainscope.proto.contracts import topic_for
 
     bus = EmbeddedBus()
     t = [100.0]
