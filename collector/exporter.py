@@ -46,9 +46,13 @@ from trainscope.proto.v1 import telemetry_pb2
 log = logging.getLogger(__name__)
 
 INGEST_METHOD = "/trainscope.v1.Ingest/Stream"
-#: Codes after which reconnecting can help (otel-python's retryable set, plus
-#: RESOURCE_EXHAUSTED, which the processor uses for an oversize batch: that
-#: batch is dropped, the rest go on).
+#: Codes after which sending the same batches again can help (otel-python's
+#: retryable set, plus RESOURCE_EXHAUSTED, which the processor uses for an
+#: oversize batch: that batch is dropped, the rest go on). After any other
+#: code (UNIMPLEMENTED: not a trainscope processor; INVALID_ARGUMENT,
+#: PERMISSION_DENIED, ...) the batches in flight are dropped, counted under
+#: ``dropped["non_retryable"]``, as OpenTelemetry's exporters do; the exporter
+#: still reconnects with backoff for the batches that follow.
 RETRYABLE = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED,
@@ -135,7 +139,9 @@ class ExporterStats:
 
 
 class _StreamBroken(Exception):
-    pass
+    def __init__(self, why: str, retryable: bool = True) -> None:
+        super().__init__(why)
+        self.retryable = retryable
 
 
 class BatchExporter:
@@ -289,7 +295,10 @@ class BatchExporter:
                 backoff = self.config.backoff_initial_s
             except _StreamBroken as e:
                 log.debug("trainscope exporter stream broken: %s", e)
-                self._requeue_unconfirmed()
+                if e.retryable:
+                    self._requeue_unconfirmed()
+                else:
+                    self._drop_unconfirmed("non_retryable", str(e))
                 self.stats.reconnects += 1
                 if channel is not None:
                     channel.close()
@@ -310,6 +319,18 @@ class BatchExporter:
                 self.stats.resent += len(self._unconfirmed)
                 self._queue.extendleft(reversed(self._unconfirmed))
                 self._unconfirmed.clear()
+
+    def _drop_unconfirmed(self, reason: str, why: str) -> None:
+        with self._lock:
+            n = len(self._unconfirmed)
+            for p in self._unconfirmed:
+                self._held_bytes -= p.nbytes
+            self._unconfirmed.clear()
+            self.stats.dropped[reason] += n
+            if not self._queue:
+                self._idle.set()
+        if n:
+            log.warning("trainscope exporter: %d batches dropped, the processor refused them (%s)", n, why)
 
     def _next_batch(self) -> _Pending | None:
         with self._lock:
@@ -385,7 +406,8 @@ class BatchExporter:
             details = e.details() if hasattr(e, "details") else ""
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (details or ""):
                 self._drop_oversize_head()
-            raise _StreamBroken(f"{code}: {e.details() if hasattr(e, 'details') else e}")
+            raise _StreamBroken(f"{code}: {e.details() if hasattr(e, 'details') else e}",
+                                retryable=code is None or code in RETRYABLE)
         with self._lock:
             n = len(self._unconfirmed)
             for p in self._unconfirmed:

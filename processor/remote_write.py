@@ -66,7 +66,9 @@ LabelSet = tuple[tuple[str, str], ...]  # sorted by name, __name__ included
 Post = Callable[[str, bytes, Mapping[str, str], float], int]
 
 
-class Collector(Protocol):
+class MetricSource(Protocol):
+    """Anything with prometheus_client's ``collect()`` (a registry or a custom collector)."""
+
     def collect(self) -> Iterable: ...
 
 
@@ -188,7 +190,7 @@ class RemoteWriter:
     def __init__(
         self,
         url: str,
-        source: Collector | Sequence[Collector],
+        source: MetricSource | Sequence[MetricSource],
         *,
         interval_s: float = 15.0,
         timeout_s: float = 10.0,
@@ -221,7 +223,7 @@ class RemoteWriter:
     def from_config(
         cls,
         config: PrometheusConfig,
-        source: Collector | Sequence[Collector],
+        source: MetricSource | Sequence[MetricSource],
         *,
         metrics: SelfMetrics | None = None,
         **kwargs,

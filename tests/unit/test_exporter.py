@@ -199,3 +199,32 @@ def test_final_marker_closes_the_ranks_windows_marked_final():
     finally:
         exp.shutdown(1)
         proc.stop()
+
+
+def test_a_non_retryable_refusal_drops_the_batches_in_flight_instead_of_resending_them():
+    """OpenTelemetry's rule: retry only the codes in ``RETRYABLE``.
+
+    A gRPC server with no services (in-process, 127.0.0.1 port 0) answers every
+    stream UNIMPLEMENTED, which sending again cannot fix: the batches are
+    dropped and counted once, never resent; the exporter stays usable.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from trainscope.collector.exporter import RETRYABLE
+
+    assert grpc.StatusCode.UNIMPLEMENTED not in RETRYABLE and grpc.StatusCode.UNAVAILABLE in RETRYABLE
+    server = grpc.server(ThreadPoolExecutor(2))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    exp = BatchExporter(RES, fast_config(f"127.0.0.1:{port}"))
+    try:
+        for i in range(5):
+            assert exp.submit(kb(i), 2500)
+        assert wait_for(lambda: exp.stats.dropped["non_retryable"] == 5, 10)
+        assert exp.stats.resent == 0 and exp.stats.confirmed == 0
+        assert exp.pending == 0
+    finally:
+        exp.shutdown(0.5)
+        server.stop(0)
