@@ -10,18 +10,13 @@ import time
 
 import pytest
 
+from support.ports import free_port
 from trainscope.analyzer.store import DiagnosisStore
 from trainscope.collector.exporter import ExporterConfig
 from trainscope.collector.sdk import Collector, CollectorConfig
 
 pytestmark = pytest.mark.integration
 MS = 1_000_000
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(args, home, log):

@@ -32,12 +32,13 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+
+from support.ports import free_port
 
 #: A broker of your own for the integration tests, e.g. ``localhost:9092``.
 ENV_BOOTSTRAP = "KAFKA_BOOTSTRAP"
@@ -57,12 +58,6 @@ def tansu_binary() -> Path | None:
         if path.is_file() and os.access(path, os.X_OK):
             return path
     return None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_metadata(bootstrap: str, timeout_s: float, alive=lambda: True) -> None:

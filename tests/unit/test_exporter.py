@@ -1,12 +1,11 @@
 """The collector's exporter against a real in-process processor on 127.0.0.1."""
-import multiprocessing
-import socket
 import time
 
 import numpy as np
 import pytest
 
 from support.pipeline import kernel_count, start_processor, wait_for
+from support.ports import free_port
 from trainscope.collector.exporter import BatchExporter, ExporterConfig
 from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.errors import ConfigError
@@ -14,12 +13,6 @@ from trainscope.proto.model import Resource
 
 RES = Resource(job_id="job", rank=0, world_size=2)
 S = 10**9
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kb(i, n=100):
@@ -131,35 +124,6 @@ def test_oversize_batches_are_dropped_before_sending():
         assert exp.stats.dropped["oversize"] == 1
     finally:
         exp.shutdown(0.2)
-
-
-def _child(exp, q):
-    # the parent's exporter, inherited by fork: must neither hang nor raise
-    ok = exp.submit(kb(1, 7), 200)
-    q.put((ok, exp.stats.dropped["forked"], exp.pending, exp.flush(1)))
-
-
-def test_exporter_survives_fork():
-    proc = start_processor()
-    exp = BatchExporter(RES, fast_config(proc.address))
-    try:
-        exp.submit(kb(0, 5), 200)
-        assert exp.flush(10)
-        ctx = multiprocessing.get_context("fork")
-        q = ctx.Queue()
-        child = ctx.Process(target=_child, args=(exp, q))
-        child.start()
-        # in the child: the submit is refused and counted, nothing is pending, flush returns
-        assert q.get(timeout=30) == (False, 1, 0, True)
-        child.join(10)
-        assert child.exitcode == 0
-        exp.submit(kb(2, 3), 100)          # the parent's exporter still works after the fork
-        assert exp.flush(10)
-        proc.drain(10)
-        assert kernel_count(proc) == 5 + 3
-    finally:
-        exp.shutdown(1)
-        proc.stop()
 
 
 def test_bad_config_names_the_setting():
