@@ -7,6 +7,8 @@ now, Prometheus' HTTP API. Questions: ``jobs``, ``verdict`` (latest or one
 window), ``stragglers`` since a time, a rank's ``kernels`` (L3-flagged
 first, with its mean duration per call against the other ranks'),
 ``iterations`` per window, ``ranks`` (host, device, parallel coordinates).
+The answer types are in ``query_model.py``, the Prometheus client in
+``prom_client.py``.
 
 Errors: a question the data cannot answer (unknown job, empty store,
 Prometheus unreachable) raises ``QueryError`` (CLI exit 1); a bad setting
@@ -22,151 +24,21 @@ import json
 import os
 import statistics
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
 from google.protobuf.json_format import MessageToDict
 
+from trainscope.analyzer.prom_client import PrometheusClient
+from trainscope.analyzer.query_model import (
+    FindingRow, IterationRow, JobRow, KernelRow, QueryError, RankInfo, Rows, StragglerRow, SuspectRow, VerdictView)
 from trainscope.proto.contracts import Signal
-from trainscope.proto.errors import ConfigError, TrainscopeError
+from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import records_pb2
 
 STRAGGLER_KINDS = ("straggler", "slow_communication")
 KERNEL_KINDS = ("degraded_kernel", "missing_kernel")
-
-
-class QueryError(TrainscopeError):
-    """A question the data cannot answer (unknown job, nothing recorded)."""
-
-
-# ---------------------------------------------------------------- results
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class RankInfo:
-    rank: int
-    host: str
-    pid: int
-    local_rank: int
-    device: str
-    dp: int
-    tp: int
-    pp: int
-    ep: int
-    cp: int
-
-    @property
-    def coords(self) -> str:
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} ep={self.ep} cp={self.cp}"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class JobRow:
-    job: str
-    ranks: int
-    windows: int
-    diagnoses: int
-    latest: str
-    """Summary sentence of the latest verdict ("" when none)."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class SuspectRow:
-    rank: int
-    score: float
-    host: str
-    coords: str
-    levels: tuple[str, ...]
-    where: tuple[str, ...]
-    """Phases, kernels or kinds the rank was named for."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class FindingRow:
-    level: str
-    kind: str
-    scope: str
-    suspects: tuple[int, ...]
-    top_score: float
-    severity: float
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class VerdictView:
-    job: str
-    window: int
-    iterations: tuple[int, int] | None
-    summary: str
-    suspects: tuple[SuspectRow, ...]
-    phases: tuple[str, ...]
-    kernels: tuple[str, ...]
-    findings: tuple[FindingRow, ...]
-    verdict: records_pb2.Verdict = dataclasses.field(repr=False, compare=False)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class StragglerRow:
-    rank: int
-    host: str
-    phases: tuple[str, ...]
-    kinds: tuple[str, ...]
-    windows: int | None
-    """Windows that flagged the rank (None from Prometheus, which has no windows)."""
-    max_score: float
-    first_seen: str | None
-    last_seen: str | None
-    flagged_now: bool
-    """Named by the latest verdict (store) or flagged now (Prometheus)."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class KernelRow:
-    kernel: str
-    kinds: tuple[str, ...]
-    flagged_windows: int
-    max_score: float | None
-    calls: int
-    rank_mean_s: float | None
-    peer_mean_s: float | None
-    """Median over the other ranks that ran the kernel of their mean duration per call."""
-    ratio: float | None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class IterationRow:
-    window: int
-    first_iteration: int
-    last_iteration: int
-    ranks: int
-    iterations: int
-    mean_s: float
-    p50_s: float
-    max_s: float
-    slowest_rank: int
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Rows:
-    """A list answer: which question, about which job, with which parameters."""
-
-    query: str
-    job: str | None
-    rows: tuple
-    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-
-def as_json(result: Rows | VerdictView) -> dict:
-    """The JSON form of an answer (verdicts reuse the replay contract's shapes)."""
-    from trainscope.analyzer.report import diagnosis_json, verdict_json
-
-    if isinstance(result, VerdictView):
-        return {"query": "verdict", "job": result.job, "healthy": not result.suspects and not result.findings,
-                "verdict": verdict_json(result.verdict),
-                "suspects": [dataclasses.asdict(s) for s in result.suspects],
-                "findings": [diagnosis_json(d) for d in result.verdict.findings]}
-    return {"query": result.query, "job": result.job, **result.params,
-            "rows": [dataclasses.asdict(r) for r in result.rows]}
 
 
 # ---------------------------------------------------------------- facade
@@ -419,40 +291,6 @@ class Query:
                                  calls=0, rank_mean_s=None, peer_mean_s=None, ratio=None)
                        for k, a in tally.by.items()), key=lambda x: (-(x.max_score or 0.0), x.kernel))
         return Rows(query="kernels", job=job, rows=tuple(rows[:top]), params={"rank": rank, **params})
-
-
-class PrometheusClient:
-    """Instant queries against ``/api/v1/query``; ``fetch(url, timeout)`` is injectable for tests."""
-
-    def __init__(self, url: str, timeout_s: float = 10.0,
-                 fetch: Callable[[str, float], bytes] | None = None) -> None:
-        self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
-        self._fetch = fetch or self._get
-
-    def query(self, promql: str) -> list[tuple[dict[str, str], float]]:
-        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
-        try:
-            body = json.loads(self._fetch(url, self.timeout_s))
-        except (OSError, ValueError) as e:  # URLError is an OSError; bad JSON a ValueError
-            raise QueryError(f"Prometheus at {self.url} did not answer: {e}") from None
-        if body.get("status") != "success":
-            raise QueryError(f"Prometheus at {self.url} refused {promql!r}: {body.get('error', body)}")
-        data = body["data"]
-        if data.get("resultType") != "vector":
-            raise QueryError(f"Prometheus returned a {data.get('resultType')} for {promql!r}, not a vector")
-        return [(r["metric"], float(r["value"][1])) for r in data["result"]]
-
-    @staticmethod
-    def _get(url: str, timeout_s: float) -> bytes:
-        try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as r:
-                return r.read()
-        except urllib.error.HTTPError as e:  # Prometheus puts its error in a JSON body
-            body = e.read()
-            if body.startswith(b"{"):
-                return body
-            raise
 
 
 class _Tally:

@@ -183,7 +183,8 @@ def cmd_query(args) -> int:
     import json
     import time
 
-    from trainscope.analyzer.query import Query, QueryConfig, QueryError, as_json
+    from trainscope.analyzer.query import Query, QueryConfig
+    from trainscope.analyzer.query_model import QueryError, as_json
 
     if args.store:
         path, setting = args.store, "--store"

@@ -47,7 +47,7 @@ def render_sim(res, out) -> None:
 
 def render_query(result) -> str:
     """A query answer as text: a verdict as summary + tables, a list answer as one table."""
-    from trainscope.analyzer.query import VerdictView
+    from trainscope.analyzer.query_model import VerdictView
 
     if isinstance(result, VerdictView):
         v = result

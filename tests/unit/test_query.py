@@ -16,7 +16,8 @@ import pytest
 
 from trainscope.analyzer.merge import merge
 from trainscope.analyzer.model import Finding, Scope, SuspectRank
-from trainscope.analyzer.query import Query, QueryConfig, QueryError, as_json
+from trainscope.analyzer.query import Query, QueryConfig
+from trainscope.analyzer.query_model import QueryError, as_json
 from trainscope.analyzer.store import DiagnosisStore
 from trainscope.deploy.cli import main, parse_since
 from trainscope.processor.store import SqliteStore
