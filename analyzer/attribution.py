@@ -56,7 +56,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from trainscope.analyzer.model import CULPRIT, LINK, MISSING, WAITER, Finding, JobWindow
-from trainscope.analyzer.topology import RoutingConfig, has_coords
+from trainscope.analyzer.topology import RoutingConfig, group_of, has_coords
 from trainscope.proto.model import DIMS, Resource
 
 #: Step 3b: the late rank with the most own work must have this many times the next one's.
@@ -123,24 +123,43 @@ def evidence_of(f: Finding, routing: RoutingConfig = _ROUTING) -> list[Evidence]
     return out
 
 
+class SyncPartners:
+    """Step 2 for every rank at once: {dimension: partners} ("pp" = the neighbouring stages).
+
+    Built once per window from ``topology.group_of`` (linear in the ranks), so
+    looking a rank's partners up costs its groups' sizes, not the job's.
+    """
+
+    def __init__(self, resources: Mapping[int, Resource]) -> None:
+        self.resources = resources
+        with_coords = {r: x for r, x in resources.items() if has_coords(x)}
+        self._member: dict[str, dict[int, list[int]]] = {}
+        for d in DIMS:
+            by_rank: dict[int, list[int]] = {}
+            for members in group_of(with_coords, d).values():
+                for r in members:
+                    by_rank[r] = members
+            self._member[d] = by_rank
+
+    def of(self, rank: int) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        me = self.resources.get(rank)
+        if me is None or not has_coords(me):
+            return out
+        for d, by_rank in self._member.items():
+            members = by_rank.get(rank, ())
+            if d == "pp":
+                ps = [r for r in members if abs(self.resources[r].coords.pp - me.coords.pp) == 1]
+            else:
+                ps = [r for r in members if r != rank]
+            if ps:
+                out[d] = ps
+        return out
+
+
 def sync_partners(rank: int, resources: Mapping[int, Resource]) -> dict[str, list[int]]:
-    """Step 2: {dimension: partners} ("pp" = the neighbouring stages)."""
-    me = resources.get(rank)
-    if me is None or not has_coords(me):
-        return {}
-    c = me.coords
-    out: dict[str, list[int]] = {}
-    for r, res in resources.items():
-        if r == rank or not has_coords(res):
-            continue
-        o = res.coords
-        differ = [d for d in DIMS if getattr(o, d) != getattr(c, d)]
-        if len(differ) == 1:
-            d = differ[0]
-            if d == "pp" and abs(o.pp - c.pp) != 1:
-                continue
-            out.setdefault(d, []).append(r)
-    return out
+    """Step 2 for one rank (``SyncPartners`` for many)."""
+    return SyncPartners(resources).of(rank)
 
 
 @dataclasses.dataclass(slots=True)
@@ -191,7 +210,7 @@ def _tp_last_arriver(jw: JobWindow | None, waiter: Evidence, partners: list[int]
 
 
 def _own_work_tiebreak(out: dict[int, "RankVerdict"], owners: set[int], resources: Mapping[int, Resource],
-                       jw: JobWindow) -> set[int]:
+                       jw: JobWindow, partners: SyncPartners) -> set[int]:
     """Step 3b: late arrivers connected to each other with no flagged work of their own (a TP pair
     and its pipeline neighbours, all late): the one with clearly the most extra work outside
     communication against its own DP peers, significant or not, is where the lateness starts."""
@@ -226,7 +245,7 @@ def _own_work_tiebreak(out: dict[int, "RankVerdict"], owners: set[int], resource
         while todo:
             r = todo.pop()
             comp.add(r)
-            for ps in sync_partners(r, resources).values():
+            for ps in partners.of(r).values():
                 for p in ps:
                     if p in left:
                         left.discard(p)
@@ -245,8 +264,10 @@ def _own_work_tiebreak(out: dict[int, "RankVerdict"], owners: set[int], resource
 
 
 def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
-              jw: JobWindow | None = None, iterations: Mapping[int, float] | None = None) -> list[RankVerdict]:
+              jw: JobWindow | None = None, iterations: Mapping[int, float] | None = None,
+              partners: SyncPartners | None = None) -> list[RankVerdict]:
     """Steps 2-5: one ``RankVerdict`` per rank named by any evidence, best first."""
+    partners = partners or SyncPartners(resources)
     by_rank: dict[int, list[Evidence]] = collections.defaultdict(list)
     for e in evidence:
         by_rank[e.rank].append(e)
@@ -267,7 +288,7 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
     # neighbour of a TP partner of the slow rank is late too): follow partners to the owner
     owners = {r for r, rv in out.items() if any(e.own for e in rv.evidence)}
     if jw is not None:
-        owners |= _own_work_tiebreak(out, owners, resources, jw)
+        owners |= _own_work_tiebreak(out, owners, resources, jw, partners)
     root: dict[int, int] = {r: r for r in owners}
     changed = True
     while changed:
@@ -275,7 +296,7 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
         for rv in out.values():
             if rv.role != CULPRIT or rv.rank in root:
                 continue
-            parts = sync_partners(rv.rank, resources)
+            parts = partners.of(rv.rank)
             cands = [p for ps in parts.values() for p in ps if p in root
                      and out[root[p]].impact_ns >= INHERIT_SHARE * rv.impact_ns]
             if cands:
@@ -288,7 +309,7 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
     for rv in list(out.values()):
         if rv.role != WAITER or rv.waited_for >= 0:
             continue
-        parts = sync_partners(rv.rank, resources)
+        parts = partners.of(rv.rank)
         cands = [p for ps in parts.values() for p in ps if p in out and out[p].role == CULPRIT]
         if cands:
             rv.waited_for = max(cands, key=lambda p: (out[p].impact_ns, -p))

@@ -36,7 +36,7 @@ import dataclasses
 import time
 from typing import Mapping, Sequence
 
-from trainscope.analyzer.attribution import Evidence, RankVerdict, attribute, evidence_of
+from trainscope.analyzer.attribution import Evidence, RankVerdict, SyncPartners, attribute, evidence_of
 from trainscope.analyzer.model import CULPRIT, LINK, MISSING, WAITER, Finding, JobWindow
 from trainscope.analyzer.significance import Persistence
 from trainscope.proto.model import Resource
@@ -68,8 +68,9 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     for f in active:
         if f.level != "L5":
             evidence += evidence_of(f)
-    evidence += _host_evidence(active, evidence, resources)
-    ranked = attribute(evidence, resources, jw, iterations)
+    partners = SyncPartners(resources)
+    evidence += _host_evidence(active, evidence, partners)
+    ranked = attribute(evidence, resources, jw, iterations, partners)
     host_fn = {s.rank: s.evidence.get("function") for f in active if f.level == "L5" for s in f.suspects}
     stalled_ranks = {s.rank for f in active if f.kind == "stall" for s in f.suspects}
 
@@ -135,12 +136,10 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
 
 
 def _host_evidence(active: Sequence[Finding], evidence: list[Evidence],
-                   resources: Mapping[int, Resource]) -> list[Evidence]:
+                   partners: SyncPartners) -> list[Evidence]:
     """L5 corroborates: a rank whose stacks sit in a host function its peers' do not (a GC pause, a
     data-loader wait) while it or its sync partners are flagged did slow work of its own, worth
     what the flagged ones among them lost."""
-    from trainscope.analyzer.attribution import sync_partners
-
     impact: dict[int, float] = collections.defaultdict(float)
     for e in evidence:
         impact[e.rank] = max(impact[e.rank], e.impact_ns)
@@ -149,7 +148,7 @@ def _host_evidence(active: Sequence[Finding], evidence: list[Evidence],
         if f.level != "L5":
             continue
         for s in f.suspects:
-            near = [s.rank] + [p for ps in sync_partners(s.rank, resources).values() for p in ps]
+            near = [s.rank] + [p for ps in partners.of(s.rank).values() for p in ps]
             worth = max((impact[r] for r in near if r in impact), default=0.0)
             if worth > 0:
                 out.append(Evidence(s.rank, "L5", f.kind, str(s.evidence.get("function", f.kind)), False,
