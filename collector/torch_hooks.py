@@ -39,7 +39,7 @@ import time
 import weakref
 from typing import Any, Callable
 
-from trainscope.collector.cuda_phases import Phases, PhaseTimerConfig, activate, phase  # noqa: F401 (re-export)
+from trainscope.collector.cuda_phases import Phases, PhaseTimerConfig, activate
 from trainscope.collector.iteration_detector import (
     DATALOADER, OPTIMIZER, IterationDetector, IterationDetectorConfig)
 from trainscope.proto.errors import ConfigError

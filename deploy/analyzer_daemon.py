@@ -54,7 +54,8 @@ class AnalyzerDaemon:
         self.config = config
         sinks: list = [StoreDiagnosisSink(DiagnosisStore(config.store_path))]  # step 2
         if config.kafka_bootstrap:  # step 1
-            from trainscope.processor.kafka_sink import KafkaSink, KafkaSinkConfig
+            from trainscope.processor.kafka_config import KafkaSinkConfig
+            from trainscope.processor.kafka_sink import KafkaSink
             self.source = KafkaSource(config.kafka_bootstrap, group_id=config.group_id)
             sinks.append(KafkaDiagnosisSink(KafkaSink(KafkaSinkConfig(
                 bootstrap=config.kafka_bootstrap, client_id="trainscope-analyzer", spool_dir=config.spool_dir))))

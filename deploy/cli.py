@@ -30,7 +30,7 @@ def _sink_configs(args) -> dict:
     out: dict = {"kafka": None, "prometheus": None, "perfetto": None}
     bootstrap = getattr(args, "kafka_bootstrap", None) or os.environ.get(env.KAFKA_BOOTSTRAP)
     if bootstrap:
-        from trainscope.processor.kafka_sink import KafkaSinkConfig
+        from trainscope.processor.kafka_config import KafkaSinkConfig
         out["kafka"] = KafkaSinkConfig(bootstrap=bootstrap,
                                        spool_dir=os.path.join(_home(args), "kafka-spool"))
     port = getattr(args, "prometheus_port", None)

@@ -1,7 +1,7 @@
 """Kafka sink configuration: :class:`KafkaSinkConfig` and the librdkafka settings it resolves to.
 
 Validated at start-up (a bad value raises ``ConfigError`` naming the
-``kafka.*`` setting); ``kafka_sink`` re-exports the class for existing importers.
+``kafka.*`` setting).
 """
 from __future__ import annotations
 

@@ -40,8 +40,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 from google.protobuf.message import Message
 
-# KafkaSinkConfig (and COMPRESSIONS) re-exported here for existing importers.
-from trainscope.processor.kafka_config import _NAME, COMPRESSIONS, KafkaSinkConfig  # noqa: F401
+from trainscope.processor.kafka_config import _NAME, KafkaSinkConfig
 from trainscope.processor.model import WindowOutput
 from trainscope.proto.contracts import SIGNALS, topic_for
 from trainscope.processor.selfmetrics import SelfMetrics

@@ -25,8 +25,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from trainscope.processor.model import WindowOutput
-# encode_window (and the clock ids) re-exported here for existing importers.
-from trainscope.processor.perfetto_encode import CLOCK_ABSOLUTE, CLOCK_INCREMENTAL, encode_window  # noqa: F401
+from trainscope.processor.perfetto_encode import encode_window
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.proto.errors import ConfigError
 

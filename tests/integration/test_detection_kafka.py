@@ -20,7 +20,7 @@ from trainscope.analyzer.sources import KafkaSource
 from trainscope.analyzer.store import DiagnosisStore
 from trainscope.collector.sim import sim_config
 from trainscope.deploy.embedded import run_sim
-from trainscope.processor.kafka_sink import KafkaSinkConfig
+from trainscope.processor.kafka_config import KafkaSinkConfig
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,8 @@ import pytest
 from confluent_kafka import Consumer
 from confluent_kafka.admin import AdminClient
 
-from trainscope.processor.kafka_sink import KafkaSink, KafkaSinkConfig
+from trainscope.processor.kafka_config import KafkaSinkConfig
+from trainscope.processor.kafka_sink import KafkaSink
 from trainscope.processor.model import ClosedWindow, WindowOutput
 from trainscope.proto.contracts import SIGNALS
 from trainscope.processor.sink import Sink

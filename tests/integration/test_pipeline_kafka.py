@@ -10,7 +10,7 @@ import pytest
 from confluent_kafka import Consumer
 
 from trainscope.deploy.replay import run_replay
-from trainscope.processor.kafka_sink import KafkaSinkConfig
+from trainscope.processor.kafka_config import KafkaSinkConfig
 from trainscope.processor.store import SqliteStore
 from trainscope.proto.v1 import records_pb2
 

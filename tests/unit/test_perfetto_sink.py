@@ -20,7 +20,8 @@ import pytest
 
 from trainscope.processor.model import ClosedWindow, WindowOutput
 from trainscope.processor.perfetto_check import validate_trace
-from trainscope.processor.perfetto_sink import PerfettoConfig, PerfettoSink, encode_window, trace_path
+from trainscope.processor.perfetto_encode import encode_window
+from trainscope.processor.perfetto_sink import PerfettoConfig, PerfettoSink, trace_path
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.processor.sink import Sink
 from trainscope.proto.columnar import KernelColumns

@@ -11,7 +11,8 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from trainscope.collector import launch  # noqa: E402
-from trainscope.collector.torch_hooks import TorchHooks, TorchHooksConfig, phase  # noqa: E402
+from trainscope.collector.cuda_phases import phase  # noqa: E402
+from trainscope.collector.torch_hooks import TorchHooks, TorchHooksConfig  # noqa: E402
 from trainscope.collector.iteration_detector import IterationDetectorConfig  # noqa: E402
 from trainscope.proto.model import Resource, coords_for_rank  # noqa: E402
 
