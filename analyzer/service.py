@@ -45,7 +45,7 @@ from trainscope.analyzer.levels import (
 from trainscope.analyzer.merge import merge
 from trainscope.analyzer.model import MISSING, Finding, JobWindow, Scope, SuspectRank
 from trainscope.analyzer.significance import Persistence
-from trainscope.analyzer.prom import AnalyzerMetrics
+from trainscope.analyzer.metrics import AnalyzerMetrics
 from trainscope.analyzer.sources import RecordSource
 from trainscope.proto.contracts import Signal
 from trainscope.proto.errors import ConfigError

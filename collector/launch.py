@@ -44,7 +44,7 @@ from trainscope.collector.bootstrap import AfterImport, install_autostart_pth  #
 from trainscope.collector.exporter import reachable
 from trainscope.proto import env
 from trainscope.proto.env import (
-    CPU_OPS, CUPTI, HOOKS, OFF as _OFF, RANK_PID, RUN_DIR, SHIP_INTERVAL_S, SHUTDOWN_TIMEOUT_S, STACKS,
+    AUTOSTART, CPU_OPS, CUPTI, HOOKS, OFF as _OFF, RANK_PID, RUN_DIR, SHIP_INTERVAL_S, SHUTDOWN_TIMEOUT_S, STACKS,
     STACKS_WINDOW_S, identity)
 from trainscope.proto.errors import ConfigError
 

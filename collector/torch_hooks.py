@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import logging
 import os
 import threading
@@ -42,20 +41,11 @@ from typing import Any, Callable
 from trainscope.collector.cuda_phases import Phases, PhaseTimerConfig, activate
 from trainscope.collector.iteration_detector import (
     DATALOADER, OPTIMIZER, IterationDetector, IterationDetectorConfig)
+from trainscope.collector.torch_collectives import CollectiveHooks
 from trainscope.proto.errors import ConfigError
-from trainscope.proto.model import DIMS, ParallelCoords, coords_for_rank
 
 log = logging.getLogger(__name__)
 
-#: torch.distributed functions wrapped, with the op name used in phase names.
-COLLECTIVES = {
-    "all_reduce": "allreduce", "all_gather": "allgather", "all_gather_into_tensor": "allgather",
-    "reduce_scatter": "reducescatter", "reduce_scatter_tensor": "reducescatter",
-    "broadcast": "broadcast", "reduce": "reduce", "all_to_all": "alltoall",
-    "all_to_all_single": "alltoall", "barrier": "barrier", "gather": "gather", "scatter": "scatter",
-    "send": "send", "recv": "recv", "isend": "send", "irecv": "recv",
-    "all_gather_object": "allgather", "broadcast_object_list": "broadcast",
-}
 _tls = threading.local()
 _CURRENT: "TorchHooks | None" = None
 
@@ -88,8 +78,10 @@ def _depth(name: str) -> int:
     return getattr(_tls, name, 0)
 
 
-class TorchHooks:
-    """Installs and removes the wrappers; holds the phase timer and iteration detector."""
+class TorchHooks(CollectiveHooks):
+    """Installs and removes the wrappers; holds the phase timer and iteration detector.
+
+    The collective wrappers and the declared groups (step 4) are in ``torch_collectives.py``."""
 
     def __init__(self, collector, config: TorchHooksConfig = TorchHooksConfig(), *,
                  on_resource: Callable[[Any], None] | None = None) -> None:
@@ -321,185 +313,6 @@ class TorchHooks:
         for h in hs:
             h.remove()
 
-    # ---------------------------------------------------------- collectives
-    def _install_collectives(self) -> None:
-        import torch.distributed as dist
-
-        if not dist.is_available():
-            return
-        from torch.distributed import distributed_c10d as c10d
-
-        init = c10d.init_process_group
-
-        @functools.wraps(init)
-        def init_process_group(*a, **k):
-            out = init(*a, **k)
-            if self.active:
-                self._guard(self._adopt_dist_identity)
-            return out
-
-        self._patch(c10d, "init_process_group", init_process_group)
-        self._patch(dist, "init_process_group", init_process_group)
-        for fname, op in COLLECTIVES.items():
-            fn = getattr(c10d, fname, None)
-            if fn is None or getattr(fn, "__trainscope__", False):
-                continue
-            params = list(inspect.signature(fn).parameters)
-            wrapped = self._wrap_collective(fn, op, params)
-            self._patch(c10d, fname, wrapped)
-            if getattr(dist, fname, None) is fn:
-                self._patch(dist, fname, wrapped)
-
-    def _wrap_collective(self, fn, op: str, params: list[str]):
-        hooks = self
-        gi = params.index("group") if "group" in params else None
-        ai = params.index("async_op") if "async_op" in params else None
-
-        @functools.wraps(fn)
-        def wrapper(*a, **k):
-            if not hooks.active or _depth("coll"):
-                return fn(*a, **k)
-            _tls.coll = 1
-            try:
-                group = k.get("group", a[gi] if gi is not None and gi < len(a) else None)
-                return hooks._timed_call(fn, op, group, ai, a, k)
-            finally:
-                _tls.coll = 0
-
-        wrapper.__trainscope__ = True
-        return wrapper
-
-    def _timed_call(self, fn, op: str, group, ai: int | None, a, k):
-        prep = self._guard(self._prepare_collective, op, group, ai is not None)
-        if prep is None:
-            return fn(*a, **k)
-        name, mode = prep
-        if mode == "capturing":  # inside CUDA-graph capture: no events, no handle juggling
-            return fn(*a, **k)
-        if mode == "nccl_timing":  # async internally, so the group's NCCL-stream events time it
-            wall = time.time_ns()
-            if ai < len(a):
-                user_async, a = bool(a[ai]), a[:ai] + (True,) + a[ai + 1:]
-            else:
-                user_async, k = bool(k.get("async_op", False)), dict(k, async_op=True)
-            work = fn(*a, **k)
-            if work is not None:
-                self.phases.add_work(name, work, start_wall=wall)
-                if not user_async:
-                    work.wait()
-                    return None
-            return work
-        span = self.phases.begin(name, device_side=(mode == "events"))
-        out = fn(*a, **k)
-        works = out if isinstance(out, list) else [out]
-        if mode == "events" or not all(hasattr(w, "get_future") for w in works):
-            self.phases.end(span)  # done (recv returns the sender's rank, not a handle)
-        else:
-            self._guard(self._end_on_completion, works, span)
-        return out
-
-    def _prepare_collective(self, op: str, group, can_async: bool) -> tuple[str, str]:
-        name = f"{self._role(group)}-{op}"
-        if "nccl" in self._backend(group) and self.phases.cuda_active():
-            if self.phases.capturing():
-                return name, "capturing"
-            timing = os.environ.get("TORCH_NCCL_ENABLE_TIMING", "0") not in ("", "0")
-            return name, ("nccl_timing" if timing and can_async else "events")
-        return name, "host"
-
-    def _end_on_completion(self, works: list, span) -> None:
-        pending = [len(works)]
-        lock = threading.Lock()
-
-        def done(_fut):
-            with lock:
-                pending[0] -= 1
-                last = pending[0] == 0
-            if last:
-                self.phases.end(span)
-
-        for w in works:
-            w.get_future().add_done_callback(done)
-
-    def _backend(self, group) -> str:
-        key = id(group)
-        b = self._backends.get(key)
-        if b is None:
-            import torch.distributed as dist
-            if len(self._backends) > 1024:  # groups made on the fly: keep the caches bounded
-                self._backends.clear()
-                self._role_cache.clear()
-            b = self._backends[key] = str(dist.get_backend(group)).lower()
-        return b
-
-    def _role(self, group) -> str:
-        key = id(group)
-        role = self._role_cache.get(key)
-        if role is None:
-            role = self._role_cache[key] = self._lookup_role(group)
-        return role
-
-    def _lookup_role(self, group) -> str:
-        if group is not None:
-            hit = self._roles.get(id(group))
-            if hit is not None:
-                return hit[1]
-            import torch.distributed as dist
-            if group is not dist.group.WORLD:
-                return "group"
-        c = getattr(getattr(self.collector, "resource", None), "coords", None)
-        pure_dp = c is None or all(getattr(c, f"{d}_size", 1) in (0, 1) for d in ("tp", "pp", "ep", "cp"))
-        return "dp" if pure_dp else "world"
-
-    # ---------------------------------------------------- declared groups
-    def declare_groups(self, **groups) -> ParallelCoords | None:
-        """Name this rank's process groups by role (dp=, tp=, pp=, ep=, cp=) and
-        derive its parallel coordinates from them (rank and size in each group)."""
-        import torch.distributed as dist
-
-        bad = set(groups) - set(DIMS)
-        if bad:
-            raise ConfigError("declare_groups", sorted(bad), f"roles must be among {DIMS}")
-        coords = {}
-        for role, g in groups.items():
-            if g is None:
-                continue
-            self._roles[id(g)] = (g, role)
-            rank = dist.get_rank(g)
-            if rank >= 0:  # -1: this process is not a member (a group created collectively)
-                coords[role], coords[f"{role}_size"] = rank, dist.get_world_size(g)
-        return self.declare_coords(**coords)
-
-    def declare_coords(self, **coords) -> ParallelCoords | None:
-        """Set coordinates (``dp=3, dp_size=8, tp=1, tp_size=2, ...``) directly."""
-        res = getattr(self.collector, "resource", None)
-        if res is None:
-            return None
-        return self._set_resource(coords=dataclasses.replace(res.coords, **coords)).coords
-
-    def _set_resource(self, **changes):
-        """Replace this rank's identity; batches serialised from now on carry it."""
-        new = dataclasses.replace(self.collector.resource, **changes)
-        self.collector.resource = new
-        self._role_cache.clear()
-        exp = getattr(self.collector, "exporter", None)
-        if exp is not None and hasattr(exp, "set_resource"):
-            exp.set_resource(new)
-        if self._on_resource is not None:
-            self._guard(self._on_resource, new)
-        return new
-
-    def _adopt_dist_identity(self) -> None:
-        """After ``init_process_group``: rank and world size from torch.distributed when the
-        launcher's environment did not say (or said otherwise)."""
-        import torch.distributed as dist
-
-        res = getattr(self.collector, "resource", None)
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if res is not None and (res.rank, res.world_size) != (rank, world):
-            topo = getattr(getattr(self.collector, "config", None), "topology", None) or {}
-            self._set_resource(rank=rank, world_size=world, coords=coords_for_rank(rank, world, **topo))
-
 
 def _disable_in_child(ref) -> None:
     hooks = ref()
@@ -516,4 +329,4 @@ def install(collector, config: TorchHooksConfig = TorchHooksConfig(), **kw) -> T
     return TorchHooks(collector, config, **kw).install()
 
 
-__all__ = ["COLLECTIVES", "TorchHooks", "TorchHooksConfig", "current", "install", "phase"]
+__all__ = ["TorchHooks", "TorchHooksConfig", "current", "install"]

@@ -45,9 +45,9 @@ class AnalyzerDaemonConfig:
 
 class AnalyzerDaemon:
     def __init__(self, config: AnalyzerDaemonConfig) -> None:
-        from trainscope.analyzer.prom import AnalyzerMetrics
+        from trainscope.analyzer.metrics import AnalyzerMetrics
         from trainscope.analyzer.service import Analyzer, AnalyzerConfig
-        from trainscope.analyzer.sinks import KafkaDiagnosisSink, StoreDiagnosisSink
+        from trainscope.analyzer.diagnosis_sinks import KafkaDiagnosisSink, StoreDiagnosisSink
         from trainscope.analyzer.sources import KafkaSource, StoreSource
         from trainscope.analyzer.store import DiagnosisStore
 

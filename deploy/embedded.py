@@ -25,7 +25,7 @@ from trainscope.processor.windows import WindowConfig
 class EmbeddedAnalysis:
     def __init__(self, proc: Processor, store_path: str, config: Any = None) -> None:
         from trainscope.analyzer.service import Analyzer, AnalyzerConfig
-        from trainscope.analyzer.sinks import BusDiagnosisSink, StoreDiagnosisSink
+        from trainscope.analyzer.diagnosis_sinks import BusDiagnosisSink, StoreDiagnosisSink
         from trainscope.analyzer.sources import BusSource
         from trainscope.analyzer.store import DiagnosisStore
 

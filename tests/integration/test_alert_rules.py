@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from trainscope.analyzer.model import Finding, Scope, SuspectRank
-from trainscope.analyzer.prom import AnalyzerMetrics
+from trainscope.analyzer.metrics import AnalyzerMetrics
 from trainscope.deploy.cli import main
 from trainscope.processor.prom_exporter import PrometheusConfig, PrometheusSink, start_metrics_server
 from trainscope.processor.selfmetrics import COUNTERS, GAUGES, SelfMetrics

@@ -15,7 +15,7 @@ import pytest
 
 from trainscope.analyzer.evaluate import evaluate, load_truth
 from trainscope.analyzer.service import Analyzer, AnalyzerConfig
-from trainscope.analyzer.sinks import StoreDiagnosisSink
+from trainscope.analyzer.diagnosis_sinks import StoreDiagnosisSink
 from trainscope.analyzer.sources import KafkaSource
 from trainscope.analyzer.store import DiagnosisStore
 from trainscope.collector.sim import sim_config

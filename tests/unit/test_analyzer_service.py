@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from trainscope.analyzer.service import Analyzer, AnalyzerConfig
-from trainscope.analyzer.sinks import BusDiagnosisSink, StoreDiagnosisSink
+from trainscope.analyzer.diagnosis_sinks import BusDiagnosisSink, StoreDiagnosisSink
 from trainscope.analyzer.sources import BusSource
 from trainscope.analyzer.store import DiagnosisStore
 from trainscope.processor.bus import EmbeddedBus
