@@ -367,7 +367,8 @@ def _add_run_parser(sub) -> None:
     ru.add_argument("--processor", help=f"processor address (env {env.PROCESSOR}; default the host's socket)")
     ru.add_argument("--no-processor", action="store_true", help="do not start a processor when none answers")
     ru.add_argument("--no-stacks", action="store_true", help="no py-spy stack sidecar")
-    ru.add_argument("--stacks-window-s", type=float, default=10.0, help="stack sampling window (whole seconds)")
+    ru.add_argument("--stacks-window-s", type=float, default=env.DEFAULT_STACKS_WINDOW_S,
+                    help="stack sampling window (whole seconds)")
     ru.add_argument("--job-id", help=f"job id (env {env.JOB_ID}; default generated)")
     ru.add_argument("--match", help="regex rank command lines must match (default: the script or -m module)")
     ru.add_argument("--run-dir", help="rank registry and counters (default a temporary directory)")

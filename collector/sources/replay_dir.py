@@ -24,7 +24,7 @@ TOPOLOGY_FILE = "topology.json"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Topology:
+class ReplayTopology:
     """Parallel layout of a replayed job, as in ``topology.json``."""
 
     #: Number of ranks in the job.
@@ -55,7 +55,7 @@ class Topology:
         return self.world_size // (self.tp * self.pp * self.ep * self.cp)
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike, *, world_size: int | None = None) -> "Topology":
+    def from_json(cls, path: str | os.PathLike, *, world_size: int | None = None) -> "ReplayTopology":
         """Read and validate ``topology.json``; ``world_size`` fills a missing field.
 
         An extra ``dp`` field is accepted when it agrees with the others; any
@@ -96,7 +96,7 @@ class ReplayJob:
 
     root: str
     job_id: str
-    topology: Topology
+    topology: ReplayTopology
     #: Rank -> trace file path.
     files: dict[int, str]
     #: ``distributedInfo`` when the files' own ranks are used, ``filename`` when
@@ -159,13 +159,13 @@ def scan_replay_dir(path: str | os.PathLike) -> ReplayJob:
     inferred = max(worlds + [len(files)])
     topo_path = root / TOPOLOGY_FILE
     if topo_path.exists():
-        topology = Topology.from_json(topo_path, world_size=inferred)
+        topology = ReplayTopology.from_json(topo_path, world_size=inferred)
         world_source = TOPOLOGY_FILE
         if worlds and max(worlds) != topology.world_size:
             notes.append(f"topology.json world_size {topology.world_size} overrides "
                          f"distributedInfo.world_size {max(worlds)}")
     else:
-        topology = Topology(world_size=inferred)
+        topology = ReplayTopology(world_size=inferred)
         world_source = "distributedInfo" if worlds and max(worlds) >= len(files) else "file_count"
     bad = sorted(r for r in files if r >= topology.world_size)
     if bad:

@@ -11,7 +11,7 @@ import pytest
 
 from trainscope.collector.sources import KernelSource, ReplayKernelSource
 from trainscope.collector.sources.replay import load_rank_trace
-from trainscope.collector.sources.replay_dir import Topology, resource_for, scan_replay_dir
+from trainscope.collector.sources.replay_dir import ReplayTopology, resource_for, scan_replay_dir
 from trainscope.proto.columnar import KIND_KERNEL, KIND_MEMCPY, KIND_MEMSET
 from trainscope.proto.errors import ConfigError, TraceFileError
 from trainscope.proto.v1.telemetry_pb2 import PHASE_CLOCK_CPU, PHASE_CLOCK_CUDA_EVENT
@@ -325,12 +325,12 @@ def test_bad_topology_names_the_field(tmp_path, topology, field):
 def test_topology_defaults_and_coords(tmp_path):
     p = tmp_path / "topology.json"
     p.write_text(json.dumps({"tp": 2, "pp": 2}))
-    topo = Topology.from_json(p, world_size=8)
+    topo = ReplayTopology.from_json(p, world_size=8)
     assert (topo.world_size, topo.dp, topo.order) == (8, 2, "tp-cp-ep-dp-pp")
     c = topo.coords(5)  # tp fastest, then dp, then pp
     assert (c.tp, c.dp, c.pp) == (1, 0, 1)
     with pytest.raises(ConfigError, match="missing"):
-        Topology.from_json(p)
+        ReplayTopology.from_json(p)
 
 
 def test_replay_source_is_a_kernel_source_and_stops(tmp_path):
