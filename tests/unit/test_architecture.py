@@ -143,3 +143,25 @@ def test_cycle_finder_finds_a_cycle():
 def test_no_import_cycles():
     cycles = _cycles(GRAPH)
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_what_the_start_up_hook_imports_is_standard_library_only():
+    """``collector/bootstrap/_trainscope_boot.py`` runs in every Python process of a job (launchers,
+    data-loader workers): at import time it and what it imports from trainscope (``proto/env.py``
+    and, through it, ``proto/errors.py``) may import only the standard library. (Only a process
+    found to be a rank imports the collector, inside ``boot()``.)"""
+    import sys
+
+    files = ["collector/bootstrap/_trainscope_boot.py", "proto/env.py", "proto/errors.py"]
+    for rel in files:
+        tree = ast.parse((ROOT / rel).read_text())
+        top = set()
+        for node in tree.body:  # module level: what importing the file costs
+            if isinstance(node, ast.Import):
+                top.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                top.add(node.module)
+        ours = {m for m in top if m.startswith("trainscope.")}
+        assert ours <= {"trainscope.proto.env", "trainscope.proto.errors"}, (rel, ours)
+        others = {m.split(".")[0] for m in top - ours}
+        assert others <= set(sys.stdlib_module_names) | {"__future__"}, (rel, others - set(sys.stdlib_module_names))
