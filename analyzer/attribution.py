@@ -33,7 +33,7 @@ evidence and attributes the waiting to the member that made the others wait.
    waiter's excess, it is the culprit by dependency (evidence level
    ``DEP``), with the waiter's excess as its impact.
    3b. Late arrivers linked to each other with no flagged work of their
-   own: the one with clearly (``TIEBREAK_MARGIN``) the most extra work
+   own, and no partner with any: the one with clearly (``TIEBREAK_MARGIN``) the most extra work
    outside communication against its DP peers, significant or not, is where
    the lateness starts (a slightly slower GPU that makes its TP partner and
    their pipeline neighbours late).
@@ -250,8 +250,8 @@ def _own_work_tiebreak(out: dict[int, "RankVerdict"], owners: set[int], resource
                     if p in left:
                         left.discard(p)
                         todo.append(p)
-        if len(comp) < 2:
-            continue
+        if len(comp) < 2 or any(p in owners for r in comp for ps in partners.of(r).values() for p in ps):
+            continue    # linked to a rank with flagged work of its own: step 3 follows it there
         best = sorted(comp, key=lambda r: -excess.get(r, 0.0))
         top, second = excess.get(best[0], 0.0), excess.get(best[1], 0.0)
         if top > 0 and top >= TIEBREAK_MARGIN * second:
