@@ -316,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="trainscope-stacks", description=__doc__.split("\n\n")[0])
     ap.add_argument("--run-dir", required=True, help="directory where ranks announce themselves")
     d = StackSamplerConfig()
-    ap.add_argument("--processor", default=os.environ.get(env.PROCESSOR) or ExporterConfig().target)
+    ap.add_argument("--processor", default=env.text(env.PROCESSOR) or ExporterConfig().target)
     ap.add_argument("--window-s", type=float, default=d.window_s)
     ap.add_argument("--rate", type=int, default=d.rate_hz)
     ap.add_argument("--idle-exit-s", type=float, default=d.idle_exit_s)

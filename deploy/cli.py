@@ -22,24 +22,21 @@ from trainscope.proto.errors import ConfigError, TrainscopeError
 
 
 def _home(args) -> str:
-    return args.home or os.environ.get(env.HOME) or os.path.join(os.getcwd(), ".trainscope")
+    return args.home or env.text(env.HOME) or os.path.join(os.getcwd(), ".trainscope")
 
 
 def _sink_configs(args) -> dict:
     """Kafka / Prometheus / Perfetto configs from flags, then environment."""
     out: dict = {"kafka": None, "prometheus": None, "perfetto": None}
-    bootstrap = getattr(args, "kafka_bootstrap", None) or os.environ.get(env.KAFKA_BOOTSTRAP)
+    bootstrap = getattr(args, "kafka_bootstrap", None) or env.text(env.KAFKA_BOOTSTRAP)
     if bootstrap:
         from trainscope.processor.kafka_config import KafkaSinkConfig
         out["kafka"] = KafkaSinkConfig(bootstrap=bootstrap,
                                        spool_dir=os.path.join(_home(args), "kafka-spool"))
     port = getattr(args, "prometheus_port", None)
-    if port is None and os.environ.get(env.PROMETHEUS_PORT):
-        try:
-            port = int(os.environ[env.PROMETHEUS_PORT])
-        except ValueError:
-            raise ConfigError(env.PROMETHEUS_PORT, os.environ[env.PROMETHEUS_PORT], "must be a port number") from None
-    rw = getattr(args, "remote_write_url", None) or os.environ.get(env.REMOTE_WRITE_URL)
+    if port is None:
+        port = env.integer(env.PROMETHEUS_PORT, None)
+    rw = getattr(args, "remote_write_url", None) or env.text(env.REMOTE_WRITE_URL)
     if port is not None or rw:
         from trainscope.processor.prom_exporter import PrometheusConfig
         out["prometheus"] = PrometheusConfig(port=port or 0, remote_write_url=rw or None)
@@ -63,7 +60,7 @@ def cmd_processor(args) -> int:
     from trainscope.processor.windows import WindowConfig
 
     cfg = ProcessorConfig(
-        listen=args.listen or os.environ.get(env.PROCESSOR) or ProcessorConfig.listen,
+        listen=args.listen or env.text(env.PROCESSOR) or ProcessorConfig.listen,
         window=WindowConfig(mode=args.window_mode, length_s=args.window_length_s,
                             iterations=args.window_iterations),
         store_path=os.path.join(_home(args), "store.sqlite"),
@@ -119,7 +116,7 @@ def cmd_analyzer(args) -> int:
     store_path = args.store or os.path.join(home, "store.sqlite")
     cfg = AnalyzerDaemonConfig(
         store_path=store_path, spool_dir=os.path.join(home, "analyzer-spool"),
-        kafka_bootstrap=args.kafka_bootstrap or os.environ.get(env.KAFKA_BOOTSTRAP) or None,
+        kafka_bootstrap=args.kafka_bootstrap or env.text(env.KAFKA_BOOTSTRAP) or None,
         group_id=args.group_id, window_timeout_s=args.window_timeout_s, prometheus_port=args.prometheus_port)
     daemon = AnalyzerDaemon(cfg)
     try:
@@ -190,7 +187,7 @@ def cmd_query(args) -> int:
         path, setting = args.store, "--store"
     else:
         path = os.path.join(_home(args), "store.sqlite")
-        setting = "--home" if args.home else env.HOME if os.environ.get(env.HOME) else "--home (default ./.trainscope)"
+        setting = "--home" if args.home else env.HOME if env.text(env.HOME) else "--home (default ./.trainscope)"
     cfg = QueryConfig(store_path=path, store_setting=setting, prometheus_url=getattr(args, "prometheus", None))
     since_ns = parse_since(getattr(args, "since", None), time.time())
     ask = {

@@ -141,8 +141,8 @@ def _stop(proc: subprocess.Popen | None, timeout_s: float) -> None:
 
 def run(config: RunConfig) -> RunResult:
     """``trainscope run``: processor, sidecar, the job under the bootstrap hook, counters."""
-    job_id = config.job_id or os.environ.get(env.JOB_ID) or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    target = config.processor or os.environ.get(env.PROCESSOR) or env.DEFAULT_PROCESSOR_TARGET
+    job_id = config.job_id or env.text(env.JOB_ID) or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    target = config.processor or env.text(env.PROCESSOR) or env.DEFAULT_PROCESSOR_TARGET
     run_dir = config.run_dir or tempfile.mkdtemp(prefix="trainscope-run-")
     os.makedirs(run_dir, exist_ok=True)
     proc = sidecar = None

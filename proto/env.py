@@ -93,7 +93,7 @@ def number(name: str, default: float, environ: Mapping[str, str] | None = None) 
         raise ConfigError(name, v, "must be a number") from None
 
 
-def integer(name: str, default: int, environ: Mapping[str, str] | None = None) -> int:
+def integer(name: str, default: int | None, environ: Mapping[str, str] | None = None) -> int | None:
     """An int; ``default`` when unset or empty; ConfigError naming the variable otherwise."""
     v = _env(environ).get(name)
     if v is None or v == "":

@@ -165,3 +165,21 @@ def test_what_the_start_up_hook_imports_is_standard_library_only():
         assert ours <= {"trainscope.proto.env", "trainscope.proto.errors"}, (rel, ours)
         others = {m.split(".")[0] for m in top - ours}
         assert others <= set(sys.stdlib_module_names) | {"__future__"}, (rel, others - set(sys.stdlib_module_names))
+
+
+def test_environment_values_are_parsed_one_way():
+    """proto/env.py: unset and empty mean the default; a bad value names the variable."""
+    from trainscope.proto import env
+    from trainscope.proto.errors import ConfigError
+
+    e = {env.PROMETHEUS_PORT: "9100", env.STACKS: "Off", env.SHUTDOWN_TIMEOUT_S: "", env.HOME: "/h"}
+    assert env.integer(env.PROMETHEUS_PORT, None, e) == 9100
+    assert env.integer(env.WORLD_SIZE, 1, e) == 1
+    assert env.switch(env.STACKS, True, e) is False and env.switch(env.CUPTI, True, e) is True
+    assert env.number(env.SHUTDOWN_TIMEOUT_S, 3.0, e) == 3.0
+    assert env.text(env.HOME, "", e) == "/h" and env.text(env.PROCESSOR, "d", e) == "d"
+    with pytest.raises(ConfigError, match=env.PROMETHEUS_PORT):
+        env.integer(env.PROMETHEUS_PORT, None, {env.PROMETHEUS_PORT: "ninety"})
+    with pytest.raises(ConfigError, match=env.SHIP_INTERVAL_S):
+        env.number(env.SHIP_INTERVAL_S, 1.0, {env.SHIP_INTERVAL_S: "1s"})
+    assert env.identity({"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}) == (3, 8, 1)
