@@ -11,9 +11,10 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
 3. Persistence (``significance.Persistence``): a rank becomes a suspect of
    the verdict once it was flagged in the same place in k of the last n
    windows; before that
-   it is ``pending``. Stalls are named at once, and so is a rank costing at
-   least ``URGENT_SHARE`` of the step (noise that large is not what
-   persistence guards against; waiting a window would only delay the page). A partial window (ranks
+   it is ``pending``. Stalls are named at once, and so is a culprit whose
+   own slow work (not a collective it arrived late to) costs at least
+   ``URGENT_SHARE`` of the step: noise that large is not what persistence
+   guards against, and waiting a window would only delay the page. A partial window (ranks
    missing) never names the ranks present because others are absent: it
    only feeds the persistence of ranks it flags on their own evidence.
 4. Aggregation: when the suspects' impact sits mostly (≥ 2/3) on one host
@@ -91,7 +92,8 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
         confirmed = set(places)
     jitter_held = JOB in confirmed
     # overwhelming evidence needs no second window: a rank costing a large share of the step
-    urgent = {r for r, rv in flagged.items() if step_ns > 0 and rv.score_ns >= URGENT_SHARE * step_ns}
+    urgent = {r for r, rv in flagged.items() if step_ns > 0 and rv.role == CULPRIT
+              and rv.score_ns >= URGENT_SHARE * step_ns and any(e.own for e in rv.evidence)}
     confirmed = (confirmed & set(flagged)) | ((stalled_ranks | urgent) & set(flagged))
     smooth = (lambda r: persistence.smoothed_impact(r) or flagged[r].score_ns) if persistence else (
         lambda r: flagged[r].score_ns)
