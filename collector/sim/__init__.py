@@ -9,8 +9,13 @@ recorded in a ground-truth JSON file.
 
     from trainscope.collector.sim import SimConfig, parse_fault, run_sim
     res = run_sim(SimConfig(ranks=64, tp=4, pp=2, iterations=20,
-                            faults=(parse_fault("gpu_throttle:rank=5,factor=1.5"),)))
+                            faults=(parse_fault("gpu_throttle:rank=5,factor=1.5"),)),
+                  "unix:///tmp/trainscope/processor.sock")   # or sinks=[MemorySink()]
     print(res.ground_truth_path, res.events_per_s)
+
+The simulator only emits, to an address or to the sinks it is given; the
+embedded default (an in-process processor and analyzer) is
+``trainscope.deploy.embedded.run_sim``, what ``trainscope sim`` and ``demo`` use.
 
 Modules by role: ``topology`` (groups, hosts, NICs, clocks), ``workload``
 (kernel/phase template), ``faults`` (catalogue, parser, activity),
