@@ -397,6 +397,9 @@ def merge_windows(verdicts: Sequence[records_pb2.Verdict]) -> records_pb2.Verdic
     out.phases.extend(dict.fromkeys(p for v in vs for p in v.phases).keys())
     out.kernels.extend(dict.fromkeys(k for v in vs for k in v.kernels).keys())
     out.partial = any(v.partial for v in vs)
+    last_named = next((v for v in reversed(vs) if v.ranks), None)
+    if last_named is not None:      # the evidence behind the verdict: the latest window that named someone
+        out.findings.extend(last_named.findings)
     out.summary = summarize(out.job_id, out, [], {}).replace(
         f"job {out.job_id}:", f"job {out.job_id} ({len(vs)} windows):", 1)
     return out

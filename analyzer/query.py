@@ -37,8 +37,9 @@ from trainscope.proto.contracts import Signal
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import records_pb2
 
-STRAGGLER_KINDS = ("straggler", "slow_communication")
-KERNEL_KINDS = ("degraded_kernel", "missing_kernel")
+STRAGGLER_KINDS = ("straggler", "slow_communication", "imbalance", "slow_group", "late_arrivers",
+                   "pair_straggler", "individual_slowdown")
+KERNEL_KINDS = ("degraded_kernel", "degraded_kernels", "missing_kernel")
 
 
 # ---------------------------------------------------------------- facade
@@ -129,10 +130,15 @@ class Query:
         return Rows(query="jobs", job=None, rows=tuple(rows))
 
     def verdict(self, job: str | None, window: int | None = None) -> VerdictView:
+        """The job's verdict merged over its windows (the replay contract's ``verdict``), or one window's."""
+        from trainscope.analyzer.merge import merge_windows
+
         job = self.resolve_job(job)
         _, diagnoses = self._open()
-        v = (diagnoses.latest_verdict(job) if window is None
-             else next((x for x in diagnoses.verdicts(job) if x.window.index == window), None))
+        if window is None:
+            v = merge_windows(list(diagnoses.verdicts(job)))
+        else:
+            v = next((x for x in diagnoses.verdicts(job) if x.window.index == window), None)
         if v is None:
             raise QueryError(f"job {job!r} has no verdict" + (f" for window {window}" if window is not None
                                                               else " yet (the analyzer has not run on it)"))
@@ -140,13 +146,21 @@ class Query:
         suspects = []
         for s in v.ranks:
             ev, ri = MessageToDict(s.evidence), info.get(s.rank)
-            suspects.append(SuspectRow(rank=s.rank, score=s.score, host=ri.host if ri else "", coords=ri.coords if ri
-                                       else "", levels=tuple(ev.get("levels", ())), where=tuple(ev.get("where", ()))))
+            suspects.append(SuspectRow(
+                rank=s.rank, role=s.role or "culprit", impact_s=s.impact_s, impact_pct=round(s.impact_pct, 2),
+                host=(ri.host if ri else "") or s.host, coords=ri.coords if ri else "",
+                waited_for=s.waited_for if s.waited_for >= 0 else None,
+                levels=tuple(ev.get("levels", ())), where=tuple(ev.get("where", ()))))
         w = v.window
         its = ((w.first_iteration, w.last_iteration) if w.kind == records_pb2.WINDOW_KIND_ITERATIONS else None)
-        return VerdictView(job=job, window=w.index, iterations=its, summary=v.summary, suspects=tuple(suspects),
+        if window is None:
+            its = None
+        return VerdictView(job=job, window=window, iterations=its, summary=v.summary, state=v.state or "healthy",
+                           confidence=v.confidence, host=v.host,
+                           since_window=v.since_window if v.HasField("since_window") else None,
+                           comparison=v.comparison, suspects=tuple(suspects),
                            phases=tuple(v.phases), kernels=tuple(v.kernels),
-                           findings=tuple(_finding_row(d) for d in v.findings), verdict=v)
+                           findings=tuple(_finding_row(d) for d in v.findings if not d.informational), verdict=v)
 
     def stragglers(self, job: str | None, since_ns: int = 0) -> Rows:
         """Ranks flagged as stragglers by diagnoses made at or after ``since_ns`` (unix ns; 0: all)."""
@@ -160,9 +174,9 @@ class Query:
         for kind in STRAGGLER_KINDS:
             for d in diagnoses.diagnoses(job, since_ns=since_ns, kind=kind):
                 for s in d.suspects:
-                    tally.add(s.rank, s.score, d.kind, d.scope.phase, d.window, d.created_unix_ns, s.rank in now)
+                    tally.add(s.rank, s.impact_s, d.kind, d.scope.phase, d.window, d.created_unix_ns, s.rank in now)
         hosts = {r.rank: r.host for r in self._rank_infos(job)}
-        rows = sorted(_straggler_rows(tally, hosts), key=lambda x: (-x.windows, -x.max_score, x.rank))
+        rows = sorted(_straggler_rows(tally, hosts), key=lambda x: (-x.windows, -x.max_impact_s, x.rank))
         return Rows(query="stragglers", job=job, rows=tuple(rows),
                     params={"since": _iso(since_ns) if since_ns else None, "source": "store"})
 
@@ -179,7 +193,7 @@ class Query:
             for d in diagnoses.diagnoses(job, since_ns=since_ns, kind=kind):
                 for s in d.suspects:
                     if s.rank == rank and d.scope.kernel:
-                        flagged.add(d.scope.kernel, s.score, d.kind, window=d.window)
+                        flagged.add(d.scope.kernel, s.impact_s, d.kind, window=d.window)
         # per kernel, per rank: (calls, busy ns) summed over the stored windows
         busy: dict[str, dict[int, list[float]]] = {}
         ranks = set()
@@ -199,10 +213,10 @@ class Query:
             peer = statistics.median(peers) if peers else None
             f = flagged.by.get(kernel)
             rows.append(KernelRow(kernel=kernel, kinds=tuple(sorted(f.kinds)) if f else (),
-                                  flagged_windows=len(f.windows) if f else 0, max_score=f.score if f else None,
+                                  flagged_windows=len(f.windows) if f else 0, max_impact_s=f.score if f else None,
                                   calls=int(own[0]) if own else 0, rank_mean_s=mean, peer_mean_s=peer,
                                   ratio=mean / peer if mean and peer else None))
-        rows.sort(key=lambda x: (-(x.max_score or 0.0), -x.flagged_windows, -(x.ratio or 0.0), x.kernel))
+        rows.sort(key=lambda x: (-(x.max_impact_s or 0.0), -x.flagged_windows, -(x.ratio or 0.0), x.kernel))
         return Rows(query="kernels", job=job, rows=tuple(rows[:top]),
                     params={"rank": rank, "since": _iso(since_ns) if since_ns else None, "source": "store"})
 
@@ -279,7 +293,7 @@ class Query:
         for labels, score, now in best:
             tally.add(int(labels["rank"]), score, labels.get("kind", ""), labels.get("phase", ""), now=now)
         rows = sorted(_straggler_rows(tally, {int(r): h for r, h in hosts.items()}, windows=False),
-                      key=lambda x: (not x.flagged_now, -x.max_score, x.rank))
+                      key=lambda x: (not x.flagged_now, -x.max_impact_s, x.rank))
         return Rows(query="stragglers", job=job, rows=tuple(rows), params=params)
 
     def _prom_kernels(self, job: str | None, rank: int, since_ns: int, top: int) -> Rows:
@@ -287,9 +301,9 @@ class Query:
         tally = _Tally()
         for labels, score, _ in best:
             tally.add(labels.get("kernel", ""), score, labels.get("kind", ""))
-        rows = sorted((KernelRow(kernel=k, kinds=tuple(sorted(a.kinds)), flagged_windows=0, max_score=a.score,
+        rows = sorted((KernelRow(kernel=k, kinds=tuple(sorted(a.kinds)), flagged_windows=0, max_impact_s=a.score,
                                  calls=0, rank_mean_s=None, peer_mean_s=None, ratio=None)
-                       for k, a in tally.by.items()), key=lambda x: (-(x.max_score or 0.0), x.kernel))
+                       for k, a in tally.by.items()), key=lambda x: (-(x.max_impact_s or 0.0), x.kernel))
         return Rows(query="kernels", job=job, rows=tuple(rows[:top]), params={"rank": rank, **params})
 
 
@@ -313,7 +327,7 @@ class _Tally:
 
 def _straggler_rows(tally: _Tally, hosts: Mapping[int, str], windows: bool = True) -> list[StragglerRow]:
     return [StragglerRow(rank=r, host=hosts.get(r, ""), phases=tuple(sorted(a.phases)), kinds=tuple(sorted(a.kinds)),
-                         windows=len(a.windows) if windows else None, max_score=a.score, first_seen=_iso(a.first_ns),
+                         windows=len(a.windows) if windows else None, max_impact_s=a.score, first_seen=_iso(a.first_ns),
                          last_seen=_iso(a.last_ns), flagged_now=a.now) for r, a in tally.by.items()]
 
 
@@ -322,8 +336,8 @@ def _finding_row(d: records_pb2.Diagnosis) -> FindingRow:
     scope = [f"phase {s.phase}" if s.phase else "", f"kernel {s.kernel}" if s.kernel else "",
              f"{s.group} group {s.group_index}" if s.group and s.group != "job" else ""]
     return FindingRow(level=d.level, kind=d.kind, scope=", ".join(x for x in scope if x) or "job",
-                      suspects=tuple(x.rank for x in d.suspects),
-                      top_score=max((x.score for x in d.suspects), default=0.0), severity=d.severity)
+                      suspects=tuple(x.rank for x in d.suspects), impact_s=d.impact_s,
+                      comparison=d.comparison or "peers")
 
 
 def _iteration_row(window: int, recs: Mapping[int, records_pb2.IterationWindow]) -> IterationRow:

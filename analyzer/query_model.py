@@ -48,9 +48,15 @@ class JobRow:
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SuspectRow:
     rank: int
-    score: float
+    role: str
+    """culprit, waiter (it waited for ``waited_for``), link (a slow link among its group) or missing."""
+    impact_s: float
+    """Seconds lost per iteration attributable to the rank."""
+    impact_pct: float
+    """...as a percentage of the step."""
     host: str
     coords: str
+    waited_for: int | None
     levels: tuple[str, ...]
     where: tuple[str, ...]
     """Phases, kernels or kinds the rank was named for."""
@@ -62,16 +68,23 @@ class FindingRow:
     kind: str
     scope: str
     suspects: tuple[int, ...]
-    top_score: float
-    severity: float
+    impact_s: float
+    """The finding's largest suspect impact, seconds per iteration."""
+    comparison: str
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class VerdictView:
     job: str
-    window: int
+    window: int | None
+    """The window of a one-window verdict; None for the job's verdict merged over its windows."""
     iterations: tuple[int, int] | None
     summary: str
+    state: str
+    confidence: float
+    host: str
+    since_window: int | None
+    comparison: str
     suspects: tuple[SuspectRow, ...]
     phases: tuple[str, ...]
     kernels: tuple[str, ...]
@@ -87,7 +100,8 @@ class StragglerRow:
     kinds: tuple[str, ...]
     windows: int | None
     """Windows that flagged the rank (None from Prometheus, which has no windows)."""
-    max_score: float
+    max_impact_s: float
+    """Largest impact the rank was named with, seconds per iteration."""
     first_seen: str | None
     last_seen: str | None
     flagged_now: bool
@@ -99,7 +113,8 @@ class KernelRow:
     kernel: str
     kinds: tuple[str, ...]
     flagged_windows: int
-    max_score: float | None
+    max_impact_s: float | None
+    """Largest impact of the kernel's findings on the rank, seconds per iteration."""
     calls: int
     rank_mean_s: float | None
     peer_mean_s: float | None
@@ -132,12 +147,13 @@ class Rows:
 
 def as_json(result: Rows | VerdictView) -> dict:
     """The JSON form of an answer (verdicts reuse the replay contract's shapes)."""
-    from trainscope.analyzer.report import diagnosis_json, verdict_json
+    from trainscope.analyzer.report import contract_verdict_json, diagnosis_json
 
     if isinstance(result, VerdictView):
-        return {"query": "verdict", "job": result.job, "healthy": not result.suspects and not result.findings,
-                "verdict": verdict_json(result.verdict),
+        # "verdict" is the replay contract's object (ARCHITECTURE.md): runbooks and tests read one schema
+        return {"query": "verdict", "job": result.job, "window": result.window,
+                "verdict": contract_verdict_json(result.verdict),
                 "suspects": [dataclasses.asdict(s) for s in result.suspects],
-                "findings": [diagnosis_json(d) for d in result.verdict.findings]}
+                "findings": [diagnosis_json(d) for d in result.verdict.findings if not d.informational]}
     return {"query": result.query, "job": result.job, **result.params,
             "rows": [dataclasses.asdict(r) for r in result.rows]}

@@ -244,7 +244,7 @@ def _add_query_parser(sub) -> None:
     qs = q.add_subparsers(dest="what", required=True, metavar="WHAT")
     qs.add_parser("jobs", parents=[common], help="jobs in the store with their latest verdict")
     v = qs.add_parser("verdict", parents=[common, job], help="the latest verdict of a job: suspects, phases, kernels")
-    v.add_argument("--window", type=int, help="this window's verdict instead of the latest")
+    v.add_argument("--window", type=int, help="this window's verdict (default: the job's verdict over all its windows)")
     qs.add_parser("stragglers", parents=[common, job, prom], help="ranks flagged as stragglers (L2) since a time")
     k = qs.add_parser("kernels", parents=[common, job, prom], help="a rank's degraded kernels (L3) against its peers")
     k.add_argument("--rank", type=int, required=True)

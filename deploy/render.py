@@ -52,10 +52,16 @@ def render_query(result) -> str:
     if isinstance(result, VerdictView):
         v = result
         its = f" (iterations {v.iterations[0]}-{v.iterations[1]})" if v.iterations else ""
-        out = [f"job {v.job}, window {v.window}{its}", v.summary]
+        where = f"window {v.window}{its}" if v.window is not None else "all windows"
+        head = [f"job {v.job}, {where}", v.summary,
+                f"state {v.state}, confidence {v.confidence:.2f}"
+                + (f", host {v.host}" if v.host else "")
+                + (f", since window {v.since_window}" if v.since_window is not None else "")
+                + f", compared with {v.comparison or 'peers'}"]
         if not v.suspects and not v.findings:
-            return "\n".join(out + ["verdict: healthy (no suspects)"])
-        for title, rows in (("suspects", v.suspects), ("findings", v.findings)):
+            return "\n".join(head + [f"verdict: {v.state} (no suspects)"])
+        out = head
+        for title, rows in (("suspects (impact = time lost per iteration)", v.suspects), ("findings", v.findings)):
             out += ["", f"{title}:", _table(rows)] if rows else []
         return "\n".join(out)
     if not result.rows:
@@ -73,6 +79,8 @@ def _table(rows) -> str:
             return "yes" if v else "no"
         if isinstance(v, tuple):
             return ",".join(map(str, v))
+        if isinstance(v, float) and name.endswith("_pct"):
+            return f"{v:.1f} %"
         if isinstance(v, float) and name.endswith("_s"):
             return next(f"{v * k:.3g} {u}" for k, u in ((1, "s"), (1e3, "ms"), (1e6, "us"), (1e9, "ns"))
                         if v * k >= 1 or u == "ns")

@@ -82,11 +82,12 @@ def store_path(tmp_path):
     for w in range(3):
         fs = [Finding(level="L2", kind="straggler", job_id="train-a", window=_window(w),
                       scope=Scope(phase="backward", group="tp", group_index=1),
-                      suspects=(SuspectRank(2, 1.5 + w / 10, {"ratio": 1.5}),), severity=0.2)]
+                      suspects=(SuspectRank(2, 1.5 + w / 10, {"ratio": 1.5}, impact_ns=(30 + w) * MS),),
+                      severity=0.2)]
         if w == 2:
             fs.append(Finding(level="L3", kind="degraded_kernel", job_id="train-a", window=_window(w),
                               scope=Scope(kernel="gemm", stream=7, group="tp", group_index=1),
-                              suspects=(SuspectRank(2, 7.5, {"w1_ns": 20000.0}),), severity=0.5))
+                              suspects=(SuspectRank(2, 7.5, {"w1_ns": 20000.0}, impact_ns=4 * MS),), severity=0.5))
         flagged[w] = fs
     _diagnose(diagnoses, "train-a", res_a, flagged)
     res_b = _write_job(records, "train-b", 2, slow=None, windows=1)
@@ -119,17 +120,25 @@ def test_jobs_lists_every_job_with_ranks_windows_and_latest_verdict(query):
 
 
 def test_verdict_names_the_slow_rank_with_its_host_and_coordinates(query):
-    v = query.verdict("train-a")
+    job = query.verdict("train-a")                 # the job's verdict, merged over its 3 windows
+    assert job.window is None and job.state == "degraded" and [s.rank for s in job.suspects] == [2]
+    assert job.suspects[0].role == "culprit" and job.suspects[0].impact_s == pytest.approx(0.031)   # median
+    assert "(3 windows)" in job.summary and 0 < job.confidence <= 1
+    doc = as_json(job)
+    assert doc["verdict"]["state"] == "degraded" and doc["verdict"]["suspects"][0]["rank"] == 2
+    assert doc["verdict"]["suspects"][0]["impact_s"] == pytest.approx(0.031)
+    v = query.verdict("train-a", window=2)
     assert v.window == 2 and v.iterations == (10, 14)
     assert [s.rank for s in v.suspects] == [2]
     s = v.suspects[0]
     assert (s.host, s.coords, s.levels) == ("node1", "dp=1 tp=0 pp=0 ep=0 cp=0", ("L2", "L3"))
+    assert s.impact_s == pytest.approx(0.032) and s.waited_for is None
     assert v.phases == ("backward",) and v.kernels == ("gemm",)
     assert {(f.level, f.kind, f.suspects) for f in v.findings} == {("L2", "straggler", (2,)),
                                                                    ("L3", "degraded_kernel", (2,))}
     assert query.verdict("train-a", window=0).kernels == ()
     doc = as_json(v)
-    assert doc["verdict"]["ranks"][0]["rank"] == 2 and not doc["healthy"]
+    assert doc["verdict"]["suspects"][0]["rank"] == 2 and doc["verdict"]["state"] == "degraded"
     assert {d["kind"] for d in doc["findings"]} == {"straggler", "degraded_kernel"}
     assert doc["findings"][0]["scope"]["group"] == "tp"
 
@@ -139,7 +148,7 @@ def test_stragglers_since_filters_by_when_the_analyzer_flagged(query):
     assert len(every) == 1
     r = every[0]
     assert (r.rank, r.host, r.phases, r.windows, r.flagged_now) == (2, "node1", ("backward",), 3, True)
-    assert r.max_score == pytest.approx(1.7)
+    assert r.max_impact_s == pytest.approx(0.032)
     last_hour = query.stragglers("train-a", since_ns=parse_since("1h", NOW)).rows
     assert last_hour[0].windows == 2
     assert query.stragglers("train-a", since_ns=parse_since("1m", NOW)).rows == ()
@@ -150,13 +159,13 @@ def test_kernels_put_flagged_first_with_the_ratio_to_peers(query):
     rows = query.kernels("train-a", rank=2).rows
     assert [k.kernel for k in rows] == ["gemm", "nccl_allreduce"]
     gemm, nccl = rows
-    assert (gemm.kinds, gemm.flagged_windows, gemm.max_score, gemm.calls) == (("degraded_kernel",), 1, 7.5, 600)
+    assert (gemm.kinds, gemm.flagged_windows, gemm.max_impact_s, gemm.calls) == (("degraded_kernel",), 1, 0.004, 600)
     assert gemm.rank_mean_s == pytest.approx(60e-6) and gemm.peer_mean_s == pytest.approx(40e-6)
     assert gemm.ratio == pytest.approx(1.5)
-    assert nccl.max_score is None and nccl.ratio == pytest.approx(1.0)
+    assert nccl.max_impact_s is None and nccl.ratio == pytest.approx(1.0)
     assert [k.kernel for k in query.kernels("train-a", rank=2, top=1).rows] == ["gemm"]
     # rank 0 is a peer: nothing flagged, its gemm is faster than the median of the others
-    assert query.kernels("train-a", rank=0).rows[0].max_score is None
+    assert query.kernels("train-a", rank=0).rows[0].max_impact_s is None
 
 
 def test_iterations_per_window_job_level_and_one_rank(query):
@@ -236,23 +245,23 @@ def test_stragglers_and_kernels_from_prometheus(tmp_path):
     fake = FakeProm({
         "count(last_over_time": [({}, 3.0)],
         "max by (rank, phase, kernel, kind) (max_over_time(trainscope_suspect_score": [
-            ({"rank": "5", "phase": "backward", "kind": "straggler"}, 3.2),
-            ({"rank": "9", "phase": "dp-allreduce", "kind": "slow_communication"}, 1.8)],
+            ({"rank": "5", "phase": "backward", "kind": "straggler"}, 0.032),
+            ({"rank": "9", "phase": "dp-allreduce", "kind": "slow_communication"}, 0.018)],
         "max by (rank, phase, kernel, kind) (trainscope_suspect_score": [
-            ({"rank": "5", "phase": "backward", "kind": "straggler"}, 3.0)],
+            ({"rank": "5", "phase": "backward", "kind": "straggler"}, 0.030)],
         "trainscope_rank_info": [({"rank": "5", "host": "node2"}, 1.0)],
     })
     cfg = QueryConfig(store_path=str(tmp_path / "absent.sqlite"), prometheus_url="http://prom:9090/")
     with Query(cfg, now=lambda: NOW, fetch=fake) as q:
         rows = q.stragglers("train-a", since_ns=parse_since("2h", NOW)).rows
-        assert [(r.rank, r.host, r.phases, r.max_score, r.flagged_now, r.windows) for r in rows] == [
-            (5, "node2", ("backward",), 3.2, True, None),
-            (9, "", ("dp-allreduce",), 1.8, False, None)]
+        assert [(r.rank, r.host, r.phases, r.max_impact_s, r.flagged_now, r.windows) for r in rows] == [
+            (5, "node2", ("backward",), 0.032, True, None),
+            (9, "", ("dp-allreduce",), 0.018, False, None)]
         assert any('job="train-a"' in a and "[7200s]" in a for a in fake.asked)
         fake.answers = {"count(last_over_time": [({}, 1.0)],
-                        "max_over_time": [({"kernel": "gemm", "kind": "degraded_kernel"}, 7.5)]}
+                        "max_over_time": [({"kernel": "gemm", "kind": "degraded_kernel"}, 0.004)]}
         k = q.kernels("train-a", rank=2).rows
-        assert [(x.kernel, x.max_score) for x in k] == [("gemm", 7.5)]
+        assert [(x.kernel, x.max_impact_s) for x in k] == [("gemm", 0.004)]
         assert any('rank="2"' in a and "[3600s]" in a for a in fake.asked)
         fake.answers = {}
         with pytest.raises(QueryError, match="no trainscope series for job 'train-a'"):
@@ -282,17 +291,20 @@ def test_cli_tables(store_path, capsys):
     assert rc == 0 and out.splitlines()[0].split() == ["JOB", "RANKS", "WINDOWS", "DIAGNOSES", "LATEST"]
     assert "train-b" in out
 
-    rc, out, _ = cli(capsys, "verdict", "--store", store_path, "--job", "train-a")
+    rc, out, _ = cli(capsys, "verdict", "--store", store_path, "--job", "train-a", "--window", "2")
     assert rc == 0
     lines = out.splitlines()
     assert lines[0] == "job train-a, window 2 (iterations 10-14)"
     assert "culprit rank 2 (host node1" in lines[1]
-    suspect = lines[lines.index("suspects:") + 2].split()
-    assert suspect[:3] == ["2", suspect[1], "node1"] and "L2,L3" in suspect
+    assert lines[2].startswith("state degraded, confidence ")
+    title = "suspects (impact = time lost per iteration):"
+    assert lines[lines.index(title) + 1].split()[:4] == ["RANK", "ROLE", "IMPACT_S", "IMPACT_PCT"]
+    suspect = lines[lines.index(title) + 2].split()
+    assert suspect[:4] == ["2", "culprit", "32", "ms"] and "node1" in suspect and "L2,L3" in suspect
     assert any(line.startswith("L3") and "degraded_kernel" in line and "kernel gemm" in line for line in lines)
 
     rc, out, _ = cli(capsys, "verdict", "--store", store_path, "--job", "train-b")
-    assert rc == 0 and "verdict: healthy (no suspects)" in out
+    assert rc == 0 and "verdict: healthy (no suspects)" in out and out.startswith("job train-b, all windows")
 
     rc, out, _ = cli(capsys, "stragglers", "--store", store_path, "--job", "train-a", "--since", "1h")
     header, row = out.splitlines()
@@ -303,7 +315,7 @@ def test_cli_tables(store_path, capsys):
     assert rc == 0 and out.startswith("no stragglers for job train-b since ")
 
     rc, out, _ = cli(capsys, "kernels", "--store", store_path, "--job", "train-a", "--rank", "2")
-    assert out.splitlines()[1].split() == ["gemm", "degraded_kernel", "1", "7.50", "600", "60", "us", "40", "us",
+    assert out.splitlines()[1].split() == ["gemm", "degraded_kernel", "1", "4", "ms", "600", "60", "us", "40", "us",
                                            "1.50"]
     assert out.splitlines()[2].split()[:4] == ["nccl_allreduce", "-", "0", "-"]
 
@@ -318,7 +330,7 @@ def test_cli_json(store_path, capsys):
     rc, out, _ = cli(capsys, "verdict", "--store", store_path, "--job", "train-a", "--json")
     doc = json.loads(out)
     assert rc == 0 and doc["query"] == "verdict" and doc["suspects"][0]["host"] == "node1"
-    assert doc["verdict"]["window_index"] == 2
+    assert doc["window"] is None and doc["verdict"]["suspects"][0]["role"] == "culprit"
     rc, out, _ = cli(capsys, "stragglers", "--store", store_path, "--job", "train-a", "--json")
     doc = json.loads(out)
     assert doc["since"] is None and doc["source"] == "store"
