@@ -14,6 +14,7 @@ from typing import Iterable
 
 from trainscope.collector.sim.faults import FaultSpec, fault_from_obj, load_scenario, parse_seconds, resolve_ranks
 from trainscope.collector.sim.topology import Topology
+from trainscope.collector.sim.noise import NoiseModel
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import DEFAULT_ORDER
 
@@ -58,6 +59,9 @@ class SimConfig:
     """Lognormal sigma of compute kernel durations (same position, same rank)."""
     comm_sigma: float = 0.05
     """Lognormal sigma of collective transfer times."""
+    noise: NoiseModel | None = dataclasses.field(default_factory=NoiseModel)
+    """Noise measured on real traces (spikes, per-slot spread, personality, step factor; ``noise.py``);
+    None: plain lognormal with the sigmas above."""
     clock_offset_s: float = 2.0
     """Host clock offsets are drawn uniformly in ± this many seconds."""
     clock_drift_ppm: float = 50.0
@@ -116,6 +120,8 @@ class SimConfig:
             raise ConfigError("sim.window_mode", self.window_mode, "must be 'iterations' or 'time'")
         if not self.job_id:
             raise ConfigError("sim.job_id", self.job_id, "must not be empty")
+        if self.noise is not None and not isinstance(self.noise, NoiseModel):
+            raise ConfigError("sim.noise", self.noise, "must be a NoiseModel or None")
         object.__setattr__(self, "faults", tuple(self.faults))
         topo = self.topology()
         for i, f in enumerate(self.faults):
@@ -136,6 +142,7 @@ class SimConfig:
     def describe(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["faults"] = [f.text or f.type for f in self.faults]
+        out["noise"] = dataclasses.asdict(self.noise) if self.noise is not None else None
         return out
 
 

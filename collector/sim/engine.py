@@ -6,8 +6,9 @@ launches kernels. All times are global simulated ns; clocks are applied on
 emission. One iteration:
 
 1. Durations: every slot's median (scaled so a healthy iteration lasts
-   ``iteration_s``) times lognormal noise, times the faults' multipliers
-   (``effects.Mods``). One (W, K) draw per iteration.
+   ``iteration_s``) times the noise measured on real traces (``noise.py``:
+   per-slot body, spikes, per-rank personality, a per-step factor), times
+   the faults' multipliers (``effects.Mods``). One (W, K) draw per iteration.
 2. Host: iteration overhead, GC stalls and the data loader advance ``u``; the
    GPU idles meanwhile (ARGUS Table 6 host-side rows).
 3. Compute blocks: a kernel starts when the stream is free and the CPU has
@@ -48,6 +49,7 @@ import numpy as np
 
 from trainscope.collector.sim import workload as wl
 from trainscope.collector.sim.effects import Mods
+from trainscope.collector.sim.noise import NoiseModel
 from trainscope.collector.sim.topology import Topology
 
 #: Nominal host costs (µs, scaled like kernel medians).
@@ -93,12 +95,16 @@ class _State:
 
 class Engine:
     def __init__(self, topo: Topology, tmpl: wl.Template, *, iteration_s: float, noise_sigma: float,
-                 comm_sigma: float, hang_timeout_s: float = 60.0) -> None:
+                 comm_sigma: float, hang_timeout_s: float = 60.0, noise: NoiseModel | None = None,
+                 noise_rng: np.random.Generator | None = None) -> None:
         self.topo, self.tmpl = topo, tmpl
         self.noise_sigma, self.comm_sigma = noise_sigma, comm_sigma
         self.hang_timeout_ns = hang_timeout_s * 1e9
         comm = np.isin(tmpl.cat, [wl.CAT_COLL, wl.CAT_P2P])
         self.sigma = np.where(comm, comm_sigma, noise_sigma)
+        self.noise = noise
+        self.noise_state = (noise.setup(self.sigma, topo.world, noise_rng or np.random.default_rng(0))
+                            if noise is not None else None)
         self.is_comm = comm
         self.inter = {d: topo.inter_host(d) for d in {d for d in tmpl.dim if d not in (None, "pp")}}
         self.pp_inter = topo.pp_pair_inter_host()
@@ -110,11 +116,17 @@ class Engine:
 
     # ------------------------------------------------------------ set-up
     def _calibrate(self, iteration_s: float) -> float:
-        """Step 1: scale medians so that a noise-free healthy iteration lasts ``iteration_s``."""
+        """Step 1: scale medians so that a healthy iteration lasts ``iteration_s``: noise-free, or with
+        the noise model the median of a few noisy iterations (spikes stretch collectives: the group
+        waits for its slowest member), from a fixed stream so the run's own draws are untouched."""
         W, K = self.topo.world, self.tmpl.K
-        out = self.run(0, np.zeros(W), Mods.neutral(W, K, np.full(W, np.inf)), z=np.zeros((W, K)),
-                       host_noise=np.zeros((2, W)))
-        nominal = float(np.max(out.t_end))
+        neutral = Mods.neutral(W, K, np.full(W, np.inf))
+        if self.noise_state is None:
+            out = self.run(0, np.zeros(W), neutral, z=np.zeros((W, K)), host_noise=np.zeros((2, W)))
+            nominal = float(np.max(out.t_end))
+        else:
+            rng = np.random.default_rng(20240601)
+            nominal = float(np.median([np.max(self.run(0, np.zeros(W), neutral, rng).t_end) for _ in range(3)]))
         return self.scale * iteration_s * 1e9 / nominal
 
     def _phase_masks(self) -> None:
@@ -142,12 +154,16 @@ class Engine:
         """Simulate iteration ``it`` for all ranks, starting at ``t_prev`` (canonical, ns)."""
         topo, tmpl, sc = self.topo, self.tmpl, self.scale
         W, K = topo.world, tmpl.K
+        drawn = z is None
         if z is None:
             z = rng.standard_normal((W, K))
         if host_noise is None:
             host_noise = rng.standard_normal((2, W))
-        # Step 1: durations.
-        D = (tmpl.base_us * sc)[None, :] * np.exp(self.sigma[None, :] * z)
+        # Step 1: durations (the measured noise model when given; noise-free for calibration).
+        if drawn and self.noise_state is not None:
+            D = (tmpl.base_us * sc)[None, :] * self.noise.factors(self.noise_state, z, rng)
+        else:
+            D = (tmpl.base_us * sc)[None, :] * np.exp(self.sigma[None, :] * z)
         D = np.where(self.is_comm[None, :], D, D * mods.kmult)
         st = _State(g=t_prev.copy(), u=t_prev.copy(), c=LAUNCH_US * sc * mods.launch_mult, D=D,
                     start=np.full((W, K), np.nan), dur=np.full((W, K), np.nan), mods=mods,

@@ -61,7 +61,8 @@ class Simulation:
         self.tmpl = build_template(topo, layers=cfg.layers, micro_batches=cfg.micro_batches)
         hang_timeouts = [f.params["timeout"] for f in cfg.faults if f.type == "hang"]
         self.engine = Engine(topo, self.tmpl, iteration_s=cfg.iteration_s, noise_sigma=cfg.noise_sigma,
-                             comm_sigma=cfg.comm_sigma, hang_timeout_s=min(hang_timeouts, default=60.0))
+                             comm_sigma=cfg.comm_sigma, hang_timeout_s=min(hang_timeouts, default=60.0),
+                             noise=cfg.noise, noise_rng=np.random.default_rng([cfg.seed, 3]))
         self.rng = np.random.default_rng([cfg.seed, 0])
         self.clocks = HostClocks.draw(topo.hosts, np.random.default_rng([cfg.seed, 2]),
                                       max_offset_s=cfg.clock_offset_s, max_drift_ppm=cfg.clock_drift_ppm)
