@@ -101,8 +101,10 @@ def test_healthy_run_raises_nothing(detected):
     _, verdicts, store = detected
     mine = verdicts_of(verdicts, "healthy")
     assert len(mine) == ITERATIONS // PER_WINDOW
-    assert all(not v.ranks and not v.findings for v in mine)
-    assert list(store.diagnoses("healthy")) == []
+    # healthy everywhere, nobody named anywhere; informational findings (below the impact floor, not
+    # persistent) may explain, never accuse (ARCHITECTURE.md, replay contract)
+    assert all(v.state == "healthy" and not v.ranks and not v.pending for v in mine), [v.summary for v in mine]
+    assert all(d.informational and not d.suspects for d in store.diagnoses("healthy"))
 
 
 def test_host_clock_offsets_change_nothing(detected):
