@@ -36,8 +36,13 @@ class ReplayTopology:
     cp: int = 1
     #: Rank order, fastest-varying dimension first (Megatron-LM).
     order: str = DEFAULT_ORDER
+    #: Ranks per host (consecutive ranks share one: ``host<rank // ranks_per_host>``); 0: one host
+    #: called "replay" for every rank (traces do not say where they ran).
+    ranks_per_host: int = 0
 
     def __post_init__(self) -> None:
+        if type(self.ranks_per_host) is not int or self.ranks_per_host < 0:
+            raise ConfigError("topology.ranks_per_host", self.ranks_per_host, "must be an integer >= 0")
         for f in ("world_size", "tp", "pp", "ep", "cp"):
             v = getattr(self, f)
             if type(v) is not int or v < 1:
@@ -88,6 +93,9 @@ class ReplayTopology:
     def coords(self, rank: int) -> ParallelCoords:
         return coords_for_rank(
             rank, self.world_size, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp, order=self.order)
+
+    def host(self, rank: int) -> str:
+        return f"host{rank // self.ranks_per_host}" if self.ranks_per_host else "replay"
 
 
 @dataclasses.dataclass
@@ -207,14 +215,15 @@ def _peek_distributed_info(path: str, head: int = 1 << 16) -> tuple[int | None, 
     return found.get("rank"), found.get("world_size") or None
 
 
-def resource_for(trace: RankTrace, job: ReplayJob, host: str = "replay") -> Resource:
+def resource_for(trace: RankTrace, job: ReplayJob, host: str | None = None) -> Resource:
     """The ``Resource`` that replayed batches of ``trace`` carry.
 
     ``local_rank`` and ``device`` come from the kernels' ``args.device`` (the
-    GPU index on its host); coordinates from the job's topology.
+    GPU index on its host); coordinates and host from the job's topology.
     """
     dev = trace.kernels.device
     return Resource(
-        job_id=job.job_id, rank=trace.rank, world_size=job.topology.world_size, host=host,
+        job_id=job.job_id, rank=trace.rank, world_size=job.topology.world_size,
+        host=host if host is not None else job.topology.host(trace.rank),
         pid=0, local_rank=dev, device=f"cuda:{dev}", coords=job.topology.coords(trace.rank),
         attributes={"source": "replay", "trace_path": trace.path, "rank_source": trace.rank_source})
