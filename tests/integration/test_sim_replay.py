@@ -39,7 +39,7 @@ def test_traces_out_replays_with_matching_counts(tmp_path, capsys):
     assert topo == {"world_size": 16, "tp": 2, "pp": 2, "ep": 2, "cp": 1, "order": "tp-cp-ep-dp-pp"}
 
     # what the simulator generated, per (rank, kernel, stream)
-    cfg = SimConfig(ranks=16, tp=2, pp=2, ep=2, layers=1, micro_batches=2, iterations=6, seed=7,
+    cfg = SimConfig(ranks=16, tp=2, pp=2, ep=2, layers=1, micro_batches=2, iterations=6, seed=7, noise=None,
                     job_id="simreplay", faults=(parse_fault(FAULT),))
     mem = MemorySink()
     run_sim(cfg, sinks=[mem])
@@ -81,13 +81,14 @@ def test_cli_against_a_given_processor(tmp_path, capsys):
         assert sum(kw.events for kw in kws) == res["kernel_events"] > 0
         assert {kw.resource.rank for kw in kws} == set(range(16))
         assert res["dropped"] == 0 and res["processor_address"] == proc.address
-        # the throttled rank's GEMMs are 1.5x its DP peer's after onset (window 1 = iterations 3-5)
+        # the throttled rank's GEMMs are 1.5x its DP peer's after onset (window 1 = iterations 3-5), give
+        # or take the simulator's measured noise (3 % per-rank personality, spikes: docs/noise.md)
         mean = {}
         for kw in kws:
             if kw.window.index == 1 and kw.resource.rank in (3, 7):
                 ks = [k for k in kw.kernels if k.kernel.startswith("sm90") and k.stream == 7]
                 mean[kw.resource.rank] = sum(k.total_ns for k in ks) / sum(k.count for k in ks)
-        assert mean[3] / mean[7] == pytest.approx(1.5, rel=0.03)
+        assert mean[3] / mean[7] == pytest.approx(1.5, rel=0.08)
         assert f"sent to {proc.address}" in capsys.readouterr().out
     finally:
         proc.stop()
