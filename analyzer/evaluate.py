@@ -62,8 +62,18 @@ def evaluate(verdicts: list[records_pb2.Verdict], truth: dict, window_iterations
     healthy = [v for v in vs if first_onset is None or v.window.index < first_onset]
     false_alarms = sum(1 for v in healthy if v.ranks or v.state in ("degraded", "stalled"))
     scores = []
+    stall_vs = [v for v in vs if any(d.kind == "stall" for d in _active(v))]
     for f, onset in zip(truth.get("faults", []), onsets):
         ranks = set(f.get("ranks", []))
+        if truth.get("hung") and f.get("type") == "hang" and stall_vs:
+            # a stall is a state of the job, reported with whichever window was analysed when it was seen
+            v = stall_vs[0]
+            scores.append(FaultScore(
+                fault=f.get("spec", "hang"), ranks=sorted(ranks), caught=True,
+                top1=bool(v.ranks) and v.ranks[0].rank in ranks, phase=False, kernel=False, levels=["L1"],
+                first_window=v.window.index, onset_window=onset, verdict=v.summary,
+                right=bool(v.ranks) and v.ranks[0].rank in ranks, stable=1.0, windows_to_diagnosis=0))
+            continue
         phases = set(f.get("phases", []))
         kernels = {k["name"] for k in f.get("kernels", [])}
         after = [v for v in vs if onset is None or v.window.index >= onset]
