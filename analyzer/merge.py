@@ -93,7 +93,8 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     jitter_held = JOB in confirmed
     # overwhelming evidence needs no second window: a rank costing a large share of the step
     urgent = {r for r, rv in flagged.items() if step_ns > 0 and rv.role == CULPRIT
-              and rv.score_ns >= URGENT_SHARE * step_ns and any(e.own for e in rv.evidence)}
+              and rv.score_ns >= URGENT_SHARE * step_ns
+              and any(e.own and e.level != "L1" for e in rv.evidence)}   # jitter is transient by nature
     confirmed = (confirmed & set(flagged)) | ((stalled_ranks | urgent) & set(flagged))
     smooth = (lambda r: persistence.smoothed_impact(r) or flagged[r].score_ns) if persistence else (
         lambda r: flagged[r].score_ns)
@@ -336,11 +337,14 @@ def merge_windows(verdicts: Sequence[records_pb2.Verdict]) -> records_pb2.Verdic
     1. State: the worst state any window had (stalled > degraded > unknown >
        healthy), except that "unknown" needs every window to be unknown: one
        window that could compare ranks makes the job judgeable.
-    2. Suspects: every rank a window named, scored by the sum over windows of
-       its impact (cost × duration), keeping its most frequent role; impact
-       reported is the median over the windows that named it.
-    3. Host and onset: the host most windows named; the earliest
-       ``since_window`` of the windows naming the top suspect.
+    2. Suspects: every rank windows named (at least twice when another rank
+       was named more often: one window's noise is not the job's answer),
+       scored by the sum over windows of its impact (cost × duration),
+       keeping its most frequent role; impact reported is the median over
+       the windows that named it.
+    3. Host and onset: the host named by at least half the windows that
+       named anyone; the earliest ``since_window`` of the windows naming the
+       top suspect.
     4. Confidence: the mean confidence of the windows naming the top suspect,
        × the share of the windows since onset that named it (a top suspect
        that flips between windows is not a confident answer).
@@ -367,6 +371,11 @@ def merge_windows(verdicts: Sequence[records_pb2.Verdict]) -> records_pb2.Verdic
             roles[s.rank][s.role or CULPRIT] += 1
             latest[s.rank] = s
     order = {CULPRIT: 0, LINK: 1, WAITER: 2, MISSING: 3}
+    # a rank one window named while others were named window after window is that window's noise
+    most = max((len(v) for v in impact.values()), default=0)
+    need = min(2, most)
+    stalled = {s.rank for v in vs for d in v.findings if d.kind == "stall" for s in d.suspects}
+    impact = {r: v for r, v in impact.items() if len(v) >= need or r in stalled}
     ranked = sorted(impact, key=lambda r: (order.get(roles[r].most_common(1)[0][0], 9), -sum(impact[r]), r))
     for r in ranked:
         vals = sorted(impact[r])
@@ -378,8 +387,9 @@ def merge_windows(verdicts: Sequence[records_pb2.Verdict]) -> records_pb2.Verdic
         s.impact_pct = 100.0 * med / out.step_s if out.step_s > 0 else s.impact_pct
         s.evidence.update({"windows_named": len(vals)})
     hosts = collections.Counter(v.host for v in vs if v.host)
-    if hosts:
-        out.host = hosts.most_common(1)[0][0]
+    named_windows = sum(1 for v in vs if v.ranks)
+    if hosts and hosts.most_common(1)[0][1] * 2 >= named_windows:
+        out.host = hosts.most_common(1)[0][0]      # named by at least half the windows that named anyone
     if ranked:
         top = ranked[0]
         naming = [v for v in vs if any(s.rank == top for s in v.ranks)]

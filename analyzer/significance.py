@@ -103,7 +103,8 @@ class Persistence:
     def __init__(self, k: int, n: int) -> None:
         self.k, self.n = k, n
         self._recent: collections.deque[tuple[int, dict[int, frozenset[str]]]] = collections.deque(maxlen=n)
-        self._since: dict[int, int] = {}
+        self._since: dict[tuple[int, str], int] = {}      # (rank, place) -> first window of its run
+        self._held: set[tuple[int, str]] = set()           # (rank, place) confirmed by the last update
         self._impact: dict[int, float] = {}
         self.windows = 0
 
@@ -119,25 +120,34 @@ class Persistence:
         self._recent.append((index, flagged))
         window = [f for i, f in self._recent if i > index - self.n]
         counts = collections.Counter((r, p) for f in window for r, places in f.items() for p in places)
-        seen = {r for f in window for r in f}
-        for r in flagged:
-            self._since.setdefault(r, index)
+        for r, places in flagged.items():
+            for p in places:
+                self._since.setdefault((r, p), index)
             if impact and r in impact:   # smoothed impact keeps the top suspect stable
                 prev = self._impact.get(r)
                 self._impact[r] = impact[r] if prev is None else 0.5 * prev + 0.5 * impact[r]
-        for r in list(self._since):
+        for key in list(self._since):
+            if counts.get(key, 0) == 0:
+                del self._since[key]
+        seen = {r for r, _ in counts}
+        for r in list(self._impact):
             if r not in seen:
-                del self._since[r]
-                self._impact.pop(r, None)
+                del self._impact[r]
         need = self.k if not (final and self.windows < self.k) else self.windows
-        return {r for (r, _), c in counts.items() if c >= need}
+        self._held = {key for key, c in counts.items() if c >= need}
+        return {r for r, _ in self._held}
 
     def held(self, rank: int) -> float:
         """Fraction of the last n windows in which ``rank`` was flagged."""
         return sum(1 for _, f in self._recent if rank in f) / self.n
 
     def since(self, rank: int) -> int | None:
-        return self._since.get(rank)
+        """The first window of the run of the place(s) that made ``rank`` a suspect (else of any place)."""
+        held = [self._since[key] for key in self._held if key[0] == rank and key in self._since]
+        if held:
+            return min(held)
+        anywhere = [i for (r, _), i in self._since.items() if r == rank]
+        return min(anywhere) if anywhere else None
 
     def smoothed_impact(self, rank: int) -> float:
         return self._impact.get(rank, 0.0)
