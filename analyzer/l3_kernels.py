@@ -82,6 +82,9 @@ class L3Config:
     """Family-wise false-alarm probability per window (Bonferroni over every comparison, step 5)."""
     rel_floor: float = 0.02
     """Floor of the peers' spread, × their median time (per-rank personality, docs/noise.md)."""
+    category_rel_floor: float = 0.005
+    """The same floor for a rank's category sums: per-kernel personalities average out over the
+    many kernels of a category (0.03 / √kernels, docs/noise.md)."""
     missing_min_present: float = 0.75
     """A key on at least this fraction of a group's ranks (not all) makes the rest ``missing_kernel``."""
     block_elements: int = 1 << 21
@@ -97,6 +100,7 @@ class L3Config:
         check_number("l3.min_ranks", self.min_ranks, lambda v: v >= 3, "must be an integer >= 3", int)
         check_number("l3.false_alarm", self.false_alarm, lambda v: 0 < v < 1, "must be in (0, 1)")
         check_number("l3.rel_floor", self.rel_floor, lambda v: v >= 0, "must be >= 0")
+        check_number("l3.category_rel_floor", self.category_rel_floor, lambda v: v >= 0, "must be >= 0")
         check_number("l3.missing_min_present", self.missing_min_present, lambda v: 0 < v <= 1,
                      "must be in (0, 1]")
         check_number("l3.block_elements", self.block_elements, lambda v: v >= 1024,
@@ -468,7 +472,8 @@ def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Conf
 def _flag(t, seg_key, seg_group, dists, w1, x, se, comm, z_star, cfg, *, ranks=None,
           category: str = "") -> list[Outliers]:
     """Step 5 for a batch of segments: rows of ``x`` (time per iteration) are peer groups."""
-    z, med, scale = robust_z(x, se, cfg.rel_floor)
+    floor = cfg.category_rel_floor if category else cfg.rel_floor
+    z, med, scale = robust_z(x, se, floor)
     med, scale = med[:, 0], np.sqrt(np.maximum(scale[:, 0] ** 2 - 0.0, 0.0))
     hit = (z >= z_star) | ((z <= -z_star) & comm[:, None])
     if not hit.any():
@@ -487,7 +492,7 @@ def _flag(t, seg_key, seg_group, dists, w1, x, se, comm, z_star, cfg, *, ranks=N
         out.append(Outliers(
             int(seg_key[i]), int(seg_group[i]), ranks[i, j], dists[i, j], x[i, j], z[i, j],
             w1[i, j] if w1 is not None else np.full(j.size, np.nan), float(med[i]),
-            float(np.hypot(mad_scale, cfg.rel_floor * med[i])), z_star, int(x.shape[1]),
+            float(np.hypot(mad_scale, floor * med[i])), z_star, int(x.shape[1]),
             float(p50_med[i]) if w1 is not None else 0.0, float(mean_med[i]) if w1 is not None else 0.0,
             float(fence[i]) if w1 is not None else float("nan"), category))
     return out
