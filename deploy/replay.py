@@ -111,15 +111,16 @@ def run_replay(
     drops: dict[int, int] = {}
     verdicts: list = []
     with Processor(cfg) as proc:
-        analysis = EmbeddedAnalysis(proc, store_path, analyzer_config) if analyze else None
         for rank in sorted(job.files):
             trace = job.load(rank)
             skipped[rank] = dict(trace.skipped)
             sent[rank], drops[rank] = feed_rank(trace, resource_for(trace, job), proc.address)
         proc.drain(300.0)
         metrics = proc.metrics.snapshot()
-        if analysis is not None:
-            verdicts = analysis.finish()
+        if analyze:
+            # ranks are fed one after the other: analysed while feeding, a window would be judged on
+            # the ranks fed so far. A recorded job is analysed once all of it is in (from offset 0).
+            verdicts = EmbeddedAnalysis(proc, store_path, analyzer_config).finish()
     return ReplayResult(job.job_id, sorted(job.files), sent, skipped, drops, metrics,
                         store_path, time.perf_counter() - t0, verdicts)
 
