@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from trainscope.analyzer import individual, l1_iteration, l2_groups, l2_phases, l3_kernels, l5_stacks
+from trainscope.analyzer import consistent, individual, l1_iteration, l2_groups, l2_phases, l3_kernels, l5_stacks
 from trainscope.analyzer.impact import WindowScale
 from trainscope.analyzer.model import Finding, JobWindow
 from trainscope.analyzer.topology import group_of, resources_with
@@ -171,4 +171,24 @@ class OwnHistory:
                 state.own_history = hist
         found, made = individual.analyze_individual(ctx.jw, ctx.scale, hist, self.cfg, self.groups_cfg)
         ctx.comparisons.update(made)
+        return found
+
+
+class ConsistentShift:
+    """Weak but consistent differences from the peers, accumulated over windows (``consistent``)."""
+
+    level, corroborating = "consistent", False
+
+    def __init__(self, cfg: consistent.ConsistentConfig, groups_cfg: l2_groups.GroupsConfig) -> None:
+        self.cfg, self.groups_cfg = cfg, groups_cfg
+
+    def analyze(self, ctx: WindowContext) -> list[Finding]:
+        state = ctx.job_state
+        ratios = getattr(state, "shift_ratios", None)
+        if ratios is None:
+            ratios = consistent.Ratios(self.cfg.windows)
+            if state is not None:
+                state.shift_ratios = ratios
+        found, n = consistent.analyze_consistent(ctx.jw, ctx.scale, ratios, self.cfg, self.groups_cfg)
+        ctx.comparisons["peers_over_windows"] = n
         return found

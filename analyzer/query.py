@@ -38,7 +38,7 @@ from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import records_pb2
 
 STRAGGLER_KINDS = ("straggler", "slow_communication", "imbalance", "slow_group", "late_arrivers",
-                   "pair_straggler", "individual_slowdown")
+                   "pair_straggler", "individual_slowdown", "consistent_slowdown")
 KERNEL_KINDS = ("degraded_kernel", "degraded_kernels", "missing_kernel")
 
 

@@ -37,10 +37,13 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from trainscope.analyzer import individual, l1_iteration, l2_groups, l2_phases, l3_kernels, l5_stacks, stall
+from trainscope.analyzer import (
+    consistent, individual, l1_iteration, l2_groups, l2_phases, l3_kernels, l5_stacks, stall,
+)
 from trainscope.analyzer.impact import ImpactConfig, apply_floor, window_scale
 from trainscope.analyzer.levels import (
-    Detector, L1Iterations, L2Phases, L3Kernels, L5Stacks, OwnHistory, SiblingGroups, WindowContext,
+    ConsistentShift, Detector, L1Iterations, L2Phases, L3Kernels, L5Stacks, OwnHistory, SiblingGroups,
+    WindowContext,
 )
 from trainscope.analyzer.merge import merge
 from trainscope.analyzer.model import MISSING, Finding, JobWindow, Scope, SuspectRank
@@ -56,7 +59,7 @@ log = logging.getLogger(__name__)
 
 
 #: Detector levels, in the order they run (corroborating L5 last).
-LEVEL_NAMES = ("L2", "L3", "groups", "history", "L1", "L5")
+LEVEL_NAMES = ("L2", "L3", "groups", "history", "consistent", "L1", "L5")
 # comparisons counted per level are named by what was compared with what:
 # L1/L2/L3 "peers", sibling_groups, own_history, pair
 
@@ -83,9 +86,11 @@ class AnalyzerConfig:
     """Sibling-group comparison (a whole group slower than its siblings)."""
     individual: individual.IndividualConfig = dataclasses.field(default_factory=individual.IndividualConfig)
     """Small jobs: own history and pairs."""
+    consistent: consistent.ConsistentConfig = dataclasses.field(default_factory=consistent.ConsistentConfig)
+    """Weak but consistent shifts from the peers, over windows."""
     impact: ImpactConfig = dataclasses.field(default_factory=ImpactConfig)
     """The impact floor below which findings are informational."""
-    levels: tuple[str, ...] = ("L1", "L2", "L3", "L5", "groups", "history")
+    levels: tuple[str, ...] = ("L1", "L2", "L3", "L5", "groups", "history", "consistent")
     """Which levels run."""
     persist_k: int = 2
     """A rank is named once flagged in persist_k ..."""
@@ -159,6 +164,7 @@ class _Job:
         self.last_iter_end: dict[int, int] = {}   # rank -> end of its last iteration (rank clock)
         self.watermark: dict[int, int] = {}       # rank -> latest end of anything it reported
         self.own_history = None                   # individual.History, kept by the OwnHistory level
+        self.shift_ratios = None                  # consistent.Ratios, kept by the ConsistentShift level
         self.first_iteration: dict[int, int] = {}  # rank -> first iteration it reported
 
 
@@ -391,6 +397,7 @@ def default_detectors(config: AnalyzerConfig, metrics: AnalyzerMetrics | None = 
         "L3": lambda: L3Kernels(config.l3),
         "groups": lambda: SiblingGroups(config.groups),
         "history": lambda: OwnHistory(config.individual, config.groups),
+        "consistent": lambda: ConsistentShift(config.consistent, config.groups),
         "L1": lambda: L1Iterations(config.l1),
         "L5": lambda: L5Stacks(config.l5),
     }
