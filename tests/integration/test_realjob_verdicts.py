@@ -1,0 +1,71 @@
+"""Verdicts on multi-rank jobs built from a real kernel stream (tests/support/realjob.py), through
+`trainscope replay` (real gRPC, processor, analyzer).
+
+The failure modes of the issue "Verdicts an on-call engineer can trust", on the real stream of
+job16-rank0 with the measured noise (personality, spikes; docs/noise.md) and heterogeneous pipeline
+stages: a healthy job names nobody anywhere; a late-onset slowdown is named with its onset; the
+tensor-parallel partners that waited never outrank the rank they waited for; a slower host is named
+as the host.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from support.realjob import SHARED, Fault, JobSpec, build_job
+from trainscope.deploy.cli import main
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(not (SHARED / "job16-rank0.json.gz").exists(), reason="real traces not found")]
+
+
+def replay(tmp_path: Path, spec: JobSpec) -> tuple[dict, dict]:
+    job = tmp_path / "job"
+    truth = build_job(job, spec)
+    out = tmp_path / "diag.json"
+    assert main(["replay", str(job), "--json", str(out), "--home", str(tmp_path / "h")]) == 0
+    return json.loads(out.read_text()), truth
+
+
+def test_a_healthy_heterogeneous_job_with_noisy_ranks_names_nobody(tmp_path):
+    doc, _ = replay(tmp_path, JobSpec(ranks=16, tp=2, pp=2, steps=20, seed=3, noisy=(4, 11)))
+    v = doc["verdict"]
+    assert v["state"] == "healthy" and v["suspects"] == [], v["summary"]
+    assert all(d["suspects"] == [] for d in doc["diagnoses"])
+    assert all(w["ranks"] == [] for w in doc["verdicts"])
+
+
+def test_a_late_onset_slowdown_is_named_with_its_onset(tmp_path):
+    spec = JobSpec(ranks=16, tp=2, pp=2, steps=20, seed=4, faults=(Fault("compute", ranks=(6,), factor=1.3, start=10),))
+    doc, _ = replay(tmp_path, spec)
+    v = doc["verdict"]
+    assert v["state"] == "degraded" and v["suspects"][0]["rank"] == 6, v["summary"]
+    assert v["suspects"][0]["role"] == "culprit" and v["suspects"][0]["impact_pct"] > 1
+    assert v["since_window"] >= 2          # windows of 5 steps: the slowdown began in window 2
+    # nothing was named before it began
+    assert all(w["ranks"] == [] for w in doc["verdicts"] if w["window_index"] < 2)
+
+
+def test_waiting_partners_never_outrank_the_rank_they_waited_for(tmp_path):
+    spec = JobSpec(ranks=16, tp=2, pp=1, steps=20, seed=5,
+                   faults=(Fault("compute", ranks=(9,), factor=1.5, waiters=True),))
+    doc, _ = replay(tmp_path, spec)
+    v = doc["verdict"]
+    ranks = [s["rank"] for s in v["suspects"]]
+    assert ranks and ranks[0] == 9 and v["suspects"][0]["role"] == "culprit", v["summary"]
+    for s in v["suspects"][1:]:
+        assert s["role"] != "culprit" or s["impact_s"] <= v["suspects"][0]["impact_s"]
+        if s["rank"] == 8:                                   # its tensor-parallel partner waited
+            assert s["role"] == "waiter" and s["waited_for"] == 9
+
+
+def test_a_slower_host_is_named_as_the_host(tmp_path):
+    spec = JobSpec(ranks=32, tp=2, pp=1, steps=20, seed=6, ranks_per_host=8,
+                   faults=(Fault("host", host=1, factor=1.3),))
+    doc, truth = replay(tmp_path, spec)
+    v = doc["verdict"]
+    assert v["state"] == "degraded" and v.get("host") == "host1", v["summary"]
+    on_host = set(truth["faults"][0]["ranks"])
+    assert {s["rank"] for s in v["suspects"] if s["role"] in ("culprit", "link")} <= on_host
