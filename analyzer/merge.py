@@ -16,7 +16,8 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
    ``URGENT_SHARE`` of the step: noise that large is not what persistence
    guards against, and waiting a window would only delay the page. A partial window (ranks
    missing) never names the ranks present because others are absent: it
-   only feeds the persistence of ranks it flags on their own evidence.
+   only feeds the persistence of ranks it flags on their own evidence. A
+   waiter is named only with the rank it waited for.
 4. Aggregation: when the suspects' impact sits mostly (≥ 2/3) on one host
    and at least two suspects share it, the verdict names the host first
    (a degraded NVLink, NIC or PCIe switch slows every GPU behind it).
@@ -99,6 +100,10 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     smooth = (lambda r: persistence.smoothed_impact(r) or flagged[r].score_ns) if persistence else (
         lambda r: flagged[r].score_ns)
     order = {CULPRIT: 0, LINK: 1, WAITER: 2, MISSING: 3}
+    # a waiter is named with the rank it waited for, never alone: until that rank is confirmed the
+    # waiter is pending too (a victim does not make a job degraded)
+    confirmed -= {r for r in confirmed if flagged[r].role == WAITER and flagged[r].waited_for >= 0
+                  and flagged[r].waited_for not in confirmed}
     suspects = sorted((flagged[r] for r in confirmed),
                       key=lambda rv: (order[rv.role], -smooth(rv.rank), rv.rank))
     pending = sorted(set(flagged) - confirmed)
