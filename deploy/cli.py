@@ -378,6 +378,9 @@ def _add_run_parser(sub) -> None:
     ru.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
     ru.set_defaults(func=cmd_run)
 
+    from trainscope.deploy import report_cmd
+    report_cmd.add_parser(sub)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
