@@ -13,8 +13,9 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
    windows; before that
    it is ``pending``. Stalls are named at once, and so is a culprit whose
    own slow work (not a collective it arrived late to) costs at least
-   ``URGENT_SHARE`` of the step: noise that large is not what persistence
-   guards against, and waiting a window would only delay the page. A partial window (ranks
+   ``URGENT_SHARE`` of the step in a job of ``URGENT_MIN_RANKS`` or more:
+   noise that large is not what persistence guards against there, and
+   waiting a window would only delay the page. A partial window (ranks
    missing) never names the ranks present because others are absent: it
    only feeds the persistence of ranks it flags on their own evidence. A
    waiter is named only with the rank it waited for.
@@ -49,8 +50,11 @@ from trainscope.proto.v1 import records_pb2
 HEALTHY, DEGRADED, STALLED, UNKNOWN = "healthy", "degraded", "stalled", "unknown"
 #: Persistence key of job-level anomalies (L1 jitter), beside the ranks.
 JOB = -1
-#: A flagged rank costing at least this share of the step is named at once (step 3).
+#: A flagged rank costing at least this share of the step is named at once (step 3) ...
 URGENT_SHARE = 0.15
+#: ... in jobs of at least this many ranks: a few ranks sharing a busy host (CPU jobs, tests) are
+#: slowed by the scheduler for a window at a time, and their verdicts wait for persistence.
+URGENT_MIN_RANKS = 16
 
 
 def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
@@ -94,6 +98,7 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     jitter_held = JOB in confirmed
     # overwhelming evidence needs no second window: a rank costing a large share of the step
     urgent = {r for r, rv in flagged.items() if step_ns > 0 and rv.role == CULPRIT
+              and len(resources) >= URGENT_MIN_RANKS
               and rv.score_ns >= URGENT_SHARE * step_ns
               and any(e.own and e.level != "L1" for e in rv.evidence)}   # jitter is transient by nature
     confirmed = (confirmed & set(flagged)) | ((stalled_ranks | urgent) & set(flagged))

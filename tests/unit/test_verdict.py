@@ -215,5 +215,5 @@ def test_lateness_inherited_from_a_tp_partner_goes_to_the_partner():
 def test_a_rank_costing_a_large_share_of_the_step_is_named_at_once():
     res = resources(16, tp=4)
     big = finding("L2", "straggler", "mlp", [(3, "slower", 20 * MS)])      # 20 % of a 100 ms step
-    v = merge("j", WIN, [big], res, step_ns=100 * MS, persistence=Persistence(2, 3))
+    v = merge("j", WIN, [big], res, step_ns=100 * MS, persistence=Persistence(2, 3))   # 16 ranks
     assert [s.rank for s in v.ranks] == [3] and v.state == "degraded"
