@@ -30,4 +30,18 @@ if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2
   fi
 fi
 
+# Chromium (Debian) renders `trainscope report`'s HTML headless in its test.
+# Installed when we can; the test skips and says so when not.
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing chromium from Debian..." >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends chromium >/dev/null; } \
+      || echo "WARNING: could not install chromium; the HTML report test will be skipped" >&2
+  else
+    echo "WARNING: chromium not found and cannot apt-get install it;" \
+         "the HTML report test will be skipped (apt-get install -y chromium)" >&2
+  fi
+fi
+
 exec "$PY" -m pytest -q -p no:cacheprovider "$@"
