@@ -51,6 +51,7 @@ import collections
 import dataclasses
 import math
 import re
+import warnings
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -233,7 +234,8 @@ def _own_work_tiebreak(out: dict[int, "RankVerdict"], owners: set[int], resource
         rows = [row[r] for r in members]
         if len(rows) < 2:
             continue
-        with np.errstate(all="ignore"):
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)       # a key none of them has: NaN
             med = np.nanmedian(m[rows][:, own_cols], axis=0)
         for r in members:
             if r in out:
