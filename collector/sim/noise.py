@@ -13,7 +13,8 @@ real PyTorch-profiler traces of A100 jobs this way:
 * per-rank personality: two ranks of one job differ per kernel by a median
   |ln ratio| of 0.065 (job128, which mixes role differences in: an upper
   bound); the default per (rank, kernel) offset is 0.03;
-* some healthy ranks are noisier than others (``noisy_ranks``).
+* some healthy ranks are noisier than others (``noisy_ranks``: a wider
+  body, the same spike rate).
 
 1. ``NoiseModel.setup`` draws what is persistent, once per run: each slot's
    body sigma, each (rank, slot)'s personality, which ranks are noisy.
@@ -45,7 +46,9 @@ class NoiseModel:
     step_sigma: float = 0.015
     """ln of a per-step factor shared by every kernel of the step (measured step CV 1.0-2.4 %)."""
     noisy_ranks: int = 0
-    """Healthy ranks that are noisier than the others (body sigma and spike rate × ``noisy_factor``)."""
+    """Healthy ranks that are noisier than the others: body sigma × ``noisy_factor``, spike rate
+    unchanged. (More spikes would make the rank slower on average: every collective waits for its
+    spikes, so it would cost the job time and not be healthy.)"""
     noisy_factor: float = 3.0
 
     def __post_init__(self) -> None:
@@ -71,7 +74,7 @@ class NoiseModel:
         if self.noisy_ranks:
             noisy[rng.choice(world, size=min(self.noisy_ranks, world), replace=False)] = True
         mult = np.where(noisy, self.noisy_factor, 1.0)
-        return NoiseState(slot[None, :] * mult[:, None], pers, np.minimum(self.spike_prob * mult, 0.5), noisy)
+        return NoiseState(slot[None, :] * mult[:, None], pers, np.full(world, self.spike_prob), noisy)
 
     def factors(self, st: "NoiseState", z: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Step 2: (W, K) multipliers of the slots' medians for one iteration (``z`` standard normal)."""
@@ -79,7 +82,8 @@ class NoiseModel:
         spike = rng.random((W, K)) < st.spike_prob[:, None]
         size = np.exp(self.spike_log_median + self.spike_log_sigma * rng.standard_normal((W, K)))
         step = math.exp(self.step_sigma * rng.standard_normal())
-        return np.exp(st.sigma * z + st.personality) * np.where(spike, np.maximum(size, 1.2), 1.0) * step
+        # the body is mean-preserving (e^(σz − σ²/2)): a wider spread is noise, not a slower rank
+        return np.exp(st.sigma * z - st.sigma ** 2 / 2 + st.personality) * np.where(spike, np.maximum(size, 1.2), 1.0) * step
 
 
 @dataclasses.dataclass(slots=True)

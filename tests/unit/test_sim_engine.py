@@ -181,7 +181,7 @@ def test_noisy_healthy_ranks_are_noisier():
     assert Simulation(SimConfig(**SMALL)).engine.noise_state.noisy.sum() == 0     # the default has none
     st = Simulation(SimConfig(**SMALL, noise=NoiseModel(noisy_ranks=4, noisy_factor=4.0))).engine.noise_state
     assert st.noisy.sum() == 4
-    assert np.all(st.spike_prob[st.noisy] == 4 * st.spike_prob[~st.noisy][0])
+    assert np.all(st.spike_prob == st.spike_prob[0])          # noisier, not slower: same spike rate
     assert np.allclose(st.sigma[st.noisy].mean(axis=0), 4 * st.sigma[~st.noisy].mean(axis=0))
 
 
