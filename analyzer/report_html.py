@@ -221,7 +221,8 @@ def fig_phases(go, d: ReportData):
             fig.add_trace(go.Scatter(x=[phase], y=[per[d.suspect]], mode="markers", showlegend=False,
                                      marker=dict(color=SUSPECT_COLOR, size=12, symbol="diamond"),
                                      name=f"rank {d.suspect}"))
-    return _layout(fig, f"Phase time per iteration across ranks (diamond: rank {d.suspect})",
+    marked = f" (diamond: rank {d.suspect})" if d.suspect is not None else ""
+    return _layout(fig, f"Phase time per iteration across ranks{marked}",
                    yaxis_title="time per iteration (s)")
 
 
@@ -288,8 +289,10 @@ def render(d: ReportData) -> str:
                 ("phases", "Phases", [fig_phases(go, d)] if d.phases else [])]
     body = [_verdict_html(d)]
     for sid, title, figs in sections:
+        empty = ("No rank is named: there is no suspect to compare with its peers."
+                 if sid == "kernels" and d.suspect is None else "No data recorded for this section.")
         parts = [f.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False})
-                 for f in figs] or ["<p>No data recorded for this section.</p>"]
+                 for f in figs] or [f"<p>{empty}</p>"]
         body.append(f'<section id="{sid}"><h2>{html.escape(title)}</h2>{"".join(parts)}</section>')
     made = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"

@@ -82,6 +82,10 @@ def test_every_panel_expression_returns_the_labels_it_shows(tmp_path):
                     if missing:
                         failures.append(f"{board} / {title}: labels {missing} missing in {r['metric']}")
                 checked[title] = res
+            # the host variable filters: one host's four ranks only
+            expr = next(e for _, t, e, _ in all_targets if t == "Iteration time per rank")
+            one = prom.query(substitute(expr).replace('host=~".*"', 'host=~"sim-host-0001"'))
+            checked["one host"] = one
             for path in sorted(BOARDS.glob("*.json")):
                 for v in json.loads(path.read_text())["templating"]["list"]:
                     m = re.fullmatch(r"label_values\((.*), (\w+)\)", v.get("query") or "")
@@ -109,5 +113,7 @@ def test_every_panel_expression_returns_the_labels_it_shows(tmp_path):
     assert {r["metric"]["pp"] for r in peers} == {"0", "1"}
     assert all(r["metric"]["trace_rank"] == f"{int(r['metric']['rank']):05d}" for r in peers)
     assert str(SUSPECT) not in {r["metric"]["rank"] for r in peers}
+    assert sorted(int(r["metric"]["rank"]) for r in checked["one host"]) == [4, 5, 6, 7]
+    assert {r["metric"]["host"] for r in checked["one host"]} == {"sim-host-0001"}
     grid = checked["Suspect impact by DP x PP (s/iteration)"]
     assert len(grid) == 8  # dp 0..3 x pp 0..1

@@ -123,3 +123,15 @@ def test_an_existing_output_is_replaced_only_with_force(store, tmp_path):
     assert r.returncode == 2 and "--force" in r.stderr and out.read_text() == "an engineer's notes"
     r = cli("report", "--store", str(store), "-o", str(out), "--force", cwd=tmp_path)
     assert r.returncode == 0 and out.read_text().startswith("<!DOCTYPE html>")
+
+
+def test_a_healthy_job_is_reported_healthy_with_no_suspect(tmp_path):
+    cfg = SimConfig(ranks=8, tp=2, gpus_per_host=4, iterations=40, iteration_s=1.0, job_id="healthy",
+                    home=str(tmp_path / "home"))
+    res = run_sim(cfg, **SimAnalysis().hooks())
+    out = tmp_path / "r.html"
+    r = cli("report", "--store", res.store_path, "-o", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    page = out.read_text()
+    assert 'class="state healthy"' in page and "<td>culprit</td>" not in page
+    assert "no suspect to compare" in page
