@@ -27,7 +27,11 @@ no per-event objects beyond the JSON writer):
      shortest, ARGUS §9.5);
    - ``copies``: memcpy/memset × factor (PCIe);
    - ``host``: every rank of one host, compute × factor;
-   - ``comm``: the ranks' collective kernels × factor (a slow link).
+   - ``comm``: the ranks' collective kernels × factor (a slow link);
+   - ``dataloader``: the ranks wait ``delay_ms`` more in a ``dataloader``
+     phase at the start of each step, before any kernel (a data-loader
+     stall). Only jobs with this fault carry the phase: every rank gets it
+     (0.3 ms, lognormal σ 0.2) so the ranks can be compared.
 5. ``truth.json``: the faults, their ranks, hosts and first step.
 """
 from __future__ import annotations
@@ -50,17 +54,19 @@ from trainscope.proto.v1 import telemetry_pb2
 
 SHARED = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data" / "kineto"
 ROUTING = RoutingConfig()
+KINDS = ("compute", "copies", "host", "comm", "dataloader")
 
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    kind: str                     # compute | copies | host | comm
+    kind: str                     # compute | copies | host | comm | dataloader
     ranks: tuple[int, ...] = ()
     host: int | None = None
     factor: float = 1.3
     start: int = 0                # first faulty step (index into the output steps)
     every: int = 0                # intermittent: on for `every` steps, off for `every`
     waiters: bool = False         # compute: TP partners wait for it in their collectives
+    delay_ms: float = 0.0         # dataloader: extra wait per step
 
     def active(self, step: int) -> bool:
         if step < self.start:
@@ -69,7 +75,8 @@ class Fault:
 
 
 def parse_fault(text: str) -> Fault:
-    """``compute:rank=5,factor=1.3,from=20[,every=5][,waiters]`` / ``host:host=1,factor=1.2``."""
+    """``compute:rank=5,factor=1.3,from=20[,every=5][,waiters]`` / ``host:host=1,factor=1.2`` /
+    ``dataloader:rank=3,delay_ms=15,from=10``."""
     kind, _, rest = text.partition(":")
     kw: dict = {}
     for part in filter(None, rest.split(",")):
@@ -86,8 +93,12 @@ def parse_fault(text: str) -> Fault:
             kw["every"] = int(v)
         elif k == "waiters":
             kw["waiters"] = True
+        elif k == "delay_ms":
+            kw["delay_ms"] = float(v)
         else:
             raise ValueError(f"unknown fault field {k!r} in {text!r}")
+    if kind not in KINDS:
+        raise ValueError(f"unknown fault kind {kind!r} (one of {', '.join(KINDS)})")
     return Fault(kind, **kw)
 
 
@@ -127,6 +138,7 @@ def build_job(directory: str | pathlib.Path, spec: JobSpec) -> dict:
     rng = np.random.default_rng([spec.seed, 0])
     pick = rng.integers(0, len(real), spec.steps)
     dp = spec.ranks // (spec.tp * spec.pp)
+    loader = any(f.kind == "dataloader" for f in spec.faults)
     topo = {"world_size": spec.ranks, "tp": spec.tp, "pp": spec.pp, "ep": 1, "cp": 1,
             "order": "tp-cp-ep-dp-pp", "ranks_per_host": spec.ranks_per_host}
     (out / "topology.json").write_text(json.dumps(topo))
@@ -138,7 +150,7 @@ def build_job(directory: str | pathlib.Path, spec: JobSpec) -> dict:
         pers = np.exp(spec.personality * rr.standard_normal(len(names)))
         stage = 1.0 + 0.15 * c.pp
         extra = 1.2 if c.pp == spec.pp - 1 and spec.pp > 1 else 1.0
-        starts, durs, nids, streams, kinds, its = [], [], [], [], [], []
+        starts, durs, nids, streams, kinds, its, phases = [], [], [], [], [], [], []
         t = 10**12
         for s, p in enumerate(pick):
             sel, s0, length = real[p]
@@ -151,25 +163,32 @@ def build_job(directory: str | pathlib.Path, spec: JobSpec) -> dict:
             d = _faults(spec, r, c, s, sel, d, compute, comm, copies, k)
             off = k.start_ns[sel].astype(np.int64) - s0
             stretch = max(1.0, float(d.sum() / max(k.duration_ns[sel].sum(), 1)))
-            starts.append(t + (off * stretch).astype(np.int64))
+            wait = 0
+            if loader:   # the step's kernels start after the data loader returns
+                wait = int(3e5 * np.exp(0.2 * rr.standard_normal()) + 1e6 * sum(
+                    f.delay_ms for f in spec.faults if f.kind == "dataloader" and r in f.ranks and f.active(s)))
+                phases.append(telemetry_pb2.PhaseTiming(name="dataloader", start_ns=t, duration_ns=wait,
+                                                        iteration=s))
+            starts.append(t + wait + (off * stretch).astype(np.int64))
             durs.append(np.maximum(1, d).astype(np.uint64))
             nids.append(k.name_id[sel])
             streams.append(k.stream[sel])
             kinds.append(k.kind[sel])
-            step_len = int(length * stretch)
+            step_len = int(length * stretch) + wait
             its.append(telemetry_pb2.IterationMark(iteration=s, start_ns=t, end_ns=t + step_len))
             t += step_len + 1000
         cols = type(k)(names, np.concatenate(starts).astype(np.uint64), np.concatenate(durs),
                        np.concatenate(nids), np.concatenate(streams), np.concatenate(kinds), device=r % 8)
         write_kineto_trace(str(out / f"rank-{r}.json.gz"), rank=r, world_size=spec.ranks, kernels=cols,
-                           iterations=its)
+                           iterations=its, phases=phases)
     truth = {"spec": {**dataclasses.asdict(spec), "faults": [dataclasses.asdict(f) for f in spec.faults]},
              "dp": dp, "faults": []}
     for f in spec.faults:
         ranks = list(f.ranks) if f.host is None else list(range(f.host * spec.ranks_per_host,
                                                                  (f.host + 1) * spec.ranks_per_host))
         truth["faults"].append({"kind": f.kind, "ranks": ranks, "first_step": f.start,
-                                "hosts": sorted({f"host{x // spec.ranks_per_host}" for x in ranks})})
+                                "hosts": sorted({f"host{x // spec.ranks_per_host}" for x in ranks}),
+                                **({"phase": "dataloader"} if f.kind == "dataloader" else {})})
     (out / "truth.json").write_text(json.dumps(truth, indent=1))
     return truth
 

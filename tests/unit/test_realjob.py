@@ -143,3 +143,26 @@ def test_parse_fault_and_cli_wrong_input(tmp_path, capsys):
     assert "unknown fault field" in capsys.readouterr().err
     (tmp_path / "there").mkdir()
     assert main([str(tmp_path / "there"), "--ranks", "2", "--tp", "1"]) == 2     # never overwrites
+
+
+def test_dataloader_stall_delays_that_ranks_steps(tmp_path):
+    """Every rank carries a dataloader phase at the start of each step; the stalled rank's is
+    delay_ms longer from its first faulty step on, and its kernels start after it."""
+    spec = JobSpec(**{**SPEC.__dict__, "faults": (Fault("dataloader", ranks=(5,), delay_ms=15.0, start=3),)})
+    truth = build_job(tmp_path / "job", spec)
+    assert truth["faults"][0]["phase"] == "dataloader" and truth["faults"][0]["first_step"] == 3
+    for rank in range(8):
+        t = load_rank_trace(tmp_path / "job" / f"rank-{rank}.json.gz")
+        loader = sorted((p for p in t.phases if p.name == "dataloader"), key=lambda p: p.start_ns)
+        assert len(loader) == SPEC.steps
+        ms = np.array([p.duration_ns for p in loader]) / 1e6
+        stalled = (np.arange(SPEC.steps) >= 3) & (rank == 5)
+        assert np.all(ms[stalled] > 15.0) and np.all(ms[~stalled] < 1.0), (rank, ms)
+        first = np.array([t.kernels.start_ns[(t.kernels.start_ns >= m.start_ns) & (t.kernels.start_ns < m.end_ns)].min()
+                          for m in sorted(t.iterations, key=lambda m: m.start_ns)])
+        assert np.all(first >= np.array([p.start_ns + p.duration_ns for p in loader]))
+
+
+def test_unknown_fault_kind_is_refused():
+    with pytest.raises(ValueError, match="unknown fault kind"):
+        parse_fault("slow:rank=1")
