@@ -31,7 +31,7 @@ import numpy as np
 from trainscope.analyzer.impact import WindowScale
 from trainscope.analyzer.l2_groups import GroupsConfig, rank_times
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
-from trainscope.analyzer.significance import MAD_SIGMA, z_threshold
+from trainscope.analyzer.significance import MAD_SIGMA, SMALL_GROUP, z_threshold
 from trainscope.analyzer.topology import check_number, group_of, resources_with
 
 
@@ -41,12 +41,14 @@ class ConsistentConfig:
     """Windows of each rank's log ratio kept per key."""
     min_windows: int = 3
     """Windows needed before a shift counts."""
-    min_shift: float = 0.03
-    """Smallest persistent shift reported (3 %)."""
-    rel_floor: float = 0.01
-    """Floor of the peers' spread of mean log ratios."""
-    min_group: int = 4
-    """Fewest ranks in a comparison group."""
+    min_shift: float = 0.05
+    """Smallest persistent shift reported (5 %): below, rank-to-rank personality (docs/noise.md,
+    up to ~7 % per kernel on GPUs, more on CPU ranks sharing cores) explains it."""
+    rel_floor: float = 0.02
+    """Floor of the peers' spread of median log ratios (the personality floor of L2/L3)."""
+    min_group: int = SMALL_GROUP
+    """Fewest ranks in a comparison group: below, the MAD of a handful of medians cannot tell a
+    persistent shift from personality (``significance.SMALL_GROUP``)."""
     false_alarm: float = 1e-3
 
     def __post_init__(self) -> None:

@@ -21,8 +21,10 @@ verdict says which one was used (``Finding.comparison``):
    side are the culprits and their impact is what they kept the others
    waiting (at most their own extra work). The dependency, not a majority,
    says who is slow, so it works on two ranks (kind ``pair_straggler``) and
-   on a group split half and half by a slow host (``late_arrivers``), where
-   the median of the peers is meaningless; persistence keeps noise out.
+   on a group split by a slow host (``late_arrivers``: at least a third of
+   the group late), where the median of the peers is meaningless; a few
+   late ranks in a larger group are L2's business. Persistence keeps noise
+   out.
 
 Own history judges only ranks whose peer group is too small for L2/L3, so a
 rank is never reported twice for the same slowdown.
@@ -174,6 +176,8 @@ def _pairs(jw, ranks, keys, m, scale: WindowScale, cfg: IndividualConfig,
         j = int(np.argmax(np.diff(w)))                 # the widest gap splits late arrivers from waiters
         gap = float(w[j + 1] - w[j])
         late, waiters = order[: j + 1], order[j + 1:]
+        if len(members) > 2 and 3 * late.size < len(members):
+            continue    # a few late ranks in a group are L2's (majority) business; this rule is for splits
         spread = max(float(np.ptp(w[: j + 1])), float(np.ptp(w[j + 1:])))
         busy = float(other[late].mean() - other[waiters].mean())
         if (gap < cfg.pair_min_excess * scale.step_ns or gap < 2 * spread

@@ -52,7 +52,7 @@ import numpy as np
 
 from trainscope.analyzer.impact import WindowScale, window_scale
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
-from trainscope.analyzer.significance import robust_z, z_threshold
+from trainscope.analyzer.significance import robust_z, small_group_threshold, z_threshold
 from trainscope.analyzer.topology import (
     RoutingConfig, check_number, group_of, rank_to_group, resources_with,
 )
@@ -180,6 +180,7 @@ class _Phase:
     per_iter: np.ndarray = None     # phase time per iteration, ns
     sz: np.ndarray = None           # calibrated z of per_iter against the group (step 3)
     per_iter_median: np.ndarray = None
+    z_star: np.ndarray = None       # per row: the significance threshold of its group's size
 
 
 def _phase(name, dim, comm, col, label_of_row, cfg, per_iter_col=None) -> _Phase | None:
@@ -225,13 +226,16 @@ def analyze_phases(jw: JobWindow, cfg: L2Config = L2Config(), scale: WindowScale
         ph = _phase(name, dim, cfg.routing.is_communication(name), m[:, j], labels[dim], cfg, per_iter[:, j])
         if ph is not None:
             phases.append(ph)
-    z_star = z_threshold(cfg.false_alarm, sum(int(ph.eligible.sum()) for ph in phases))
+    m_cmp = sum(int(ph.eligible.sum()) for ph in phases)
+    z_star = z_threshold(cfg.false_alarm, m_cmp)
+    for ph in phases:      # per rank: the threshold of its group's size (Student t below SMALL_GROUP)
+        ph.z_star = small_group_threshold(cfg.false_alarm, m_cmp, ph.st["n"])
     # ratio of every rank to its own group median, per compute phase (for the cross-check)
     compute_ratio = {ph.name: dict(zip(ph.rows.tolist(), ph.ratio.tolist()))
                      for ph in phases if not ph.comm}
     out: list[Finding] = []
     for ph in phases:
-        high = ph.eligible & (ph.ratio >= 1 + cfg.min_excess) & (ph.sz >= z_star)
+        high = ph.eligible & (ph.ratio >= 1 + cfg.min_excess) & (ph.sz >= ph.z_star)
         if not ph.comm:
             kind = "imbalance" if imbalance.search(ph.name) else "straggler"
             if kind == "imbalance":
@@ -239,7 +243,7 @@ def analyze_phases(jw: JobWindow, cfg: L2Config = L2Config(), scale: WindowScale
             out += _findings(jw, ph, high, kind, cfg, ranks, z_star)
             continue
         late = ph.eligible & (ph.cv >= cfg.cv_severe) & (ph.ratio <= 1 - cfg.comm_min_deficit) & (
-            ph.sz <= -z_star)
+            ph.sz <= -ph.z_star)
         if late.any():
             out += _late_findings(jw, ph, late, cfg, ranks, compute_ratio, pure, z_star)
         else:
@@ -269,7 +273,7 @@ def _findings(jw, ph: _Phase, flag: np.ndarray, kind: str, cfg, ranks, z_star: f
     for g in np.unique(ph.label[flag]).tolist():
         idx = np.flatnonzero(flag & (ph.label == g))
         idx = idx[np.argsort(-ph.ratio[idx], kind="stable")]
-        suspects = tuple(SuspectRank(ranks[ph.rows[i]], float(ph.ratio[i]), _evidence(ph, i, z_star),
+        suspects = tuple(SuspectRank(ranks[ph.rows[i]], float(ph.ratio[i]), _evidence(ph, i, float(ph.z_star[i])),
                                      impact_ns=max(0.0, float(ph.per_iter[i] - ph.per_iter_median[i])))
                          for i in idx)
         out.append(Finding(
@@ -293,7 +297,7 @@ def _late_findings(jw, ph: _Phase, late: np.ndarray, cfg, ranks, compute_ratio, 
             slow = {p: float(r[rank_row]) for p, r in compute_ratio.items()
                     if rank_row in r and r[rank_row] >= 1 + cfg.min_excess}
             slower = {p: v for p, v in slow.items() if pure.search(p)}
-            ev = _evidence(ph, i, z_star) | {
+            ev = _evidence(ph, i, float(ph.z_star[i])) | {
                 "role": "late_arriver",
                 "peers_waited_ns": float(ph.st["median"][i] - ph.x[i]),
                 "compute_slower": slower,

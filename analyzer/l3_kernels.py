@@ -58,7 +58,7 @@ from scipy.special import ndtr
 from trainscope.analyzer.cdf import lognormal_params, mixture_moments
 from trainscope.analyzer.impact import WindowScale, window_scale
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
-from trainscope.analyzer.significance import robust_z, z_threshold
+from trainscope.analyzer.significance import robust_z, small_group_threshold, z_threshold
 from trainscope.analyzer.topology import (
     CATEGORIES, RoutingConfig, check_number, group_of, rank_to_group, resources_with,
 )
@@ -429,6 +429,9 @@ def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Conf
     n_cat = sum(int((cat_x[m] > 0).any(axis=0).sum()) * m.size for _, m in cat_groups)
     comparisons = int(seg_n[scored].sum()) + n_cat
     z_star = z_threshold(cfg.false_alarm, comparisons)
+
+    def z_for(n: int) -> float:      # Student t below SMALL_GROUP ranks (significance step 2)
+        return float(small_group_threshold(cfg.false_alarm, comparisons, [n])[0])
     comm_key = cat == 2
 
     key_first = np.flatnonzero(np.r_[True, k_s[1:] != k_s[:-1]])
@@ -456,14 +459,14 @@ def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Conf
             scores = acc / (n - 1)
             d2 = dists.reshape(chunk.size, n)
             outliers += _flag(t, seg_key[chunk], seg_group[chunk], d2, scores, x_all[d2],
-                              np.sqrt(se2_all[d2]), comm_key[seg_key[chunk]], z_star, cfg)
+                              np.sqrt(se2_all[d2]), comm_key[seg_key[chunk]], z_for(n), cfg)
     for g, m in cat_groups:
         for c in range(3):
             x = cat_x[m, c]
             if not (x > 0).any():
                 continue
             outliers += _flag(t, np.array([-1 - c]), np.array([g]), np.full((1, m.size), -1), None,
-                              x[None, :], np.sqrt(cat_v[m, c])[None, :], np.array([c == 2]), z_star, cfg,
+                              x[None, :], np.sqrt(cat_v[m, c])[None, :], np.array([c == 2]), z_for(m.size), cfg,
                               ranks=t.ranks[m][None, :], category=CATEGORIES[c])
     outliers.sort(key=lambda o: -float(np.abs(o.x_ns - o.median_ns).max()))
     return L3Result(outliers, missing, int(scored.sum()), int(seg_n[scored].sum()), comparisons, z_star)

@@ -21,7 +21,11 @@ window stays ≤ α whatever M is).
      (three identical peers have MAD = 0).
 2. Threshold: |z| ≥ z* = Φ⁻¹(1 − α/M) (one-sided per direction). Assumption:
    z is close to normal under the null; heavy tails are handled by se_r and
-   the floor, not by the quantile.
+   the floor, not by the quantile. In groups under ``SMALL_GROUP`` ranks the
+   spread comes from a handful of peers and z is Student-t-like: the
+   threshold is the t quantile with n − 1 degrees of freedom
+   (``small_group_threshold``), so 4 ranks sharing 2 CPU cores do not name
+   whichever the scheduler slowed.
 3. Persistence (``Persistence``): a suspect must hold in the same place
    (phase, kernel, category) in ``k`` of the last ``n`` windows before the
    verdict names it (stalls and hangs excepted);
@@ -66,6 +70,22 @@ class SignificanceConfig:
 def z_threshold(alpha: float, comparisons: int) -> float:
     """z* = Φ⁻¹(1 − α/M) (step 2)."""
     return float(-ndtri(alpha / max(int(comparisons), 1)))
+
+
+def small_group_threshold(alpha: float, comparisons: int, n) -> np.ndarray:
+    """Step 2 for groups of ``n`` ranks: below ``SMALL_GROUP`` the spread is estimated from a
+    handful of peers, so z is Student-t-like with n − 1 degrees of freedom; the threshold is its
+    quantile at α/M (the normal one from ``SMALL_GROUP`` on)."""
+    from scipy.stats import t as student_t
+
+    n = np.asarray(n, dtype=np.float64)
+    p = alpha / max(int(comparisons), 1)
+    z = z_threshold(alpha, comparisons)
+    small = n < SMALL_GROUP
+    out = np.full(n.shape, z)
+    if small.any():
+        out[small] = student_t.isf(p, np.maximum(n[small] - 1, 1))
+    return out
 
 
 def robust_z(x: np.ndarray, se: np.ndarray | None = None, rel_floor: float = 0.0,
