@@ -158,7 +158,15 @@ def _real_jobs(n: int) -> list[tuple[str, bool, bool]]:
     specs += [("real compute 1.3x rank 6", JobSpec(ranks=16, tp=2, pp=2, steps=20, seed=20,
                                                     faults=(Fault("compute", ranks=(6,), factor=1.3),)), {6}),
               ("real copies 3x rank 2", JobSpec(ranks=16, tp=2, pp=2, steps=20, seed=21,
-                                                 faults=(Fault("copies", ranks=(2,), factor=3.0),)), {2})]
+                                                 faults=(Fault("copies", ranks=(2,), factor=3.0),)), {2}),
+              ("real compute 1.2x rank 9 from step 12", JobSpec(ranks=16, tp=2, pp=2, steps=20, seed=22, faults=(
+                  Fault("compute", ranks=(9,), factor=1.2, start=12),)), {9}),
+              ("real TP partner (rank 4 slow, 5 waits)", JobSpec(ranks=16, tp=2, pp=1, steps=20, seed=23, faults=(
+                  Fault("compute", ranks=(4,), factor=1.5, waiters=True),)), {4}),
+              ("real host 1 compute 1.2x", JobSpec(ranks=16, tp=2, pp=1, steps=20, seed=24, faults=(
+                  Fault("host", host=1, factor=1.2),)), set(range(8, 16))),
+              ("real dataloader +15 ms rank 13", JobSpec(ranks=16, tp=2, pp=2, steps=20, seed=25, faults=(
+                  Fault("dataloader", ranks=(13,), delay_ms=15.0),)), {13})]
     from trainscope.analyzer.merge import merge_windows
     for label, spec, culprits in specs:
         with tempfile.TemporaryDirectory() as tmp:
@@ -184,17 +192,18 @@ def main(argv=None) -> int:
     ap.add_argument("--real-jobs", type=int, default=0, help="healthy jobs built from the real job16 stream")
     ap.add_argument("--combos", action="store_true", help="late onset, intermittent, two culprits, partners, groups")
     ap.add_argument("--quick", action="store_true", help="a subset: 32 ranks, strong magnitude, combos, few healthy")
-    ap.add_argument("--only", nargs="*", help="fault types to run")
+    ap.add_argument("--only", nargs="*", help="fault types to run (none: no fault types, e.g. healthy only)")
     args = ap.parse_args(argv)
     if args.quick:
         args.ranks, args.magnitudes, args.healthy_runs, args.combos = [32], [1], 2, True
+        args.real_jobs = args.real_jobs or 2
     rows = []
     t0 = time.perf_counter()
     head = (f"{'fault':<52} {'ranks':>5} {'caught':>6} {'top1':>5} {'right':>5} {'host':>5} {'phase':>5} "
             f"{'kernel':>6} {'windows':>7} {'stable':>6}  verdict")
     print(head)
     for ftype, (scope, ladder) in SCENARIOS.items():
-        if args.only and ftype not in args.only:
+        if args.only is not None and ftype not in args.only:
             continue
         for ranks in args.ranks:
             culprit = ranks // 2 - 3
@@ -248,6 +257,17 @@ def main(argv=None) -> int:
         print(f"real-stream jobs: healthy named nobody {sum(ok for _, h, ok in real if h)}/"
               f"{sum(1 for _, h, _ in real if h)}, faulty top-1 right {sum(ok for _, h, ok in real if not h)}/"
               f"{sum(1 for _, h, _ in real if not h)}")
+    right = sum(f.right for _, _, f in rows) + (sum(ok for _, h, ok in real if not h) if args.real_jobs else 0)
+    faulty = n + (sum(1 for _, h, _ in real if not h) if args.real_jobs else 0)
+    real_false = sum(not ok for _, h, ok in real if h) if args.real_jobs else 0
+    print(f"targets: 0 suspects over >= 10 healthy hours: {false + real_false} false windows/jobs over "
+          f"{hours:.2f} simulated h{'' if hours >= 10 else ' (fewer hours than the target)'} "
+          f"[{'met' if false + real_false == 0 and hours >= 10 else 'NOT met'}]; "
+          f"top-1 or right host/group >= 95 %: {right / faulty if faulty else 0:.0%} "
+          f"[{'met' if faulty and right / faulty >= 0.95 else 'NOT met'}]; "
+          f"top suspect stable in >= 90 % of a persistent fault's windows: "
+          f"{sum(s >= 0.9 for s in stable)}/{len(stable)} runs "
+          f"[{'met' if stable and all(s >= 0.9 for s in stable) else 'NOT met'}]")
     print(f"total wall time {time.perf_counter() - t0:.0f} s")
     if args.big:
         latency_at_scale()
