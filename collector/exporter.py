@@ -122,6 +122,7 @@ class ExporterStats:
         self.confirmed = 0
         self.resent = 0
         self.rejected_by_processor = 0
+        self.rejected_by_reason: collections.Counter[str] = collections.Counter()
         self.reconnects = 0
         self.dropped: collections.Counter[str] = collections.Counter()
 
@@ -133,6 +134,7 @@ class ExporterStats:
         return {
             "submitted": self.submitted, "sent": self.sent, "confirmed": self.confirmed,
             "resent": self.resent, "rejected_by_processor": self.rejected_by_processor,
+            "rejected_by_reason": dict(self.rejected_by_reason),
             "reconnects": self.reconnects, "dropped_total": self.dropped_total,
             "dropped": dict(self.dropped),
         }
@@ -170,6 +172,7 @@ class BatchExporter:
         self._flush_requested = threading.Event()
         self._queue: Deque[_Pending] = collections.deque()
         self._unconfirmed: Deque[_Pending] = collections.deque()
+        self._next_reject_log = 0.0
         self._held_bytes = 0
         self._seq = 0
         self._thread: threading.Thread | None = None
@@ -413,10 +416,23 @@ class BatchExporter:
             for p in self._unconfirmed:
                 self._held_bytes -= p.nbytes
             self._unconfirmed.clear()
-            self.stats.confirmed += n
-            self.stats.rejected_by_processor += summary.batches_rejected
+            # the summary answers for every batch of the stream: those it refused are
+            # rejected, not confirmed (a rejected batch is gone, and the user must see it)
+            # A duplicate is a re-sent batch the processor already holds: delivered.
+            reasons = {k: v for k, v in summary.rejected_by_reason.items() if k != "duplicate"}
+            rejected = min(n, sum(reasons.values()))
+            self.stats.confirmed += n - rejected
+            self.stats.rejected_by_processor += rejected
+            self.stats.rejected_by_reason.update(reasons)
+            warn = rejected and time.monotonic() >= self._next_reject_log
+            if warn:
+                self._next_reject_log = time.monotonic() + 10.0  # one line per 10 s, not per stream
             if not self._queue:
                 self._idle.set()
+        if warn:
+            log.warning("processor rejected %d of %d batches (%s); %d rejected in all",
+                        rejected, n, ", ".join(f"{k}={v}" for k, v in sorted(reasons.items())),
+                        self.stats.rejected_by_processor)
 
     def _drop_oversize_head(self) -> None:
         """The processor refused a message as too large: drop the largest unconfirmed one.

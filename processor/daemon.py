@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from trainscope.proto import env
 from trainscope.processor.bus import EmbeddedBus, BusSink
 from trainscope.processor.ingest import IngestServicer
+from trainscope.processor.limits import IngestLimits
 from trainscope.processor.pipeline import Pipeline
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.processor.sink import Sink
@@ -41,6 +42,8 @@ class ProcessorConfig:
     """Bound on validated batches waiting for the processing thread."""
     window: WindowConfig = dataclasses.field(default_factory=WindowConfig)
     """How telemetry is cut into windows."""
+    limits: IngestLimits = dataclasses.field(default_factory=IngestLimits)
+    """What ingest accepts (``processor/limits.py``)."""
     summary: SummaryConfig = dataclasses.field(default_factory=SummaryConfig)
     """Kernel clustering and stack summary settings."""
     store_path: str | None = None
@@ -87,7 +90,7 @@ class Processor:
             config.window, Summarizer(config.summary), self.sinks, self.metrics,
             queue_max=config.queue_max_batches,
         )
-        self.servicer = IngestServicer(self.pipeline.accept, self.metrics)
+        self.servicer = IngestServicer(self.pipeline.accept, self.metrics, config.limits)
         self._server: grpc.Server | None = None
         self.address = ""
 

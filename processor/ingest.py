@@ -13,7 +13,13 @@ records around it:
 * a message over ``max_message_bytes`` is refused by gRPC itself with
   ``RESOURCE_EXHAUSTED``; the exporter drops that one and re-sends the rest;
 * re-sent batches (the exporter re-sends what a broken stream did not
-  confirm) are recognised by (job, rank, pid, seq) and dropped once.
+  confirm) are recognised by (job, rank, pid, seq) and dropped once;
+* every value the arithmetic downstream relies on is bounded first
+  (``processor/limits.py``: timestamps, clock jumps, world size, iteration
+  numbers, name and stack lengths, sample counts, sequence steps);
+* each rejected batch's reason goes back to the collector in
+  ``IngestSummary.rejected_by_reason`` and is logged at WARNING, at most once
+  per reason every 10 s.
 """
 from __future__ import annotations
 
@@ -25,8 +31,10 @@ import time
 from typing import Callable
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
+from trainscope.processor.limits import IngestLimits, RateLimitedLog
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.contracts import Signal
@@ -55,13 +63,38 @@ class Decoded:
     dropped_total: int
 
 
-class Validator:
-    """Turns raw bytes into ``Decoded`` or raises ``BadInput``; counts record-level rejects."""
+class _StreamState:
+    """What the validator remembers of one sender: last seq, and per signal the clock."""
 
-    def __init__(self, metrics: SelfMetrics, *, max_dedup_entries: int = 100_000) -> None:
+    __slots__ = ("last_seq", "clock", "jumps")
+
+    def __init__(self) -> None:
+        self.last_seq = 0
+        self.clock: dict[str, tuple[int, float]] = {}     # signal -> (latest end, monotonic when)
+        self.jumps: dict[str, list[int]] = {}              # signal -> ends of consecutive clock jumps
+
+
+class Validator:
+    """Turns raw bytes into ``Decoded`` or raises ``BadInput``; counts record-level rejects.
+
+    Steps, in order (a batch is refused at the first it fails, and refused
+    batches leave no trace in the per-stream state):
+
+    1. parse the bytes; 2. resource: job id, ``0 <= rank < world <= max_world_size``;
+    3. payload: shape, then per record (durations, timestamps, iterations, sample
+       counts); over-long names and stacks are truncated and counted;
+    4. clock: the batch may not reach further ahead of its rank's clock (per signal)
+       than ``max_clock_jump_s`` plus the wall time since that rank's last batch;
+    5. sequence: duplicates of a recent seq are dropped; a seq too far ahead is refused,
+       one far behind starts a new sequence (a restarted sender).
+    """
+
+    def __init__(self, metrics: SelfMetrics, limits: IngestLimits | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.metrics = metrics
-        self._last_seq: dict[tuple[str, int, int], int] = {}
-        self._max_dedup = max_dedup_entries
+        self.limits = limits or IngestLimits()
+        self._streams: dict[tuple[str, int, int], _StreamState] = {}
+        self._clock = clock
         self._lock = threading.Lock()
 
     def decode(self, raw: bytes) -> Decoded:
@@ -73,86 +106,191 @@ class Validator:
         signal = b.WhichOneof("payload")
         if signal is None and not b.final:
             raise BadInput("empty", "batch carries no payload", raw)
-        self._dedup(res, b.seq, raw)
+        lim = self.limits
+        if b.sent_unix_ns > lim.max_timestamp_ns:
+            raise BadInput("timestamp", f"sent_unix_ns {b.sent_unix_ns} beyond {lim.max_timestamp_ns}")
+        end = 0
         if signal is None:
-            return Decoded(res, "final", None, 0, len(raw), b.sent_unix_ns, b.dropped_total)
-        if signal == Signal.KERNELS:
-            payload, n = self._kernels(b.kernels)
+            payload, n = None, 0
+        elif signal == Signal.KERNELS:
+            payload, n, end = self._kernels(b.kernels)
         elif signal == Signal.PHASES:
-            payload, n = self._phases(b.phases.phases)
+            payload, n, end = self._phases(b.phases.phases)
         elif signal == Signal.ITERATIONS:
-            payload, n = self._iterations(b.iterations.marks)
+            payload, n, end = self._iterations(b.iterations.marks)
         else:
-            payload, n = tuple(b.stacks.snapshots), len(b.stacks.snapshots)
-        return Decoded(res, signal, payload, n, len(raw), b.sent_unix_ns, b.dropped_total)
+            payload, n, end = self._stacks(b.stacks.snapshots)
+        self._admit(res, signal, end, b.seq, raw)
+        return Decoded(res, signal or "final", payload, n, len(raw), b.sent_unix_ns,
+                       min(b.dropped_total, 2**53))
 
     def _resource(self, b: telemetry_pb2.TelemetryBatch) -> Resource:
         if not b.HasField("resource") or not b.resource.job_id:
             raise BadInput("resource", "batch has no resource or no job_id")
         r = b.resource
-        if r.world_size < 1:
-            raise BadInput("resource", f"world_size {r.world_size} < 1")
+        lim = self.limits
+        if len(r.job_id) > lim.max_name_chars:
+            raise BadInput("resource", f"job_id of {len(r.job_id)} chars (limit {lim.max_name_chars})")
+        if not 1 <= r.world_size <= lim.max_world_size:
+            raise BadInput("world_size", f"world_size {r.world_size} outside 1..{lim.max_world_size}")
         if not 0 <= r.rank < r.world_size:
             raise BadInput("unknown_rank", f"rank {r.rank} outside world of {r.world_size}")
         return Resource.from_pb(r)
 
-    def _dedup(self, res: Resource, seq: int, raw: bytes) -> None:
-        if not seq:
-            return
-        key = (res.job_id, res.rank, res.pid)
-        with self._lock:
-            last = self._last_seq.get(key, 0)
-            if seq <= last:
-                raise BadInput("duplicate", f"seq {seq} already received from {key}", raw)
-            if len(self._last_seq) >= self._max_dedup and key not in self._last_seq:
-                self._last_seq.pop(next(iter(self._last_seq)))
-            self._last_seq[key] = seq
+    def _stream(self, key: tuple[str, int, int]) -> _StreamState:
+        st = self._streams.get(key)
+        if st is None:
+            if len(self._streams) >= self.limits.max_streams_tracked:
+                self._streams.pop(next(iter(self._streams)))  # oldest first: dicts keep order
+            st = self._streams[key] = _StreamState()
+        return st
 
-    def _kernels(self, m: telemetry_pb2.KernelBatch) -> tuple[KernelColumns, int]:
+    def _admit(self, res: Resource, signal: str | None, end: int, seq: int, raw: bytes) -> None:
+        """Steps 4 and 5: check clock and seq against the stream, then commit both (or neither)."""
+        lim = self.limits
+        key = (res.job_id, res.rank, res.pid)
+        now = self._clock()
+        with self._lock:
+            st = self._stream(key)
+            rebase = False
+            if signal is not None and end:
+                prev = st.clock.get(signal)
+                if prev is not None:
+                    allowed = prev[0] + lim.max_clock_jump_ns + int(max(0.0, now - prev[1]) * 1e9)
+                    if end > allowed:
+                        run = st.jumps.setdefault(signal, [])
+                        if run and abs(end - run[-1]) > lim.max_clock_jump_ns:
+                            run.clear()  # jumps that disagree with each other are not a new clock
+                        run.append(end)
+                        if len(run) < lim.clock_reset_after:
+                            raise BadInput("clock_jump",
+                                           f"rank {res.rank} {signal} reach {(end - prev[0]) / 1e9:.0f} s "
+                                           f"ahead of its clock (limit {lim.max_clock_jump_s:g} s)", raw)
+                        rebase = True
+            if seq:
+                last = st.last_seq
+                if last and seq > last + lim.max_seq_gap:
+                    raise BadInput("seq_jump", f"seq {seq} is more than {lim.max_seq_gap} past {last}", raw)
+                if last - lim.max_seq_gap < seq <= last:
+                    raise BadInput("duplicate", f"seq {seq} already received from {key}", raw)
+                st.last_seq = seq  # also when far behind: the sender restarted its sequence
+            if signal is not None and end:
+                if rebase:
+                    self.metrics.inc("clock_rebased")
+                    st.clock[signal] = (end, now)
+                else:
+                    st.clock[signal] = (max(end, st.clock.get(signal, (0, 0.0))[0]), now)
+                st.jumps.pop(signal, None)
+
+    def _name(self, name: str, what: str) -> str:
+        if len(name) > self.limits.max_name_chars:
+            self.metrics.inc("records_truncated", 1, what=what)
+            return name[: self.limits.max_name_chars]
+        return name
+
+    def _kernels(self, m: telemetry_pb2.KernelBatch) -> tuple[KernelColumns, int, int]:
+        lim = self.limits
+        if len(m.names) > lim.max_names_per_batch:
+            raise BadInput("names", f"string table of {len(m.names)} names (limit {lim.max_names_per_batch})")
         cols = KernelColumns.from_pb(m)
         if not len(cols):
             raise BadInput("empty", "kernel batch with no records")
-        bad = (cols.duration_ns == 0) | (cols.duration_ns > MAX_RECORD_NS)
+        if any(len(n) > lim.max_name_chars for n in cols.names):
+            cols = dataclasses.replace(cols, names=tuple(self._name(n, "kernel_name") for n in cols.names))
+        bad_dur = (cols.duration_ns == 0) | (cols.duration_ns > MAX_RECORD_NS)
+        # start alone first: start + duration of a start near 2**64 would wrap
+        bad_ts = (cols.start_ns > np.uint64(lim.max_timestamp_ns - MAX_RECORD_NS)) & ~bad_dur
+        bad = bad_dur | bad_ts
         nbad = int(bad.sum())
         if nbad:
-            self.metrics.inc("records_rejected", nbad, reason="duration")
+            if bad_dur.any():
+                self.metrics.inc("records_rejected", int(bad_dur.sum()), reason="duration")
+            if bad_ts.any():
+                self.metrics.inc("records_rejected", int(bad_ts.sum()), reason="timestamp")
             if nbad == len(cols):
-                raise BadInput("duration", f"all {nbad} kernel durations are zero or absurd")
+                raise BadInput("duration" if bad_dur.any() else "timestamp",
+                               f"all {nbad} kernel records have absurd durations or timestamps")
             cols = cols.take(~bad)
-        return cols, len(cols)
+        end = int((cols.start_ns + cols.duration_ns).max())
+        return cols, len(cols), end
 
-    def _phases(self, phases) -> tuple[tuple, int]:
-        good = []
+    def _ts_ok(self, *values: int) -> bool:
+        return all(v <= self.limits.max_timestamp_ns - MAX_RECORD_NS for v in values)
+
+    def _phases(self, phases) -> tuple[tuple, int, int]:
+        good, end = [], 0
         for ph in phases:
             if not ph.name:
                 self.metrics.inc("records_rejected", 1, reason="phase_name")
             elif not 0 < ph.duration_ns <= MAX_RECORD_NS:
                 self.metrics.inc("records_rejected", 1, reason="duration")
+            elif not self._ts_ok(ph.start_ns):
+                self.metrics.inc("records_rejected", 1, reason="timestamp")
+            elif ph.iteration > self.limits.max_iteration:
+                self.metrics.inc("records_rejected", 1, reason="iteration")
             else:
+                if len(ph.name) > self.limits.max_name_chars:
+                    ph.name = self._name(ph.name, "phase_name")
                 good.append(ph)
+                end = max(end, ph.start_ns + ph.duration_ns)
         if not good:
             raise BadInput("empty", "phase batch with no valid records")
-        return tuple(good), len(good)
+        return tuple(good), len(good), end
 
-    def _iterations(self, marks) -> tuple[tuple, int]:
-        good = []
+    def _iterations(self, marks) -> tuple[tuple, int, int]:
+        good, end = [], 0
         for m in marks:
-            if not 0 < m.end_ns - m.start_ns <= MAX_RECORD_NS or m.end_ns < m.start_ns:
+            if m.end_ns < m.start_ns or not 0 < m.end_ns - m.start_ns <= MAX_RECORD_NS:
                 self.metrics.inc("records_rejected", 1, reason="duration")
+            elif not self._ts_ok(m.start_ns, m.end_ns):
+                self.metrics.inc("records_rejected", 1, reason="timestamp")
+            elif m.iteration > self.limits.max_iteration:
+                self.metrics.inc("records_rejected", 1, reason="iteration")
             else:
                 good.append(m)
+                end = max(end, m.end_ns)
         if not good:
             raise BadInput("empty", "iteration batch with no valid records")
-        return tuple(good), len(good)
+        return tuple(good), len(good), end
+
+    def _stacks(self, snapshots) -> tuple[tuple, int, int]:
+        lim = self.limits
+        good, end = [], 0
+        for s in snapshots:
+            if (s.window_end_ns < s.window_start_ns or not self._ts_ok(s.window_start_ns, s.window_end_ns)):
+                self.metrics.inc("records_rejected", 1, reason="timestamp")
+                continue
+            if s.samples > lim.max_stack_samples or any(fs.count > lim.max_stack_samples for fs in s.stacks):
+                self.metrics.inc("records_rejected", 1, reason="samples")
+                continue
+            for fs in s.stacks:
+                if len(fs.stack) > lim.max_stack_chars:
+                    # keep the leaf end: the innermost frames say what the rank waits in
+                    fs.stack = fs.stack[-lim.max_stack_chars:]
+                    self.metrics.inc("records_truncated", 1, what="stack")
+            good.append(s)
+            end = max(end, s.window_end_ns)
+        if not good:
+            raise BadInput("empty", "stack batch with no valid snapshots")
+        return tuple(good), len(good), end
+
+
+def _peer(context) -> str:
+    try:
+        return context.peer()
+    except Exception:
+        return "?"
 
 
 class IngestServicer:
     """The ``trainscope.v1.Ingest`` service: validates and forwards each message."""
 
-    def __init__(self, accept: Callable[[Decoded], bool], metrics: SelfMetrics) -> None:
+    def __init__(self, accept: Callable[[Decoded], bool], metrics: SelfMetrics,
+                 limits: IngestLimits | None = None) -> None:
         self._accept = accept
         self.metrics = metrics
-        self.validator = Validator(metrics)
+        self.validator = Validator(metrics, limits)
+        self._warn = RateLimitedLog(log)
 
     def Stream(self, request_iterator, context) -> telemetry_pb2.IngestSummary:
         self.metrics.inc("streams")
@@ -164,12 +302,13 @@ class IngestServicer:
                 s.batches_rejected += 1
                 s.rejected_by_reason[e.reason] += 1
                 self.metrics.inc("batches_rejected", reason=e.reason)
-                log.debug("rejected batch: %s", e)
+                self._warn.warning(e.reason, "rejected batch from %s: %s", _peer(context), e)
                 continue
             if not self._accept(d):
                 s.batches_rejected += 1
                 s.rejected_by_reason["overloaded"] += 1
                 self.metrics.inc("batches_rejected", reason="overloaded")
+                self._warn.warning("overloaded", "rejected batch: processing queue full (back-pressure)")
                 continue
             s.batches_accepted += 1
             s.records_accepted += d.records

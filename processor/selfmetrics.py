@@ -19,6 +19,8 @@ COUNTERS = {
     "batches_in": ("Batches accepted, by signal", ("signal",)),
     "batches_rejected": ("Batches rejected whole, by reason", ("reason",)),
     "records_rejected": ("Single records rejected, by reason", ("reason",)),
+    "records_truncated": ("Names or stacks truncated to the ingest limit, by what", ("what",)),
+    "clock_rebased": ("Times a rank's clock was re-based after consecutive agreeing jumps", ()),
     "records_out": ("Records delivered, by sink and signal", ("sink", "signal")),
     "bytes_out": ("Serialized bytes delivered, by sink and signal", ("sink", "signal")),
     "drops": ("Records dropped, by where they were dropped", ("where",)),

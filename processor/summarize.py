@@ -19,6 +19,9 @@ from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import records_pb2, telemetry_pb2
 
 
+_U32 = 2**32 - 1
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SummaryConfig:
     kde: kde.KdeConfig = dataclasses.field(default_factory=kde.KdeConfig)
@@ -117,7 +120,10 @@ class Summarizer:
                 counts[(fs.stack, fs.idle)] += fs.count
                 if fs.idle:
                     idle += fs.count
-        out = records_pb2.StackWindow(resource=res, window=cw.window, samples=samples, idle_samples=idle)
+        # Sums of uint32 wire counts can pass 2**32 (ingest bounds each count, not the
+        # window's sum): saturate rather than let protobuf raise on the processing thread.
+        out = records_pb2.StackWindow(resource=res, window=cw.window, samples=min(samples, _U32),
+                                      idle_samples=min(idle, _U32))
         for (stack, is_idle), c in counts.most_common(self.config.max_stacks):
-            out.stacks.append(telemetry_pb2.FoldedStack(stack=stack, count=c, idle=is_idle))
+            out.stacks.append(telemetry_pb2.FoldedStack(stack=stack, count=min(c, _U32), idle=is_idle))
         return out

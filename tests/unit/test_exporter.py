@@ -192,3 +192,27 @@ def test_a_non_retryable_refusal_drops_the_batches_in_flight_instead_of_resendin
     finally:
         exp.shutdown(0.5)
         server.stop(0)
+
+
+def test_batches_the_processor_rejects_are_counted_as_rejected_not_confirmed(caplog):
+    """A world larger than the processor's limit: every batch is refused with a reason the
+    exporter reports; good batches from the same exporter are still confirmed."""
+    proc = start_processor()
+    bad = Resource(job_id="job", rank=0, world_size=2**32 - 1)
+    exp = BatchExporter(RES, fast_config(proc.address))
+    try:
+        with caplog.at_level("WARNING", logger="trainscope.collector.exporter"):
+            for i in range(10):
+                assert exp.submit(kb(i), 2500, resource=bad)
+            assert exp.flush(10)
+        for i in range(10, 15):
+            assert exp.submit(kb(i), 2500)
+        assert exp.flush(10)
+        snap = exp.stats.snapshot()
+        assert snap["rejected_by_processor"] == 10 and snap["confirmed"] == 5
+        assert snap["rejected_by_reason"] == {"world_size": 10}
+        assert any("world_size=" in r.getMessage() for r in caplog.records)
+        assert proc.metrics.get("batches_rejected", reason="world_size") == 10
+    finally:
+        exp.shutdown(1)
+        proc.stop()
