@@ -73,9 +73,9 @@ def cmd_processor(args) -> int:
         print(f"trainscope processor listening on {proc.address}", flush=True)
         if proc.metrics_server is not None:
             print(f"metrics on {proc.metrics_server.url}", flush=True)
-        stop.wait()
+        rc = proc.serve(stop)  # 1 when the processing thread died: exit loudly, not serve as if alive
         proc.drain(30.0)
-    return 0
+    return rc
 
 
 def cmd_replay(args) -> int:
