@@ -10,6 +10,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import threading
 from typing import Any, Sequence
 
 import grpc
@@ -142,13 +143,32 @@ class Processor:
         self._server.start()
         if cfg.prometheus is not None:
             from trainscope.processor.prom_exporter import start_metrics_server
-            self.metrics_server = start_metrics_server(self.registry, cfg.prometheus.host, cfg.prometheus.port)
+            self.metrics_server = start_metrics_server(self.registry, cfg.prometheus.host, cfg.prometheus.port,
+                                                      health=self.health)
             if cfg.prometheus.remote_write_url:
                 from trainscope.processor.remote_write import RemoteWriter
                 self.remote_writer = RemoteWriter.from_config(cfg.prometheus, self.registry, metrics=self.metrics)
                 self.remote_writer.start()
         log.info("processor listening on %s", self.address)
         return self
+
+    def health(self) -> dict:
+        """What ``/healthz`` answers: the processing thread's state (``ok`` false when it is dead or stuck)."""
+        h = {"pipeline": self.pipeline.health()}
+        h["ok"] = all(part["ok"] for part in h.values())
+        return h
+
+    def serve(self, stop: threading.Event, poll_s: float = 1.0) -> int:
+        """Serve until ``stop`` is set (0), or until the processing thread has died (1, logged).
+
+        A processor whose pipeline is gone must not go on answering collectors
+        as if it stored their batches: it exits non-zero so a supervisor restarts it.
+        """
+        while not stop.wait(poll_s):
+            if not self.pipeline.alive():
+                log.critical("the processing thread is dead: exiting so that the processor is restarted")
+                return 1
+        return 0
 
     def drain(self, timeout_s: float = 60.0) -> bool:
         """Process everything received, close all windows, flush the sinks."""

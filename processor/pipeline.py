@@ -49,8 +49,13 @@ class Pipeline:
         self._q: "queue.Queue[Decoded | _Barrier | None]" = queue.Queue(maxsize=queue_max)
         self._accept_timeout = accept_timeout_s
         self._idle_check = idle_check_s
-        self._thread = threading.Thread(target=self._run, name="trainscope-pipeline", daemon=True)
+        self._thread = threading.Thread(target=self._supervise, name="trainscope-pipeline", daemon=True)
         self._started = False
+        self._stopping = False
+        self.heartbeat = time.monotonic()   # last time the loop went round
+        self.restarts = 0
+        self.dead = False                   # gave up: too many failures in a row
+        self.max_restarts = 5
 
     def start(self) -> "Pipeline":
         if not self._started:
@@ -59,6 +64,8 @@ class Pipeline:
         return self
 
     def accept(self, d: Decoded) -> bool:
+        if self.dead:
+            return False  # refused, so the collector keeps it rather than it vanishing here
         try:
             self._q.put(d, timeout=self._accept_timeout)
             return True
@@ -69,6 +76,8 @@ class Pipeline:
         """Process everything queued so far; with ``close_windows`` also close all windows
         and flush the sinks. True when it finished within the timeout."""
         deadline = time.monotonic() + timeout_s
+        if not self.alive():
+            return False  # nobody would ever answer the barrier
         b = _Barrier(close_windows)
         try:
             self._q.put(b, timeout=timeout_s)
@@ -80,11 +89,27 @@ class Pipeline:
             return all(s.flush(max(0.1, deadline - time.monotonic())) for s in self.sinks)
         return True
 
+    def alive(self) -> bool:
+        return self._started and self._thread.is_alive() and not self.dead
+
+    def health(self, stale_s: float = 30.0) -> dict:
+        """The processing thread's state for ``/healthz``: alive, how long since it went round."""
+        age = time.monotonic() - self.heartbeat
+        return {"ok": self.alive() and age < stale_s, "alive": self.alive(),
+                "heartbeat_age_s": round(age, 3), "restarts": self.restarts,
+                "queue_depth": self._q.qsize(), "queue_max": self._q.maxsize}
+
     def stop(self, timeout_s: float = 30.0) -> None:
+        """Drain, then end the thread; bounded by ``timeout_s`` even when the thread is dead or stuck."""
         if self._started:
+            deadline = time.monotonic() + timeout_s
             self.drain(timeout_s)
-            self._q.put(None)
-            self._thread.join(timeout=timeout_s)
+            self._stopping = True
+            try:
+                self._q.put(None, timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Full:
+                pass  # the thread also sees _stopping at its next idle check
+            self._thread.join(timeout=max(0.1, deadline - time.monotonic()))
         for s in self.sinks:
             try:
                 s.close()
@@ -93,6 +118,31 @@ class Pipeline:
                 self.metrics.inc("sink_errors", sink=getattr(s, "name", "?"))
 
     # ----------------------------------------------------------- the thread
+    def _supervise(self) -> None:
+        """Run the loop; a failure outside one batch restarts it, counted and logged at ERROR.
+
+        ``max_restarts`` failures each within 10 s of the last mean
+        the state itself is broken: the pipeline is marked dead, refuses
+        batches (the collectors keep them), and ``/healthz`` answers 503.
+        """
+        streak, last_fail = 0, -1e9
+        while not self._stopping:
+            try:
+                self._run()
+                return
+            except BaseException:
+                self.restarts += 1
+                now = time.monotonic()
+                streak = streak + 1 if now - last_fail < 10.0 else 1
+                last_fail = now
+                self.metrics.inc("thread_restarts", thread="pipeline")
+                log.critical("processing thread failed (restart %d)", self.restarts, exc_info=True)
+                if streak >= self.max_restarts:
+                    self.dead = True
+                    log.critical("processing thread failed %d times in a row: giving up; "
+                                 "batches are refused until the processor is restarted", streak)
+                    return
+
     def _run(self) -> None:
         w = self.windower
         next_idle = time.monotonic() + self._idle_check
@@ -100,8 +150,11 @@ class Pipeline:
             try:
                 item = self._q.get(timeout=self._idle_check)
             except queue.Empty:
+                if self._stopping:
+                    return
                 item = _Barrier(False)  # nothing came: just an idle check
                 item.done.set()
+            self.heartbeat = time.monotonic()
             if item is None:
                 return
             try:

@@ -31,12 +31,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import socket
 import threading
 import time
 import urllib.parse
 from typing import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -384,13 +385,40 @@ class MetricsServer:
 
 
 def start_metrics_server(
-    registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0
+    registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0,
+    health: Callable[[], dict] | None = None,
 ) -> MetricsServer:
-    """Serve ``registry`` in the text exposition format on ``http://host:port/metrics``.
+    """Serve ``registry`` on ``http://host:port/metrics`` and, with ``health``, ``/healthz``.
 
-    Uses prometheus_client's threaded WSGI server (any path serves the
-    registry); ``port=0`` binds a free port, read back from ``.port``.
+    ``/healthz`` answers the JSON of ``health()``: 200 when its ``ok`` is
+    true, 503 otherwise (a dead thread, a store that cannot write). Other
+    paths serve the registry, as prometheus_client's own server does;
+    ``port=0`` binds a free port, read back from ``.port``.
     """
-    httpd, thread = start_http_server(port, addr=host, registry=registry)
-    thread.name = "trainscope-metrics-http"
+    import json
+    from wsgiref.simple_server import make_server
+
+    from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
+
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        if health is not None and environ.get("PATH_INFO") == "/healthz":
+            try:
+                h = health()
+            except Exception as e:  # the health check must answer even when it breaks
+                h = {"ok": False, "error": type(e).__name__}
+            body = json.dumps(h, sort_keys=True).encode()
+            start_response("200 OK" if h.get("ok") else "503 Service Unavailable",
+                           [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
+        return metrics_app(environ, start_response)
+
+    class _Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    httpd = make_server(host, port, app, _Server, handler_class=_SilentHandler)
+    thread = threading.Thread(target=httpd.serve_forever, name="trainscope-metrics-http", daemon=True)
+    thread.start()
     return MetricsServer(httpd, thread, host)

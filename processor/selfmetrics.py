@@ -29,6 +29,7 @@ COUNTERS = {
     "window_mode_decided": ("Ranks whose window mode auto chose, by mode (iterations: marks arrived)", ("mode",)),
     "window_close_seconds_sum": ("Total time spent closing and summarising windows", ()),
     "streams": ("Ingest streams opened", ()),
+    "thread_restarts": ("Daemon threads restarted after an unexpected error, by thread", ("thread",)),
 }
 GAUGES = {
     "lag_seconds": ("Now minus the send time of the newest batch, by signal", ("signal",)),
