@@ -155,6 +155,9 @@ class Processor:
     def health(self) -> dict:
         """What ``/healthz`` answers: the processing thread's state (``ok`` false when it is dead or stuck)."""
         h = {"pipeline": self.pipeline.health()}
+        for sink in self.sinks:
+            if hasattr(sink, "health"):
+                h[sink.name] = sink.health()
         h["ok"] = all(part["ok"] for part in h.values())
         return h
 

@@ -182,6 +182,9 @@ class Pipeline:
             if now >= next_idle:
                 next_idle = now + self._idle_check
                 w.close_idle()
+                for s in self.sinks:
+                    if hasattr(s, "tick"):  # e.g. the store retrying its backlog
+                        s.tick()
 
     def _on_close(self, cw: ClosedWindow) -> None:
         out = self._summarize(cw)

@@ -29,6 +29,7 @@ COUNTERS = {
     "window_mode_decided": ("Ranks whose window mode auto chose, by mode (iterations: marks arrived)", ("mode",)),
     "window_close_seconds_sum": ("Total time spent closing and summarising windows", ()),
     "streams": ("Ingest streams opened", ()),
+    "store_errors": ("Failed store writes, by kind (locked, full, io: retried; invalid: dropped)", ("kind",)),
     "thread_restarts": ("Daemon threads restarted after an unexpected error, by thread", ("thread",)),
 }
 GAUGES = {
@@ -37,6 +38,7 @@ GAUGES = {
     "open_windows": ("Windows open now", ()),
     "spool_bytes": ("Bytes held in a sink's on-disk spool", ("sink",)),
     "ranks": ("Ranks seen", ()),
+    "store_backlog": ("Windows waiting to be retried into the local store", ()),
     "collector_dropped": ("Batches the rank's collector dropped (its own running total)", ("job", "rank")),
 }
 

@@ -1,5 +1,15 @@
 """The local store: SQLite file of summaries (and, later, diagnoses).
 
+Faults (issue #11): every transaction rolls back on error, so one failed
+write never leaves the connection inside a transaction that refuses all later
+ones. ``StoreSink`` keeps windows whose write failed in a bounded backlog and
+retries them (on the next window and on the pipeline's idle tick); a locked
+store (another process holding a write transaction past ``busy_timeout_s``)
+and a full disk are retried until the cause is gone, and reported by
+``health()`` meanwhile; a record SQLite can never hold is dropped and
+counted. What the backlog's bound pushes out is counted as
+``drops{where="store_backlog"}``.
+
 The embedded default's answer to "what did the pipeline produce": replay
 writes its ``--stats-out`` from here, ``trainscope query`` reads it. Rows are
 the protobuf records as blobs plus the columns queries filter on. Retention is
@@ -7,9 +17,12 @@ bounded by ``max_rows`` per signal (oldest deleted first).
 """
 from __future__ import annotations
 
+import collections
+import logging
 import os
 import sqlite3
 import threading
+import time
 from typing import Iterator
 
 from trainscope.processor.model import WindowOutput
@@ -33,15 +46,21 @@ CREATE INDEX IF NOT EXISTS records_by_job ON records (signal, job, window_index,
 """
 
 
-def open_sqlite(path: str, schema: str) -> sqlite3.Connection:
+log = logging.getLogger(__name__)
+
+
+def open_sqlite(path: str, schema: str, *, timeout_s: float = 30.0) -> sqlite3.Connection:
     """The local store's connection, shared by the processor and the analyzer
     (one file, several writers): WAL so readers never block writers, NORMAL
     sync (a crash may lose the last transactions, never corrupts; a full fsync
     per record would cap the processor at a few hundred windows/s), a busy
     timeout for the other process's transactions."""
     if path != ":memory:":
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+        # created 0600 and never through a symlink; SQLite gives -wal and -shm the same mode
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        os.close(fd)
+    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=timeout_s)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
     db.executescript(schema)
@@ -49,11 +68,13 @@ def open_sqlite(path: str, schema: str) -> sqlite3.Connection:
 
 
 class SqliteStore:
-    def __init__(self, path: str, *, max_rows: int = 2_000_000) -> None:
+    def __init__(self, path: str, *, max_rows: int = 2_000_000, busy_timeout_s: float = 2.0) -> None:
         self.path = path
         self.max_rows = max_rows
         self._lock = threading.Lock()
-        self._db = open_sqlite(path, SCHEMA)
+        # short: a store locked by another process must not stall the processing thread for
+        # long; the sink keeps the window and retries
+        self._db = open_sqlite(path, SCHEMA, timeout_s=busy_timeout_s)
         self._inserted = 0
 
     def put(self, signal: str, rec) -> None:
@@ -66,19 +87,35 @@ class SqliteStore:
         if not rows:
             return
         with self._lock:
-            self._db.execute("BEGIN")
-            self._db.executemany(
+            self._transaction(lambda db: db.executemany(
                 "INSERT INTO records (signal, job, rank, window_kind, window_index, window_start,"
-                " window_end, value) VALUES (?,?,?,?,?,?,?,?)", rows)
-            self._db.execute("COMMIT")
+                " window_end, value) VALUES (?,?,?,?,?,?,?,?)", rows))
             before = self._inserted
             self._inserted += len(rows)
             if self._inserted // 10_000 != before // 10_000:
-                self._trim()
+                try:
+                    self._transaction(self._trim)
+                except sqlite3.Error:
+                    log.warning("store retention trim failed; retried after the next 10,000 rows",
+                                exc_info=True)
 
-    def _trim(self) -> None:
+    def _transaction(self, body) -> None:
+        """Run ``body(db)`` in one transaction; on any error roll back, then re-raise."""
+        self._db.execute("BEGIN")
+        try:
+            body(self._db)
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                try:
+                    self._db.execute("ROLLBACK")
+                except sqlite3.Error:
+                    log.warning("store rollback failed", exc_info=True)
+            raise
+
+    def _trim(self, db: sqlite3.Connection) -> None:
         for signal in SIGNALS:
-            self._db.execute(
+            db.execute(
                 "DELETE FROM records WHERE signal = ? AND id <= ("
                 " SELECT id FROM records WHERE signal = ? ORDER BY id DESC LIMIT 1 OFFSET ?)",
                 (signal, signal, self.max_rows),
@@ -106,23 +143,110 @@ class SqliteStore:
             self._db.close()
 
 
+def _fault(e: BaseException) -> str | None:
+    """The kind of a store failure that retrying can cure, or None when it cannot."""
+    msg = str(e).lower()
+    if isinstance(e, sqlite3.OperationalError):
+        if "locked" in msg or "busy" in msg:
+            return "locked"
+        if "full" in msg:
+            return "full"
+        return "io"
+    return None  # OverflowError, IntegrityError, ...: this record will never fit
+
+
 class StoreSink:
-    """Writes every window's records to the local store (a ``Sink``)."""
+    """Writes every window's records to the local store (a ``Sink``), retrying failed writes."""
 
     name = "store"
 
-    def __init__(self, store: SqliteStore, metrics: SelfMetrics) -> None:
+    def __init__(self, store: SqliteStore, metrics: SelfMetrics, *, backlog_max: int = 10_000,
+                 retry_every_s: float = 1.0) -> None:
         self.store = store
         self.metrics = metrics
+        self._backlog: collections.deque[list] = collections.deque()
+        self._backlog_max = backlog_max
+        self._retry_every = retry_every_s
+        self._next_retry = 0.0
+        self.fault: str | None = None       # what the last failed write said, until a write succeeds
+        self.fault_since: float | None = None
 
     def export(self, out: WindowOutput) -> None:
         items = list(out.records())
-        self.store.put_many(items)
+        if not items:
+            return
+        if self._backlog:
+            self._backlog.append(items)
+            self._trim_backlog()
+            self.retry()
+        else:
+            self._write_or_keep(items)
+
+    def _write_or_keep(self, items: list) -> bool:
+        try:
+            self.store.put_many(items)
+        except Exception as e:
+            kind = _fault(e)
+            self.metrics.inc("store_errors", kind=kind or "invalid")
+            if kind is None:
+                log.warning("store refused a window's records for good (%s: %s); dropped",
+                            type(e).__name__, e)
+                self.metrics.inc("drops", len(items), where="store_invalid")
+                return True
+            if self.fault is None:
+                self.fault_since = time.monotonic()
+                log.warning("store write failed (%s: %s); keeping windows and retrying", kind, e)
+            self.fault = kind
+            self._backlog.appendleft(items)
+            self._trim_backlog()
+            self._next_retry = time.monotonic() + self._retry_every
+            return False
         for signal, _ in items:
             self.metrics.inc("records_out", sink=self.name, signal=signal)
+        if self.fault is not None:
+            log.warning("store writes recovered after %.1f s (%s)",
+                        time.monotonic() - (self.fault_since or 0.0), self.fault)
+            self.fault = self.fault_since = None
+        return True
+
+    def _trim_backlog(self) -> None:
+        while len(self._backlog) > self._backlog_max:
+            lost = self._backlog.pop()  # the newest: keep the order of what is kept
+            self.metrics.inc("drops", len(lost), where="store_backlog")
+        self.metrics.set("store_backlog", len(self._backlog))
+
+    def retry(self, force: bool = False) -> bool:
+        """Write the backlog, oldest first, until it is empty or a write fails; True when empty."""
+        if not self._backlog:
+            return True
+        if not force and time.monotonic() < self._next_retry:
+            return False
+        while self._backlog:
+            if not self._write_or_keep(self._backlog.popleft()):
+                return False
+        self.metrics.set("store_backlog", 0)
+        return True
+
+    def tick(self) -> None:
+        """The pipeline's idle tick: retry a backlog even when no new window comes."""
+        self.retry()
+
+    def health(self) -> dict:
+        return {"ok": self.fault is None, "fault": self.fault, "backlog_windows": len(self._backlog),
+                "fault_for_s": round(time.monotonic() - self.fault_since, 1) if self.fault_since else 0.0}
 
     def flush(self, timeout_s: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.retry(force=True):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         return True
 
     def close(self) -> None:
-        pass
+        if self._backlog:
+            n = sum(len(i) for i in self._backlog)
+            log.error("store still failing at close (%s): %d records of %d windows not stored",
+                      self.fault, n, len(self._backlog))
+            self.metrics.inc("drops", n, where="store_backlog")
+            self._backlog.clear()
