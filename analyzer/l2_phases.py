@@ -57,6 +57,7 @@ from trainscope.analyzer.topology import (
     RoutingConfig, check_number, group_of, rank_to_group, resources_with,
 )
 from trainscope.proto.errors import ConfigError
+from trainscope.proto.v1 import telemetry_pb2
 
 #: 1.4826 · MAD estimates σ for normal data.
 MAD_SIGMA = 1.4826
@@ -136,6 +137,11 @@ def phase_matrix(jw: JobWindow, totals: bool = False):
             m[i, col[p]] = t / c
             tot[i, col[p]] = t
     return (ranks, phases, m, tot) if totals else (ranks, phases, m)
+
+
+def host_timed_phases(jw: JobWindow) -> set[str]:
+    """Phases timed on the host's clock (``PHASE_CLOCK_CPU``) on any rank."""
+    return {p.phase for pw in jw.phases.values() for p in pw.phases if p.clock == telemetry_pb2.PHASE_CLOCK_CPU}
 
 
 def group_stats(x: np.ndarray, label: np.ndarray) -> dict[str, np.ndarray]:
@@ -228,8 +234,12 @@ def analyze_phases(jw: JobWindow, cfg: L2Config = L2Config(), scale: WindowScale
             phases.append(ph)
     m_cmp = sum(int(ph.eligible.sum()) for ph in phases)
     z_star = z_threshold(cfg.false_alarm, m_cmp)
-    for ph in phases:      # per rank: the threshold of its group's size (Student t below SMALL_GROUP)
-        ph.z_star = small_group_threshold(cfg.false_alarm, m_cmp, ph.st["n"])
+    host = host_timed_phases(jw)
+    for ph in phases:
+        # host-clock phases of ranks sharing CPUs carry scheduling noise a handful of peers cannot
+        # estimate: Student t below SMALL_GROUP ranks; device-timed phases keep the normal threshold
+        ph.z_star = (small_group_threshold(cfg.false_alarm, m_cmp, ph.st["n"]) if ph.name in host
+                     else np.full(ph.rows.size, z_star))
     # ratio of every rank to its own group median, per compute phase (for the cross-check)
     compute_ratio = {ph.name: dict(zip(ph.rows.tolist(), ph.ratio.tolist()))
                      for ph in phases if not ph.comm}

@@ -372,7 +372,7 @@ def _categories(t: KernelTable, cfg: L3Config) -> np.ndarray:
 
 
 def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Config(),
-                  iterations: np.ndarray | None = None) -> L3Result:
+                  iterations: np.ndarray | None = None, host_timed: bool = False) -> L3Result:
     """Steps 2-6 over flat arrays; ``rank_group[i]`` is the group of ``t.ranks[i]`` (−1: none),
     ``iterations[i]`` the iterations ``t.ranks[i]`` ran in the window (default 1)."""
     rank_group = np.asarray(rank_group, dtype=np.int64)
@@ -430,7 +430,10 @@ def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Conf
     comparisons = int(seg_n[scored].sum()) + n_cat
     z_star = z_threshold(cfg.false_alarm, comparisons)
 
-    def z_for(n: int) -> float:      # Student t below SMALL_GROUP ranks (significance step 2)
+    def z_for(n: int) -> float:
+        # host-timed kernels (CPU operators of ranks sharing cores): Student t below SMALL_GROUP ranks
+        if not host_timed:
+            return z_star
         return float(small_group_threshold(cfg.false_alarm, comparisons, [n])[0])
     comm_key = cat == 2
 
@@ -503,13 +506,14 @@ def _flag(t, seg_key, seg_group, dists, w1, x, se, comm, z_star, cfg, *, ranks=N
 
 def kernel_findings(job_id: str, window: records_pb2.Window, t: KernelTable,
                     groups: Mapping[int, Sequence[int]], cfg: L3Config = L3Config(),
-                    dim: str | None = None, scale: WindowScale | None = None) -> list[Finding]:
+                    dim: str | None = None, scale: WindowScale | None = None,
+                    host_timed: bool = False) -> list[Finding]:
     """L3 findings from a flat table and comparison groups ({group index: ranks})."""
     dim = dim or cfg.routing.kernel_group_dim
     rg = rank_to_group(groups)
     rank_group = np.array([rg.get(r, -1) for r in t.ranks.tolist()], dtype=np.int64)
     iters = scale.iterations_array(t.ranks.tolist()) if scale is not None else None
-    res = score_kernels(t, rank_group, cfg, iters)
+    res = score_kernels(t, rank_group, cfg, iters, host_timed)
     out = []
     for o in res.outliers:
         if o.key >= 0:
@@ -567,5 +571,7 @@ def analyze_kernels(jw: JobWindow, cfg: L3Config = L3Config(), scale: WindowScal
         return []
     dim = cfg.routing.kernel_group_dim
     groups = group_of(resources_with(jw.resources, jw.kernels), dim)
+    # CPU-operator "kernels" (the CPU fallback) are host-timed: ranks sharing cores are scheduled
+    host_timed = bool(jw.resources) and all(r.device in ("cpu", "") for r in jw.resources.values())
     return kernel_findings(jw.job_id, jw.window, flatten_kernels(jw.kernels), groups, cfg, dim,
-                           scale if scale is not None else window_scale(jw))
+                           scale if scale is not None else window_scale(jw), host_timed)

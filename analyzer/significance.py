@@ -21,11 +21,12 @@ window stays ≤ α whatever M is).
      (three identical peers have MAD = 0).
 2. Threshold: |z| ≥ z* = Φ⁻¹(1 − α/M) (one-sided per direction). Assumption:
    z is close to normal under the null; heavy tails are handled by se_r and
-   the floor, not by the quantile. In groups under ``SMALL_GROUP`` ranks the
-   spread comes from a handful of peers and z is Student-t-like: the
-   threshold is the t quantile with n − 1 degrees of freedom
+   the floor, not by the quantile. Host-timed values (CPU-clock phases, CPU
+   operators) of ranks sharing a host's cores carry scheduling noise that a
+   handful of peers cannot estimate: in groups under ``SMALL_GROUP`` ranks
+   their threshold is the Student t quantile with n − 1 degrees of freedom
    (``small_group_threshold``), so 4 ranks sharing 2 CPU cores do not name
-   whichever the scheduler slowed.
+   whichever the scheduler slowed. Device-timed values keep the normal one.
 3. Persistence (``Persistence``): a suspect must hold in the same place
    (phase, kernel, category) in ``k`` of the last ``n`` windows before the
    verdict names it (stalls and hangs excepted);
