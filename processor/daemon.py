@@ -39,6 +39,8 @@ class ProcessorConfig:
     """Largest accepted message; larger ones get RESOURCE_EXHAUSTED."""
     grpc_workers: int = 64
     """gRPC handler threads; each open collector stream holds one while it is open."""
+    stream_idle_s: float = 10.0
+    """An ingest stream that sends nothing for this long is closed (collectors' streams last ~2 s)."""
     queue_max_batches: int = 10_000
     """Bound on validated batches waiting for the processing thread."""
     window: WindowConfig = dataclasses.field(default_factory=WindowConfig)
@@ -65,6 +67,8 @@ class ProcessorConfig:
             raise ConfigError("processor.max_message_bytes", self.max_message_bytes, "must be >= 1024")
         if self.grpc_workers < 1:
             raise ConfigError("processor.grpc_workers", self.grpc_workers, "must be >= 1")
+        if not self.stream_idle_s > 0:
+            raise ConfigError("processor.stream_idle_s", self.stream_idle_s, "must be > 0")
         if self.queue_max_batches < 1:
             raise ConfigError("processor.queue_max_batches", self.queue_max_batches, "must be >= 1")
 
@@ -91,7 +95,8 @@ class Processor:
             config.window, Summarizer(config.summary), self.sinks, self.metrics,
             queue_max=config.queue_max_batches,
         )
-        self.servicer = IngestServicer(self.pipeline.accept, self.metrics, config.limits)
+        self.servicer = IngestServicer(self.pipeline.accept, self.metrics, config.limits,
+                                       stream_idle_s=config.stream_idle_s)
         self._server: grpc.Server | None = None
         self.address = ""
 
@@ -116,24 +121,50 @@ class Processor:
         return sinks
 
     def start(self) -> "Processor":
+        """Bind, start the pipeline and the sinks' servers; a bad address or a taken port is a ConfigError.
+
+        Whatever was started before the failure is stopped again, so a caller
+        that gets the error has nothing left running.
+        """
+        try:
+            return self._start()
+        except BaseException:
+            self.stop(0.0)
+            raise
+
+    def _start(self) -> "Processor":
         cfg = self.config
         listen = cfg.listen
         if listen.startswith("unix://"):
             path = listen[len("unix://"):]
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            try:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            except OSError as e:
+                raise ConfigError("processor.listen", listen, f"cannot create its directory: {e.strerror}") from None
             if os.path.exists(path):
-                os.unlink(path)  # a stale socket from a previous run
+                if _socket_answers(path):  # never take a live processor's socket away from it
+                    raise ConfigError("processor.listen", listen,
+                                      "another processor is listening on it; stop that one or pass another --listen")
+                os.unlink(path)  # a stale socket from a previous run: nobody answers on it
+        elif listen.startswith("unix:") or ":" not in listen:
+            raise ConfigError("processor.listen", listen, "expected unix:///path or host:port")
         self._server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="ingest"),
             handlers=[self.servicer.handler()],
+            # beyond the handler threads, refuse at once (RESOURCE_EXHAUSTED, retried by the
+            # exporter) rather than queue a stream behind idle ones until the sender times out
+            maximum_concurrent_rpcs=cfg.grpc_workers,
             options=[
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.so_reuseport", 0),
             ],
         )
-        port = self._server.add_insecure_port(listen)
-        if not listen.startswith("unix:") and port == 0:
-            raise ConfigError("processor.listen", listen, "could not bind")
+        try:
+            port = self._server.add_insecure_port(listen)
+        except RuntimeError:  # grpc's answer to an address it cannot bind (taken, malformed, no permission)
+            port = 0
+        if port == 0 or (listen.startswith("unix:") and not os.path.exists(listen[len("unix://"):])):
+            raise ConfigError("processor.listen", listen, "could not bind (taken, malformed or not permitted)")
         if listen.startswith("unix:"):
             self.address = listen
         else:
@@ -143,8 +174,12 @@ class Processor:
         self._server.start()
         if cfg.prometheus is not None:
             from trainscope.processor.prom_exporter import start_metrics_server
-            self.metrics_server = start_metrics_server(self.registry, cfg.prometheus.host, cfg.prometheus.port,
-                                                      health=self.health)
+            try:
+                self.metrics_server = start_metrics_server(self.registry, cfg.prometheus.host, cfg.prometheus.port,
+                                                          health=self.health)
+            except OSError as e:
+                raise ConfigError("--prometheus-port", cfg.prometheus.port,
+                                  f"cannot serve /metrics on {cfg.prometheus.host}: {e.strerror}") from None
             if cfg.prometheus.remote_write_url:
                 from trainscope.processor.remote_write import RemoteWriter
                 self.remote_writer = RemoteWriter.from_config(cfg.prometheus, self.registry, metrics=self.metrics)
@@ -181,6 +216,7 @@ class Processor:
         if self._server is not None:
             self._server.stop(grace_s).wait(grace_s + 1)
             self._server = None
+        self.servicer.close()
         self.pipeline.stop()
         if self.remote_writer is not None:
             self.remote_writer.write_once()  # push the final values before going away
@@ -197,3 +233,18 @@ class Processor:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _socket_answers(path: str) -> bool:
+    """Whether something accepts connections on the unix socket ``path`` (a live processor)."""
+    import socket
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()

@@ -286,16 +286,62 @@ class IngestServicer:
     """The ``trainscope.v1.Ingest`` service: validates and forwards each message."""
 
     def __init__(self, accept: Callable[[Decoded], bool], metrics: SelfMetrics,
-                 limits: IngestLimits | None = None) -> None:
+                 limits: IngestLimits | None = None, *, stream_idle_s: float = 10.0) -> None:
         self._accept = accept
         self.metrics = metrics
         self.validator = Validator(metrics, limits)
         self._warn = RateLimitedLog(log)
+        # Each open stream holds a handler thread: one that sends nothing for stream_idle_s is
+        # cancelled, so idle or stalled senders cannot starve the real collectors.
+        self.stream_idle_s = stream_idle_s
+        self._open: dict[int, list] = {}   # id -> [context, last message (monotonic)]
+        self._open_lock = threading.Lock()
+        self._reaper: threading.Thread | None = None
+        self._closed = threading.Event()
+
+    def _reap(self) -> None:
+        while not self._closed.wait(min(1.0, self.stream_idle_s / 4)):
+            now = time.monotonic()
+            with self._open_lock:
+                idle = [c for c, last in self._open.values() if now - last > self.stream_idle_s]
+            for ctx in idle:
+                self.metrics.inc("streams_idle_closed")
+                self._warn.warning("idle_stream", "closed an ingest stream from %s idle for %.0f s",
+                                   _peer(ctx), self.stream_idle_s)
+                ctx.cancel()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _track(self, context) -> int:
+        key = id(context)
+        with self._open_lock:
+            self._open[key] = [context, time.monotonic()]
+            if self._reaper is None:
+                self._reaper = threading.Thread(target=self._reap, name="ingest-reaper", daemon=True)
+                self._reaper.start()
+            self.metrics.set("open_streams", len(self._open))
+        return key
+
+    def _untrack(self, key: int) -> None:
+        with self._open_lock:
+            self._open.pop(key, None)
+            self.metrics.set("open_streams", len(self._open))
 
     def Stream(self, request_iterator, context) -> telemetry_pb2.IngestSummary:
         self.metrics.inc("streams")
+        key = self._track(context)
+        try:
+            return self._stream(request_iterator, context, key)
+        finally:
+            self._untrack(key)
+
+    def _stream(self, request_iterator, context, key: int) -> telemetry_pb2.IngestSummary:
         s = telemetry_pb2.IngestSummary()
         for raw in request_iterator:
+            entry = self._open.get(key)
+            if entry is not None:
+                entry[1] = time.monotonic()
             try:
                 d = self.validator.decode(raw)
             except BadInput as e:

@@ -70,6 +70,7 @@ class Pipeline:
             self._q.put(d, timeout=self._accept_timeout)
             return True
         except queue.Full:
+            self.metrics.set("queue_depth", self._q.qsize())
             return False
 
     def drain(self, timeout_s: float = 30.0, *, close_windows: bool = True) -> bool:
@@ -182,6 +183,7 @@ class Pipeline:
             if now >= next_idle:
                 next_idle = now + self._idle_check
                 w.close_idle()
+                self.metrics.set("queue_depth", self._q.qsize())
                 for s in self.sinks:
                     if hasattr(s, "tick"):  # e.g. the store retrying its backlog
                         s.tick()

@@ -29,6 +29,9 @@ COUNTERS = {
     "window_mode_decided": ("Ranks whose window mode auto chose, by mode (iterations: marks arrived)", ("mode",)),
     "window_close_seconds_sum": ("Total time spent closing and summarising windows", ()),
     "streams": ("Ingest streams opened", ()),
+    "names_evicted": ("Interned kernel names dropped when a rank's table passed its cap", ()),
+    "ranks_expired": ("Ranks forgotten after rank_expire_s without data", ()),
+    "streams_idle_closed": ("Ingest streams closed for sending nothing for stream_idle_s", ()),
     "store_errors": ("Failed store writes, by kind (locked, full, io: retried; invalid: dropped)", ("kind",)),
     "thread_restarts": ("Daemon threads restarted after an unexpected error, by thread", ("thread",)),
 }
@@ -36,6 +39,8 @@ GAUGES = {
     "lag_seconds": ("Now minus the send time of the newest batch, by signal", ("signal",)),
     "window_close_seconds_max": ("Longest time to close and summarise one window", ()),
     "open_windows": ("Windows open now", ()),
+    "open_streams": ("Ingest streams open now", ()),
+    "queue_depth": ("Validated batches waiting for the processing thread", ()),
     "spool_bytes": ("Bytes held in a sink's on-disk spool", ("sink",)),
     "ranks": ("Ranks seen", ()),
     "store_backlog": ("Windows waiting to be retried into the local store", ()),

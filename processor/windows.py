@@ -69,6 +69,11 @@ class WindowConfig:
     auto_wait_s: float = 20.0
     """Auto mode: how long (rank clock) a rank's data waits for a first iteration mark before
     the rank falls back to time windows."""
+    max_names_per_rank: int = 50_000
+    """Bound on a rank's interned kernel names: beyond it the table is rebuilt from the names
+    its open windows still hold (ever-new names must not grow memory without end)."""
+    rank_expire_s: float = 600.0
+    """A rank with nothing open that has sent nothing for this long is forgotten (its state freed)."""
 
     def __post_init__(self) -> None:
         if self.mode not in WINDOW_MODES:
@@ -89,6 +94,10 @@ class WindowConfig:
             raise ConfigError("window.max_stacks_per_window", self.max_stacks_per_window, "must be >= 1")
         if self.max_pending_events < 1:
             raise ConfigError("window.max_pending_events", self.max_pending_events, "must be >= 1")
+        if self.max_names_per_rank < 1:
+            raise ConfigError("window.max_names_per_rank", self.max_names_per_rank, "must be >= 1")
+        if not self.rank_expire_s > 0:
+            raise ConfigError("window.rank_expire_s", self.rank_expire_s, "must be > 0")
 
     @property
     def length_ns(self) -> int:
@@ -160,6 +169,26 @@ class _RankState:
         self.mark_starts: list[int] = []  # their start_ns, same order
         self.mark_ends: list[int] = []
         self.pending = _KernelChunks()
+        self.names_cap = 0  # set by the windower: max_names_per_rank, raised when open data needs more
+
+    def chunks(self) -> Iterator[_KernelChunks]:
+        yield self.pending
+        for w in self.open.values():
+            yield w.kernels
+
+    def compact_names(self) -> int:
+        """Rebuild the name table from the names the rank's open data still uses; returns
+        how many names were dropped. Ids in every held chunk are rewritten to the new table."""
+        used = [np.unique(g) for c in self.chunks() for g in c.gid]
+        keep = np.unique(np.concatenate(used)) if used else np.empty(0, np.uint32)
+        remap = np.zeros(len(self.names), dtype=np.uint32)
+        remap[keep] = np.arange(len(keep), dtype=np.uint32)
+        for c in self.chunks():
+            c.gid = [remap[g] for g in c.gid]
+        dropped = len(self.names) - len(keep)
+        self.names = [self.names[i] for i in keep.tolist()]
+        self.name_ids = {n: i for i, n in enumerate(self.names)}
+        return dropped
 
     def lut(self, names) -> np.ndarray:
         """Map a batch's string table to this rank's global name ids."""
@@ -223,6 +252,11 @@ class Windower:
             return
         st = self._state(resource)
         st.device = cols.device
+        if len(st.names) + len(cols.names) > max(st.names_cap, self.config.max_names_per_rank):
+            dropped = st.compact_names()
+            self.metrics.inc("names_evicted", dropped)
+            # open windows may themselves hold more names than the cap: leave room above them
+            st.names_cap = max(self.config.max_names_per_rank, 2 * len(st.names))
         gid = st.lut(cols.names)[cols.name_id]
         end_max = int((cols.start_ns + cols.duration_ns).max())
         self._note_first(st, int(cols.start_ns.min()))
@@ -466,9 +500,17 @@ class Windower:
     def close_idle(self) -> None:
         """Close every window of ranks silent for ``idle_close_s`` (call periodically)."""
         now = self._clock()
-        for st in list(self._ranks.values()):
+        expired = 0
+        for key, st in list(self._ranks.items()):
             if (st.open or st.pending.n) and now - st.last_seen >= self.config.idle_close_s:
                 self._flush_rank(st, "idle")
+            elif (not st.open and not st.pending.n and not st.waiting_phases and not st.waiting_stacks
+                  and now - st.last_seen >= self.config.rank_expire_s):
+                del self._ranks[key]  # a rank gone for good (job over): free its names and marks
+                expired += 1
+        if expired:
+            self.metrics.inc("ranks_expired", expired)
+            self.metrics.set("ranks", len(self._ranks))
         self.metrics.set("open_windows", self.open_windows)
 
     def flush(self) -> None:

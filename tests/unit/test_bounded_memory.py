@@ -1,0 +1,121 @@
+"""Bounded memory and bounded server resources under hostile input (issue #11 item 2):
+interned names are capped and rebuilt from what open windows hold, forgotten ranks free
+their state, idle ingest streams are closed so a real collector still gets through, and
+the queue depth is a metric."""
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from support.pipeline import INGEST_METHOD, batch, raw_stream, start_processor, wait_for
+from trainscope.processor.selfmetrics import SelfMetrics
+from trainscope.processor.windows import WindowConfig, Windower
+from trainscope.proto.columnar import KernelColumns
+from trainscope.proto.model import Resource
+
+S = 10**9
+RES = Resource(job_id="j", rank=0, world_size=1)
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def unique_names_batch(i, n, t0):
+    names = [f"kernel_{i}_{j}" for j in range(n)]
+    return KernelColumns.build(names, t0 + np.arange(n) * 1000, [500] * n, np.arange(n), [7] * n)
+
+
+def test_ever_new_kernel_names_do_not_grow_the_table_without_end():
+    closed, metrics = [], SelfMetrics()
+    w = Windower(WindowConfig(mode="time", length_s=1, lateness_s=0, max_names_per_rank=5_000),
+                 closed.append, metrics)
+    for i in range(40):  # 40 batches of 2,000 new names, one window each
+        w.add_kernels(RES, unique_names_batch(i, 2_000, i * S))
+    st = w._ranks[("j", 0)]
+    assert len(st.names) <= 2 * 5_000
+    assert metrics.get("names_evicted") > 0
+    w.flush()
+    # every closed window still names its own kernels correctly after the rebuilds
+    assert len(closed) == 40
+    for i, cw in enumerate(closed):
+        got = {cw.kernels.names[g] for g in cw.kernels.name_id.tolist()}
+        assert got == {f"kernel_{i}_{j}" for j in range(2_000)}
+
+
+def test_open_windows_holding_more_names_than_the_cap_keep_them_all():
+    closed, metrics = [], SelfMetrics()
+    w = Windower(WindowConfig(mode="time", length_s=100, lateness_s=0, max_names_per_rank=1_000),
+                 closed.append, metrics)
+    for i in range(5):  # all in one open window: nothing may be evicted that it still holds
+        w.add_kernels(RES, unique_names_batch(i, 800, i * S))
+    w.flush()
+    assert len(closed) == 1
+    cw = closed[0]
+    assert len({cw.kernels.names[g] for g in cw.kernels.name_id.tolist()}) == 4_000
+
+
+def test_a_rank_silent_past_rank_expire_s_is_forgotten():
+    closed, metrics, clock = [], SelfMetrics(), Clock()
+    w = Windower(WindowConfig(mode="time", length_s=1, lateness_s=0, idle_close_s=5, rank_expire_s=60),
+                 closed.append, metrics, clock=clock)
+    for r in range(100):
+        w.add_kernels(Resource(job_id=f"job{r}", rank=0, world_size=1), unique_names_batch(r, 10, 0))
+    clock.t = 10.0
+    w.close_idle()  # windows closed for being idle, state kept (the rank may come back)
+    assert len(closed) == 100 and len(w._ranks) == 100
+    clock.t = 100.0
+    w.close_idle()
+    assert len(w._ranks) == 0 and metrics.get("ranks_expired") == 100 and metrics.get("ranks") == 0
+
+
+def test_idle_streams_are_closed_and_a_real_sender_gets_through():
+    proc = start_processor(grpc_workers=8, stream_idle_s=1.0)
+    stop = threading.Event()
+    channels, calls = [], []
+    try:
+        def nothing():  # a stream that opens and never sends
+            stop.wait(30)
+            return
+            yield
+        for _ in range(8):
+            ch = grpc.insecure_channel(proc.address)
+            channels.append(ch)
+            calls.append(ch.stream_unary(INGEST_METHOD, request_serializer=None).future(nothing(), timeout=30))
+        assert wait_for(lambda: proc.metrics.get("open_streams") >= 8, 5)
+        t0 = time.monotonic()
+        s = None
+        while s is None and time.monotonic() - t0 < 10:
+            try:
+                s = raw_stream(proc.address, [batch(RES, 1, unique_names_batch(0, 10, S))], timeout=5)
+            except grpc.RpcError as e:
+                assert e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert s is not None and s.batches_accepted == 1
+        assert time.monotonic() - t0 < 8
+        assert wait_for(lambda: proc.metrics.get("streams_idle_closed") >= 8, 5)  # all idle ones, in the end
+    finally:
+        stop.set()
+        for ch in channels:
+            ch.close()
+        proc.stop()
+
+
+def test_a_full_queue_refuses_with_overloaded_and_reports_its_depth():
+    proc = start_processor(queue_max_batches=2)
+    release = threading.Event()
+    proc.pipeline._accept_timeout = 0.05
+    orig = proc.pipeline.windower.add_kernels
+    proc.pipeline.windower.add_kernels = lambda *a: (release.wait(20), orig(*a))
+    try:
+        s = raw_stream(proc.address, [batch(RES, i, unique_names_batch(i, 5, i * S)) for i in range(1, 9)])
+        assert s.rejected_by_reason["overloaded"] >= 1
+        assert s.batches_accepted + s.rejected_by_reason["overloaded"] == 8
+        assert proc.metrics.get("queue_depth") == 2
+        assert proc.metrics.get("batches_rejected", reason="overloaded") == s.rejected_by_reason["overloaded"]
+    finally:
+        release.set()
+        proc.stop()
