@@ -184,6 +184,7 @@ class Pipeline:
                 next_idle = now + self._idle_check
                 w.close_idle()
                 self.metrics.set("queue_depth", self._q.qsize())
+                self.metrics.expire_jobs(self.windower.config.rank_expire_s)
                 for s in self.sinks:
                     if hasattr(s, "tick"):  # e.g. the store retrying its backlog
                         s.tick()

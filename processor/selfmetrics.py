@@ -9,6 +9,7 @@ total, bounded by the ranks on this host.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -55,6 +56,7 @@ class SelfMetrics:
         self.prefix = prefix
         self._lock = threading.Lock()
         self._values: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._touched: dict[tuple[str, tuple[str, ...]], float] = {}  # per-job series: last update
 
     def _key(self, name: str, labels: dict[str, str], table: dict) -> tuple[str, tuple[str, ...]]:
         spec = table.get(name)
@@ -79,6 +81,19 @@ class SelfMetrics:
         key = self._key(name, labels, GAUGES)
         with self._lock:
             self._values[key] = max(self._values.get(key, 0.0), float(value))
+            if "job" in labels:
+                self._touched[key] = time.monotonic()
+
+    def expire_jobs(self, idle_s: float, now: float | None = None) -> int:
+        """Forget per-job series not updated for ``idle_s`` (a finished job's ranks must not be
+        exported forever); returns how many were removed."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            old = [k for k, t in self._touched.items() if now - t >= idle_s]
+            for k in old:
+                del self._touched[k]
+                self._values.pop(k, None)
+        return len(old)
 
     def get(self, name: str, **labels: str) -> float:
         """Current value (0 if never set). With no labels, the sum over all label sets."""

@@ -119,3 +119,15 @@ def test_a_full_queue_refuses_with_overloaded_and_reports_its_depth():
     finally:
         release.set()
         proc.stop()
+
+
+def test_per_job_self_metric_series_expire_after_the_job_is_idle():
+    m = SelfMetrics()
+    for j in range(20_000):
+        m.set_max("collector_dropped", 1, job=f"job{j}", rank="0")
+    assert m.expire_jobs(600.0, now=time.monotonic() + 1) == 0
+    time.sleep(1.1)
+    m.set_max("collector_dropped", 5, job="live", rank="0")
+    assert m.expire_jobs(1.0) == 20_000
+    assert m.get("collector_dropped", job="live", rank="0") == 5
+    assert sum(1 for k in m.snapshot() if k.startswith("collector_dropped")) == 1
