@@ -75,7 +75,11 @@ class AnalyzerDaemon:
             from trainscope.processor.prom_exporter import start_metrics_server
             registry = CollectorRegistry()
             registry.register(self.metrics)
-            self.metrics_server = start_metrics_server(registry, "127.0.0.1", self.config.prometheus_port)
+            try:
+                self.metrics_server = start_metrics_server(registry, "127.0.0.1", self.config.prometheus_port)
+            except OSError as e:  # a taken port is the user's to fix: one line, exit 2
+                raise ConfigError("--prometheus-port", self.config.prometheus_port,
+                                  f"cannot serve /metrics on 127.0.0.1: {e.strerror}") from None
         return self
 
     def run(self, stop: threading.Event, on_verdict: Callable | None = None) -> None:

@@ -25,6 +25,17 @@ def _home(args) -> str:
     return args.home or env.text(env.HOME) or os.path.join(os.getcwd(), ".trainscope")
 
 
+def writable_home(home: str) -> str:
+    """``home``, created (0700) when missing; a ConfigError (one line, exit 2) when it cannot be written."""
+    try:
+        os.makedirs(home, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise ConfigError("--home", home, f"cannot create it: {e.strerror}") from None
+    if not os.access(home, os.W_OK | os.X_OK):
+        raise ConfigError("--home", home, "not writable; pass --home DIR or set " + env.HOME)
+    return home
+
+
 def _sink_configs(args) -> dict:
     """Kafka / Prometheus / Perfetto configs from flags, then environment."""
     out: dict = {"kafka": None, "prometheus": None, "perfetto": None}
@@ -60,10 +71,10 @@ def cmd_processor(args) -> int:
     from trainscope.processor.windows import WindowConfig
 
     cfg = ProcessorConfig(
-        listen=args.listen or env.text(env.PROCESSOR) or ProcessorConfig.listen,
+        listen=args.listen or env.text(env.PROCESSOR) or env.DEFAULT_PROCESSOR_TARGET,
         window=WindowConfig(mode=args.window_mode, length_s=args.window_length_s,
                             iterations=args.window_iterations),
-        store_path=os.path.join(_home(args), "store.sqlite"),
+        store_path=os.path.join(writable_home(_home(args)), "store.sqlite"),
         **_sink_configs(args),
     )
     stop = threading.Event()
@@ -81,8 +92,8 @@ def cmd_processor(args) -> int:
 def cmd_replay(args) -> int:
     from trainscope.deploy.replay import kernel_stats_json, run_replay, write_json
 
-    res = run_replay(args.dir, home=_home(args), window_iterations=args.window_iterations,
-                     analyze=not args.no_analyze, **_sink_configs(args))
+    res = run_replay(args.dir, home=writable_home(_home(args)), window_iterations=args.window_iterations,
+                     analyze=not args.no_analyze, replace_store=args.force, **_sink_configs(args))
     total = sum(res.kernel_events_sent.values())
     print(f"replayed job {res.job_id!r}: {len(res.ranks)} ranks, {total:,} kernel events "
           f"in {res.seconds:.2f} s", flush=True)
@@ -136,7 +147,7 @@ def cmd_analyzer(args) -> int:
 def cmd_demo(args) -> int:
     from trainscope.deploy.demo import run_demo
 
-    return run_demo(home=_home(args), ranks=args.ranks, out=sys.stdout)
+    return run_demo(home=writable_home(_home(args)), ranks=args.ranks, out=sys.stdout, replace_store=args.force)
 
 
 def cmd_sim(args) -> int:
@@ -153,11 +164,11 @@ def cmd_sim(args) -> int:
         gpus_per_host=args.gpus_per_host, nics_per_host=args.nics_per_host,
         micro_batches=args.micro_batches, layers=args.layers, iteration_s=args.iteration_time,
         duration=args.duration, iterations=args.iterations, faults=args.fault, scenario=args.scenario,
-        seed=args.seed, job_id=args.job_id, exporters=args.exporters, home=_home(args),
+        seed=args.seed, job_id=args.job_id, exporters=args.exporters, home=writable_home(_home(args)),
         ground_truth_path=args.ground_truth, traces_out=args.traces_out, window_mode=args.window_mode,
         window_iterations=args.window_iterations, window_length_s=args.window_length_s,
     )
-    options = _sink_configs(args) if args.processor is None else {}
+    options = dict(_sink_configs(args), replace_store=args.force) if args.processor is None else {}
     analysis = None
     if args.processor is None and not args.no_analyze:
         from trainscope.deploy.embedded import SimAnalysis
@@ -188,6 +199,7 @@ def cmd_query(args) -> int:
     else:
         path = os.path.join(_home(args), "store.sqlite")
         setting = "--home" if args.home else env.HOME if env.text(env.HOME) else "--home (default ./.trainscope)"
+    _check_store_file(path, setting)
     cfg = QueryConfig(store_path=path, store_setting=setting, prometheus_url=getattr(args, "prometheus", None))
     since_ns = parse_since(getattr(args, "since", None), time.time())
     ask = {
@@ -198,14 +210,30 @@ def cmd_query(args) -> int:
         "iterations": lambda q: q.iterations(args.job, args.rank, args.last),
         "ranks": lambda q: q.ranks(args.job, args.rank, args.host),
     }[args.what]
+    import sqlite3
     try:
         with Query(cfg) as q:
             result = ask(q)
+    except sqlite3.DatabaseError as e:
+        raise ConfigError(setting, path, f"not a readable trainscope store: {e}") from None
     except QueryError as e:
         print(f"trainscope query: {e}", file=sys.stderr)
         return 1
     print(json.dumps(as_json(result), indent=2) if args.json else render_query(result))
     return 0
+
+
+def _check_store_file(path: str, setting: str) -> None:
+    """A file that is not SQLite is refused before it is opened (opening would write to it)."""
+    if not os.path.isfile(path):
+        return  # the facade says where it looked and what to run first
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(16)
+    except OSError as e:
+        raise ConfigError(setting, path, f"cannot read it: {e.strerror}") from None
+    if magic and magic != b"SQLite format 3\x00":
+        raise ConfigError(setting, path, "not a trainscope store (not an SQLite file)")
 
 
 def parse_since(text: str | None, now_s: float) -> int:
@@ -281,6 +309,11 @@ def cmd_run(args) -> int:
     if args.print_env:
         launch.print_env(cfg)
         return 0
+    if not command:
+        raise ConfigError("run", "", "no command: trainscope run [options] -- CMD ARGS...")
+    import shutil
+    if shutil.which(command[0]) is None:
+        raise ConfigError("run", command[0], "command not found (not on PATH and not an executable path)")
     result = launch.run(cfg)
     print("\n".join(launch.summary_lines(result)), file=sys.stderr)
     return result.returncode
@@ -288,12 +321,14 @@ def cmd_run(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainscope", description=__doc__.split("\n\n")[0])
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="run a small multi-rank job through the whole pipeline")
     d.add_argument("--ranks", type=int, default=32, help="simulated ranks (a multiple of 4)")
     d.add_argument("--home", help="state directory (default ./.trainscope)")
+    d.add_argument("--force", action="store_true", help="replace HOME/store.sqlite when an earlier run left one")
     d.set_defaults(func=cmd_demo)
 
     an = sub.add_parser("analyzer", help="run the analyzer service (Kafka consumer group or local store)")
@@ -321,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", help="write the diagnoses here (JSON, the replay contract's format)")
     r.add_argument("--no-analyze", action="store_true", help="only summarise; run no detectors")
     r.add_argument("--window-iterations", type=int, default=5)
+    r.add_argument("--force", action="store_true", help="replace HOME/store.sqlite when an earlier run left one")
     _add_sink_flags(r)
     r.set_defaults(func=cmd_replay)
 
@@ -351,11 +387,46 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--window-mode", choices=("iterations", "time"), help="embedded processor windows")
     s.add_argument("--window-iterations", type=int)
     s.add_argument("--window-length-s", type=float)
+    s.add_argument("--force", action="store_true",
+                   help="replace HOME/store.sqlite when an earlier run left one (embedded processor)")
     _add_sink_flags(s)
     s.set_defaults(func=cmd_sim)
     _add_query_parser(sub)
     _add_run_parser(sub)
+    _defaults_in_help(p)
     return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("trainscope")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` unless the help already says its default; switches are off by default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or action.default is argparse.SUPPRESS or action.nargs == 0:
+            return text
+        if not action.option_strings:
+            return text  # positionals are required: no default to show
+        shown = "none" if action.default is None or action.default == [] else "%(default)s"
+        return f"{text} (default: {shown})".strip()
+
+
+def _defaults_in_help(parser: argparse.ArgumentParser) -> None:
+    """Every parser and sub-parser shows each flag's default in ``--help``."""
+    parser.formatter_class = _DefaultsFormatter
+    for action in parser._actions:
+        if action.option_strings and not action.help and action.nargs != 0:
+            action.help = "(default: none)" if action.default is None else "(default: %(default)s)"
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _defaults_in_help(child)
 
 
 def _add_run_parser(sub) -> None:

@@ -19,7 +19,8 @@ from trainscope.deploy.render import render_evaluation, render_verdicts
 FAULT = "gpu_throttle:rank=13,onset=30s,factor=1.4"
 
 
-def run_demo(home: str, ranks: int = 32, out: TextIO | None = None, fault: str = FAULT) -> int:
+def run_demo(home: str, ranks: int = 32, out: TextIO | None = None, fault: str = FAULT,
+             replace_store: bool = False) -> int:
     from trainscope.processor.perfetto_sink import PerfettoConfig
 
     def say(s: str = "") -> None:
@@ -29,9 +30,11 @@ def run_demo(home: str, ranks: int = 32, out: TextIO | None = None, fault: str =
     traces = os.path.join(home, "perfetto")
     cfg = sim_config(ranks=ranks, tp=2, pp=2, iterations=40, faults=[fault], job_id="demo",
                      home=home, window_iterations=10)
+    say(f"demo: writing to {home} (store.sqlite, perfetto/, sim-ground-truth.json)")
     say(f"demo: simulating job 'demo' ({ranks} ranks, tp=2 pp=2, 40 iterations) with {fault}")
     analysis = SimAnalysis()
-    res = run_sim(cfg, processor_options={"perfetto": PerfettoConfig(url=traces, max_pending_windows=1024)},
+    res = run_sim(cfg, processor_options={"perfetto": PerfettoConfig(url=traces, max_pending_windows=1024),
+                                          "replace_store": replace_store},
                   **analysis.hooks())
     say(f"streamed {res.kernel_events:,} kernel events, {res.phase_events:,} phases, "
         f"{res.iteration_events:,} iteration marks, {res.stack_snapshots:,} stack snapshots "

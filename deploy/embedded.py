@@ -20,6 +20,7 @@ from trainscope.collector.sim import run_sim as _emit_sim
 from trainscope.collector.sim.emit import SimSink
 from trainscope.processor.daemon import Processor, ProcessorConfig
 from trainscope.processor.windows import WindowConfig
+from trainscope.proto.errors import ConfigError
 
 
 class EmbeddedAnalysis:
@@ -87,7 +88,7 @@ def run_sim(
     1. With no ``processor_address`` and ``embedded`` (the default), start an
        in-process processor on a unix socket with its store under ``home``
        (``processor_options``: ``kafka``, ``prometheus``, ``perfetto`` sink
-       configs); ``on_start(proc, store_path)`` right after (an embedded
+       configs, ``replace_store`` to replace an earlier run's store); ``on_start(proc, store_path)`` right after (an embedded
        analyzer attaches there).
     2. Emit the simulation to it (``collector.sim.run_sim``), draining its
        pipeline after every chunk so nothing is dropped for backlog.
@@ -112,20 +113,40 @@ def run_sim(
             on_processor(proc)
     finally:
         proc.stop()
+        remove_socket_dir(proc.config)
     return dataclasses.replace(res, store_path=store_path, processor=metrics, wall_s=time.perf_counter() - t0)
 
 
-def embedded_processor_config(home: str, window: WindowConfig, **sinks: Any) -> ProcessorConfig:
+def embedded_processor_config(home: str, window: WindowConfig, *, replace_store: bool = False,
+                              **sinks: Any) -> ProcessorConfig:
     """The embedded default's processor: a private unix socket, the store at ``home/store.sqlite``.
 
-    One assembly for ``replay``, ``sim`` and ``demo``. The store of a previous
-    run in the same home is replaced (it is where ``trainscope query`` looks).
+    One assembly for ``replay``, ``sim`` and ``demo``. A store already there
+    may hold a real job's data (``trainscope run`` and the processor use the
+    same default home), so it is replaced only when asked (``replace_store``,
+    the CLI's ``--force``); otherwise a ConfigError says how to go on. The
+    socket's private directory is removed by :func:`remove_socket_dir`.
     """
     store_path = os.path.join(home, "store.sqlite")
     if os.path.exists(store_path):
-        os.unlink(store_path)
+        if not replace_store:
+            raise ConfigError("--home", home, "it already holds store.sqlite (an earlier run's data); "
+                                              "pass another --home, or --force to replace that store")
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.exists(store_path + suffix):
+                os.unlink(store_path + suffix)
     sock = os.path.join(tempfile.mkdtemp(prefix="ts-"), "processor.sock")
     return ProcessorConfig(listen=f"unix://{sock}", window=window, store_path=store_path, **sinks)
+
+
+def remove_socket_dir(cfg: ProcessorConfig) -> None:
+    """Remove the private socket directory :func:`embedded_processor_config` made (after the processor stopped)."""
+    path = cfg.listen[len("unix://"):]
+    for p in (path, os.path.dirname(path)):
+        try:
+            os.unlink(p) if p == path else os.rmdir(p)
+        except OSError:
+            pass  # already gone
 
 
 def _start_sim_processor(config: SimConfig, home: str, options: dict) -> tuple[Processor, str]:
@@ -134,4 +155,8 @@ def _start_sim_processor(config: SimConfig, home: str, options: dict) -> tuple[P
     cfg = embedded_processor_config(home, WindowConfig(
         mode=config.window_mode, iterations=config.window_iterations, length_s=config.window_length_s,
         idle_close_s=3600, lateness_s=max(2.0, 2.0 * config.emit_every * config.iteration_s)), **options)
-    return Processor(cfg).start(), cfg.store_path
+    try:
+        return Processor(cfg).start(), cfg.store_path
+    except BaseException:
+        remove_socket_dir(cfg)
+        raise

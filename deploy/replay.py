@@ -17,7 +17,7 @@ from typing import Any
 
 from trainscope.collector.exporter import BatchExporter, ExporterConfig
 from trainscope.collector.sources.replay_dir import resource_for, scan_replay_dir
-from trainscope.deploy.embedded import EmbeddedAnalysis, embedded_processor_config
+from trainscope.deploy.embedded import EmbeddedAnalysis, embedded_processor_config, remove_socket_dir
 from trainscope.processor.daemon import Processor
 from trainscope.processor.store import SqliteStore
 from trainscope.processor.windows import WindowConfig
@@ -90,6 +90,7 @@ def run_replay(
     prometheus: Any = None,
     analyze: bool = True,
     analyzer_config: Any = None,
+    replace_store: bool = False,
 ) -> ReplayResult:
     """Replay every rank of ``directory`` and close all windows.
 
@@ -104,23 +105,26 @@ def run_replay(
     os.makedirs(home, exist_ok=True)
     cfg = embedded_processor_config(
         home, WindowConfig(mode=WindowMode.ITERATIONS, iterations=window_iterations, idle_close_s=3600),
-        kafka=kafka, perfetto=perfetto, prometheus=prometheus)
+        kafka=kafka, perfetto=perfetto, prometheus=prometheus, replace_store=replace_store)
     store_path = cfg.store_path
     sent: dict[int, int] = {}
     skipped: dict[int, dict[str, int]] = {}
     drops: dict[int, int] = {}
     verdicts: list = []
-    with Processor(cfg) as proc:
-        for rank in sorted(job.files):
-            trace = job.load(rank)
-            skipped[rank] = dict(trace.skipped)
-            sent[rank], drops[rank] = feed_rank(trace, resource_for(trace, job), proc.address)
-        proc.drain(300.0)
-        metrics = proc.metrics.snapshot()
-        if analyze:
-            # ranks are fed one after the other: analysed while feeding, a window would be judged on
-            # the ranks fed so far. A recorded job is analysed once all of it is in (from offset 0).
-            verdicts = EmbeddedAnalysis(proc, store_path, analyzer_config).finish()
+    try:
+        with Processor(cfg) as proc:
+            for rank in sorted(job.files):
+                trace = job.load(rank)
+                skipped[rank] = dict(trace.skipped)
+                sent[rank], drops[rank] = feed_rank(trace, resource_for(trace, job), proc.address)
+            proc.drain(300.0)
+            metrics = proc.metrics.snapshot()
+            if analyze:
+                # ranks are fed one after the other: analysed while feeding, a window would be judged on
+                # the ranks fed so far. A recorded job is analysed once all of it is in (from offset 0).
+                verdicts = EmbeddedAnalysis(proc, store_path, analyzer_config).finish()
+    finally:
+        remove_socket_dir(cfg)  # the private socket directory is this run's: leave nothing behind
     return ReplayResult(job.job_id, sorted(job.files), sent, skipped, drops, metrics,
                         store_path, time.perf_counter() - t0, verdicts)
 
