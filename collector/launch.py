@@ -45,7 +45,7 @@ from trainscope.collector.exporter import reachable
 from trainscope.proto import env
 from trainscope.proto.env import (
     AUTOSTART, CPU_OPS, CUPTI, HOOKS, OFF as _OFF, RANK_PID, RUN_DIR, SHIP_INTERVAL_S, SHUTDOWN_TIMEOUT_S, STACKS,
-    STACKS_WINDOW_S, identity)
+    STACKS_WINDOW_S, identity, runtime_dir)
 from trainscope.proto.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -95,10 +95,9 @@ class InProcess:
             except Exception:
                 log.debug("trainscope shutdown step failed", exc_info=True)
         try:
+            from trainscope.proto.securefs import write_private  # 0600, no predictable .tmp
             path = os.path.join(self.run_dir, f"stats-{os.getpid()}.json")
-            with open(path + ".tmp", "w") as f:
-                json.dump(self.stats(), f, default=str)
-            os.replace(path + ".tmp", path)
+            write_private(path, json.dumps(self.stats(), default=str))
         except Exception:
             log.debug("could not write trainscope stats", exc_info=True)
 
@@ -136,7 +135,7 @@ def _start(environ) -> InProcess:
     cfg = CollectorConfig.from_env(environ, rank=rank, world_size=world, local_rank=local, exporter=exporter,
                                    ship_interval_s=_float_env(SHIP_INTERVAL_S, 1.0, environ))
     state = InProcess(Collector(cfg), run_dir=environ.get(RUN_DIR) or os.path.join(
-        tempfile.gettempdir(), "trainscope", "ranks"))
+        runtime_dir(environ), "ranks"))  # per user: another user's rank files are never read
     environ[RANK_PID] = str(os.getpid())  # children (workers, tools) are not ranks
     write_rank_file(state.run_dir, state.collector.resource)
     mode = environ.get(STACKS, "1").lower()
@@ -198,8 +197,9 @@ def spawn_sidecar(run_dir: str, environ, window_s: float | None = None) -> subpr
     """Start the host's stack sidecar unless one already holds the run directory's lock."""
     import fcntl
 
-    os.makedirs(run_dir, exist_ok=True)
-    lock = open(os.path.join(run_dir, "stacks.lock"), "a")
+    from trainscope.proto.securefs import open_private, private_dir
+    private_dir(run_dir, "run_dir")
+    lock = os.fdopen(open_private(os.path.join(run_dir, "stacks.lock")), "a")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -49,6 +49,7 @@ from typing import Sequence
 from trainscope.proto import env
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import ParallelCoords, Resource
+from trainscope.proto.securefs import owned_by_me, private_dir, write_private
 from trainscope.proto.v1 import telemetry_pb2
 
 log = logging.getLogger(__name__)
@@ -83,13 +84,11 @@ class StackSamplerConfig:
 
 # ------------------------------------------------------------ rank registry
 def write_rank_file(run_dir: str, resource: Resource) -> str:
-    """Announce a rank process to the host's sidecar (atomic replace)."""
-    os.makedirs(run_dir, exist_ok=True)
+    """Announce a rank process to the host's sidecar: a 0600 file in a private directory,
+    written through ``mkstemp`` and an atomic rename (no predictable ``.tmp`` to plant a link at)."""
+    private_dir(run_dir, "run_dir")
     path = os.path.join(run_dir, f"rank-{resource.pid}.json")
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(dataclasses.asdict(resource), f)
-    os.replace(tmp, path)
+    write_private(path, json.dumps(dataclasses.asdict(resource)))
     return path
 
 
@@ -104,6 +103,10 @@ def read_rank_files(run_dir: str) -> dict[int, Resource]:
         if not (name.startswith("rank-") and name.endswith(".json")):
             continue
         path = os.path.join(run_dir, name)
+        if not owned_by_me(path):
+            # another user's file (or a link): never attach py-spy to what it names
+            log.warning("ignoring rank file %s: not a regular file of this user", path)
+            continue
         try:
             with open(path) as f:
                 d = json.load(f)

@@ -31,6 +31,7 @@ from trainscope.collector.bootstrap import DIR as BOOTSTRAP_DIR
 from trainscope.collector.exporter import reachable
 from trainscope.collector.launch import spawn_sidecar
 from trainscope.proto import env
+from trainscope.proto.securefs import owned_by_me, private_dir
 from trainscope.proto.env import AUTOSTART, MATCH, NCCL_TIMING, RANK_PID, RUN_DIR, RUN_PID, STACKS
 from trainscope.proto.errors import ConfigError
 
@@ -144,7 +145,7 @@ def run(config: RunConfig) -> RunResult:
     job_id = config.job_id or env.text(env.JOB_ID) or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     target = config.processor or env.text(env.PROCESSOR) or env.DEFAULT_PROCESSOR_TARGET
     run_dir = config.run_dir or tempfile.mkdtemp(prefix="trainscope-run-")
-    os.makedirs(run_dir, exist_ok=True)
+    private_dir(run_dir, "--run-dir")  # 0700 and ours: ranks announce themselves in it
     proc = sidecar = None
     if not reachable(target):
         if config.start_processor:
@@ -173,7 +174,7 @@ def run(config: RunConfig) -> RunResult:
 def read_stats(run_dir: str) -> list[dict]:
     out = []
     for name in sorted(os.listdir(run_dir)):
-        if name.startswith("stats-") and name.endswith(".json"):
+        if name.startswith("stats-") and name.endswith(".json") and owned_by_me(os.path.join(run_dir, name)):
             try:
                 with open(os.path.join(run_dir, name)) as f:
                     out.append(json.load(f))

@@ -10,6 +10,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import stat
 import threading
 from typing import Any, Sequence
 
@@ -20,6 +21,7 @@ from trainscope.proto import env
 from trainscope.processor.bus import EmbeddedBus, BusSink
 from trainscope.processor.ingest import IngestServicer
 from trainscope.processor.limits import IngestLimits
+from trainscope.proto.securefs import private_dir
 from trainscope.processor.pipeline import Pipeline
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.processor.sink import Sink
@@ -138,10 +140,16 @@ class Processor:
         if listen.startswith("unix://"):
             path = listen[len("unix://"):]
             try:
-                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                # the socket's directory must be ours and closed to others: whoever can write
+                # it can replace the socket and receive every rank's telemetry
+                private_dir(os.path.dirname(os.path.abspath(path)), "processor.listen")
             except OSError as e:
                 raise ConfigError("processor.listen", listen, f"cannot create its directory: {e.strerror}") from None
-            if os.path.exists(path):
+            if os.path.lexists(path):
+                st = os.lstat(path)
+                if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+                    raise ConfigError("processor.listen", listen,
+                                      "exists and is not a socket of this user; not removed")
                 if _socket_answers(path):  # never take a live processor's socket away from it
                     raise ConfigError("processor.listen", listen,
                                       "another processor is listening on it; stop that one or pass another --listen")

@@ -40,9 +40,11 @@ import zlib
 from typing import Iterator, Sequence
 
 from trainscope.proto.errors import SinkError
+from trainscope.proto.securefs import private_dir
 
 _MAGIC = 0x5453  # "TS"
 _VERSION = 1
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 _HEADER = struct.Struct("<HII")  # magic, body length, crc32(body)
 _HEAD = struct.Struct("<QQQ")  # segment id, byte offset, frame index
 _U8, _U16, _U32, _I32 = (struct.Struct(f) for f in ("<B", "<H", "<I", "<i"))
@@ -187,8 +189,10 @@ class DiskSpool:
         self.corrupt = 0
         self._lock = threading.RLock()
         self._closed = False
-        os.makedirs(self.directory, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(self.directory, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
+        # 0700 and ours, files 0600 never opened through a link: the spool holds job ids,
+        # kernel names and stacks, and a planted link must not make us truncate its target
+        private_dir(self.directory, "spool directory")
+        self._lock_fd = os.open(os.path.join(self.directory, "LOCK"), os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -200,7 +204,7 @@ class DiskSpool:
         self._taken: collections.deque[tuple[int, int, int]] = collections.deque()
         try:
             self._open_existing()
-            self._wfd = os.open(self._segments[-1].path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._wfd = os.open(self._segments[-1].path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o600)
         except BaseException:
             os.close(self._lock_fd)  # closing releases the flock
             raise
@@ -232,7 +236,7 @@ class DiskSpool:
         if not self._segments:
             next_id = max(ids + [head[0] if head else 0]) + 1
             self._segments.append(_Segment(next_id, self._seg_path(next_id), 0, 0))
-            open(self._segments[0].path, "ab").close()
+            os.close(os.open(self._segments[0].path, os.O_WRONLY | os.O_CREAT | _NOFOLLOW, 0o600))
         first = self._segments[0]
         if head is not None and head[0] == first.id and head[1] <= first.size and head[2] <= first.frames:
             self._head = head
@@ -243,7 +247,7 @@ class DiskSpool:
         self._release_consumed()
 
     def _scan_segment(self, seg_id: int, path: str) -> _Segment:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | _NOFOLLOW)
         try:
             end = os.fstat(fd).st_size
             pos, count = 0, 0
@@ -293,7 +297,7 @@ class DiskSpool:
         os.close(self._wfd)
         seg_id = self._segments[-1].id + 1
         seg = _Segment(seg_id, self._seg_path(seg_id), 0, 0)
-        self._wfd = os.open(seg.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._wfd = os.open(seg.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o600)
         self._segments.append(seg)
         return seg
 
@@ -406,7 +410,8 @@ class DiskSpool:
 
     def _write_head(self) -> None:
         tmp = os.path.join(self.directory, "HEAD.tmp")
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
             f.write(_HEAD.pack(*self._head))
         os.replace(tmp, os.path.join(self.directory, "HEAD"))
 

@@ -7,12 +7,30 @@ A bad value raises :class:`~trainscope.proto.errors.ConfigError` naming the
 variable (the CLI turns it into one line and exit 2).
 """
 import os
+import tempfile
 from typing import Mapping
 
 from trainscope.proto.errors import ConfigError
 
-#: The processor's default listen address and the collector's default target.
-DEFAULT_PROCESSOR_TARGET = "unix:///tmp/trainscope/processor.sock"
+
+
+def runtime_dir(environ: Mapping[str, str] = os.environ) -> str:
+    """The per-user directory of the default socket (not created here).
+
+    ``$XDG_RUNTIME_DIR/trainscope`` (systemd makes ``$XDG_RUNTIME_DIR`` 0700 for
+    the user), else ``<tmp>/trainscope-<uid>``, which the processor creates 0700
+    and refuses when another user owns it (``proto/securefs.py``). A shared
+    ``/tmp/trainscope`` let whoever created it first replace the socket and
+    receive every rank's telemetry (issue #11).
+    """
+    xdg = environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isabs(xdg):
+        return os.path.join(xdg, "trainscope")
+    return os.path.join(tempfile.gettempdir(), f"trainscope-{os.geteuid()}")
+
+
+#: The processor's default listen address and the collector's default target (per user).
+DEFAULT_PROCESSOR_TARGET = "unix://" + os.path.join(runtime_dir(), "processor.sock")
 #: Seconds of stack sampling per window (collector/stacks.py, launch.py).
 DEFAULT_STACKS_WINDOW_S = 10.0
 #: Values that turn a switch off ("0" and friends, case-insensitive).

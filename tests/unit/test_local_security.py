@@ -1,0 +1,126 @@
+"""Another local user cannot plant, redirect or read our files (issue #11 item 7).
+
+A second user is simulated by ``chown`` to an unused uid (the tests run as root here; as
+another user they are skipped where chown is not allowed) and by planted symlinks.
+"""
+import json
+import os
+import stat
+
+import pytest
+
+from support.pipeline import start_processor
+from trainscope.collector.stacks import read_rank_files, write_rank_file
+from trainscope.processor.spool import DiskSpool
+from trainscope.proto import env
+from trainscope.proto.errors import ConfigError
+from trainscope.proto.model import Resource
+from trainscope.proto.securefs import check_private_dir, owned_by_me, private_dir, write_private
+
+OTHER_UID = 54321
+
+
+def chown_other(path):
+    try:
+        os.chown(path, OTHER_UID, OTHER_UID, follow_symlinks=False)
+    except PermissionError:
+        pytest.skip("cannot simulate another user without root")
+
+
+def mode(p):
+    return stat.S_IMODE(os.lstat(p).st_mode)
+
+
+def test_default_socket_is_per_user():
+    assert env.runtime_dir({"XDG_RUNTIME_DIR": "/run/user/1000"}) == "/run/user/1000/trainscope"
+    d = env.runtime_dir({})
+    assert d.endswith(f"trainscope-{os.geteuid()}") and d != "/tmp/trainscope"
+    assert env.DEFAULT_PROCESSOR_TARGET.startswith("unix://") and "/tmp/trainscope/" not in env.DEFAULT_PROCESSOR_TARGET
+
+
+def test_private_dir_is_0700_and_refuses_other_users_and_open_dirs(tmp_path):
+    d = private_dir(str(tmp_path / "a" / "b"))
+    assert mode(d) == 0o700
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    chown_other(theirs)
+    with pytest.raises(ConfigError, match="owned by uid 54321"):
+        private_dir(str(theirs))
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    with pytest.raises(ConfigError, match="writable by other users"):
+        check_private_dir(str(open_dir))
+    (tmp_path / "link").symlink_to(d)
+    with pytest.raises(ConfigError, match="symlink"):
+        private_dir(str(tmp_path / "link"))
+
+
+def test_processor_refuses_a_socket_directory_created_by_another_user(tmp_path):
+    theirs = tmp_path / "trainscope"
+    theirs.mkdir(mode=0o755)
+    chown_other(theirs)
+    with pytest.raises(ConfigError, match="owned by uid"):
+        start_processor(listen=f"unix://{theirs}/processor.sock")
+    assert not (theirs / "processor.sock").exists()
+
+
+def test_processor_never_removes_what_is_not_its_own_socket(tmp_path):
+    d = tmp_path / "sock"
+    d.mkdir(mode=0o700)
+    (d / "processor.sock").write_text("someone's file")
+    with pytest.raises(ConfigError, match="not a socket of this user"):
+        start_processor(listen=f"unix://{d}/processor.sock")
+    assert (d / "processor.sock").read_text() == "someone's file"
+    proc = start_processor(listen=f"unix://{tmp_path}/ok/processor.sock")
+    try:
+        assert mode(tmp_path / "ok") == 0o700
+    finally:
+        proc.stop()
+
+
+def test_rank_files_are_private_written_without_a_predictable_tmp_and_others_ignored(tmp_path):
+    run = tmp_path / "run"
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    run.mkdir(mode=0o700)
+    me = Resource(job_id="j", rank=0, world_size=2, pid=os.getpid())
+    # the old code wrote rank-<pid>.json.tmp: a link planted there must not be followed
+    (run / f"rank-{me.pid}.json.tmp").symlink_to(victim)
+    path = write_rank_file(str(run), me)
+    assert victim.read_text() == "keep me"
+    assert mode(path) == 0o600 and owned_by_me(path)
+    # another user's rank file naming a live process (ours) is ignored, and so is a link
+    other = dict(json.loads(open(path).read()), rank=1)
+    planted = run / "rank-1.json"
+    planted.write_text(json.dumps({**other, "pid": 1}))
+    chown_other(planted)
+    (run / "rank-2.json").symlink_to(path)
+    found = read_rank_files(str(run))
+    assert list(found) == [me.pid]
+
+
+def test_write_private_replaces_a_link_not_its_target(tmp_path):
+    target = tmp_path / "target"
+    target.write_text("keep me")
+    (tmp_path / "f").symlink_to(target)
+    write_private(str(tmp_path / "f"), "new")
+    assert target.read_text() == "keep me"
+    assert not os.path.islink(tmp_path / "f") and mode(tmp_path / "f") == 0o600
+
+
+def test_spool_is_private_and_never_follows_a_planted_link(tmp_path):
+    with DiskSpool(tmp_path / "spool", 1 << 20) as spool:
+        spool.append("t", None, b"x" * 100)
+    assert mode(tmp_path / "spool") == 0o700
+    for f in os.listdir(tmp_path / "spool"):
+        p = tmp_path / "spool" / f
+        assert mode(p) == 0o600, f
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    d = tmp_path / "spool2"
+    d.mkdir(mode=0o700)
+    (d / "LOCK").symlink_to(victim)
+    with pytest.raises(OSError):
+        DiskSpool(d, 1 << 20)
+    assert victim.read_text() == "keep me"
