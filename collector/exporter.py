@@ -293,6 +293,7 @@ class BatchExporter:
         while not self._stop.is_set():
             try:
                 if channel is None:
+                    _check_socket_dir(self.config.target)
                     channel = self._channel_factory(self.config.target)
                 self._stream_once(channel)
                 backoff = self.config.backoff_initial_s
@@ -447,6 +448,23 @@ class BatchExporter:
             self._unconfirmed.remove(big)
             self._held_bytes -= big.nbytes
             self.stats.dropped["rejected_oversize"] += 1
+
+
+def _check_socket_dir(target: str) -> None:
+    """Never send a rank's telemetry to a socket another user could have planted: the
+    directory of a ``unix:`` target must be ours or root's and closed to other users."""
+    if not target.startswith("unix:"):
+        return
+    from trainscope.proto.errors import ConfigError
+    from trainscope.proto.securefs import check_private_dir
+    path = target[len("unix://"):] if target.startswith("unix://") else target[len("unix:"):]
+    try:
+        check_private_dir(os.path.dirname(os.path.abspath(path)), "processor target")
+    except FileNotFoundError:
+        return  # nothing there yet: the connection fails and is retried
+    except ConfigError as e:
+        log.warning("trainscope exporter refuses to connect to %s: %s", target, e.why)
+        raise _StreamBroken(f"refusing to connect: {e}") from None
 
 
 def reachable(target: str, timeout_s: float = 0.5) -> bool:

@@ -124,3 +124,29 @@ def test_spool_is_private_and_never_follows_a_planted_link(tmp_path):
     with pytest.raises(OSError):
         DiskSpool(d, 1 << 20)
     assert victim.read_text() == "keep me"
+
+
+def test_the_exporter_never_sends_to_a_socket_in_another_users_directory(tmp_path, caplog):
+    from support.pipeline import kernel_count
+    from trainscope.collector.exporter import BatchExporter, ExporterConfig
+    from trainscope.proto.columnar import KernelColumns
+
+    d = tmp_path / "sock"
+    proc = start_processor(listen=f"unix://{d}/processor.sock")
+    chown_other(d)  # as if another user had created the directory and put a socket there
+    res = Resource(job_id="j", rank=0, world_size=1)
+    exp = BatchExporter(res, ExporterConfig(target=proc.address, confirm_interval_s=0.2,
+                                            backoff_initial_s=0.01, backoff_max_s=0.1))
+    try:
+        k = KernelColumns.build(["gemm"], [1, 2], [500, 500], [0, 0], [7, 7]).to_pb()
+        with caplog.at_level("WARNING", logger="trainscope.collector.exporter"):
+            assert exp.submit(k, 100)
+            assert not exp.flush(1.0)
+        assert exp.stats.confirmed == 0
+        assert any("owned by uid 54321" in r.getMessage() for r in caplog.records)
+        os.chown(d, os.geteuid(), os.getegid())  # the directory is ours again: delivery resumes
+        assert exp.flush(10) and exp.stats.confirmed == 1
+        assert proc.drain(10) and kernel_count(proc) == 2
+    finally:
+        exp.shutdown(1)
+        proc.stop()
