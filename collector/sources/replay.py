@@ -13,8 +13,18 @@ Bad records never abort a load; ``RankTrace.skipped`` counts them by
 reason ``not_complete_event`` (ph != "X"), ``missing_|bad_|negative_timestamp``,
 ``missing_|bad_|nan_|negative_|zero_duration`` (nan: NaN or infinite; zero:
 after rounding to ns), ``missing_name``, ``bad_name`` (``ProfilerStep#N`` with no
-N), ``duplicate`` (a repeated N), ``not_an_object``. A file that cannot be read
-at all raises ``TraceFileError``.
+N, or an N of more than 18 digits), ``duplicate`` (a repeated N),
+``not_an_object``; names longer than ``MAX_NAME_CHARS`` are truncated and counted
+as ``"<signal>:long_name"``. A file that cannot be read at all raises
+``TraceFileError`` with one line that says why, among them the limits that keep a
+hostile file from taking the machine (issue #11):
+
+* ``MAX_TRACE_BYTES`` (2 GiB, env ``TRAINSCOPE_REPLAY_MAX_BYTES``): the file, and
+  its decompressed content (gzip is read as a stream and stopped at the cap, so
+  a gzip bomb costs at most the cap);
+* nesting deeper than ``MAX_JSON_DEPTH`` (512) is refused before parsing (orjson
+  would crash the process, the stdlib raise ``RecursionError``);
+* a file that is only whitespace is "empty".
 """
 from __future__ import annotations
 
@@ -51,7 +61,13 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 KERNEL_CATS = {"kernel": KIND_KERNEL, "gpu_memcpy": KIND_MEMCPY, "gpu_memset": KIND_MEMSET}
 STEP_PREFIX = "ProfilerStep#"
-_MAX_NS = 2**63 - 1  # start_ns must fit an int64 (and so the <u8 column)
+_MAX_NS = 2**62  # start and start + duration stay below int64 (processor/limits.py's bound)
+#: Largest trace file, and largest decompressed content, read (bytes).
+MAX_TRACE_BYTES = 2 << 30
+#: Deeper JSON is refused (Kineto traces nest about 5 levels).
+MAX_JSON_DEPTH = 512
+#: Longer kernel and phase names are truncated (as the processor's ingest does).
+MAX_NAME_CHARS = 4096
 
 
 # --------------------------------------------------------------------- one file
@@ -111,21 +127,44 @@ def load_rank_trace(path: str | os.PathLike, rank: int | None = None, *, job_id:
         job_id=job_id or Path(path).resolve().parent.name or "replay")
 
 
-def _read_json(path: str):
+def max_trace_bytes() -> int:
+    """``MAX_TRACE_BYTES`` unless ``TRAINSCOPE_REPLAY_MAX_BYTES`` says otherwise."""
+    v = os.environ.get("TRAINSCOPE_REPLAY_MAX_BYTES", "").strip()
+    if not v:
+        return MAX_TRACE_BYTES
+    try:
+        n = int(v)
+        if n > 0:
+            return n
+    except ValueError:
+        pass
+    from trainscope.proto.errors import ConfigError
+    raise ConfigError("TRAINSCOPE_REPLAY_MAX_BYTES", v, "must be a positive integer (bytes)")
+
+
+def _read_json(path: str, cap: int | None = None):
+    cap = max_trace_bytes() if cap is None else cap
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            head = f.read(2)
+            f.seek(0)
+            if head == _GZIP_MAGIC:
+                raw = _gunzip_capped(path, f, cap)
+            else:
+                raw = f.read(cap + 1)
+                if len(raw) > cap:
+                    raise TraceFileError(path, f"larger than the {_gib(cap)} limit "
+                                               "(TRAINSCOPE_REPLAY_MAX_BYTES)")
     except OSError as e:
         raise TraceFileError(path, f"cannot read: {e.strerror or e}") from e
-    if raw[:2] == _GZIP_MAGIC:
-        try:
-            raw = gzip.decompress(raw)
-        except EOFError as e:
-            raise TraceFileError(path, "truncated gzip stream (file ends before the end-of-stream marker)") from e
-        except (OSError, zlib.error) as e:
-            raise TraceFileError(path, f"corrupt gzip data: {e}") from e
     if not raw.strip():
-        raise TraceFileError(path, "empty file, expected Chrome-trace JSON")
+        raise TraceFileError(path, "empty file (or only whitespace), expected Chrome-trace JSON")
+    depth = _json_depth(raw, MAX_JSON_DEPTH)
+    if depth > MAX_JSON_DEPTH:
+        # orjson recurses on the C stack and crashes the process on deep nesting; the
+        # stdlib raises RecursionError: refuse before either parser sees it
+        raise TraceFileError(path, f"JSON nested more than {MAX_JSON_DEPTH} levels deep "
+                                   "(not a Chrome/Kineto trace)")
     try:
         if _orjson is not None:
             try:
@@ -133,8 +172,68 @@ def _read_json(path: str):
             except _orjson.JSONDecodeError:
                 pass  # e.g. NaN literals, which only the stdlib accepts; retry there
         return json.loads(raw)
+    except RecursionError:
+        raise TraceFileError(path, "JSON nested too deeply (not a Chrome/Kineto trace)") from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise TraceFileError(path, f"not valid JSON: {e}") from e
+        raise TraceFileError(path, f"not valid JSON: {str(e)[:200]}") from e
+
+
+_BRACKET = np.zeros(256, np.int8)
+_BRACKET[ord("[")] = _BRACKET[ord("{")] = 1
+_BRACKET[ord("]")] = _BRACKET[ord("}")] = -1
+
+
+def _json_depth(raw: bytes, limit: int, step: int = 1 << 26) -> int:
+    """Deepest nesting of ``raw``'s brackets outside strings, or a value > ``limit`` as soon
+    as it passes it. Vectorised over the sparse quote and bracket positions, in chunks
+    (about a third of orjson's parse time on a real trace).
+
+    1. Drop pairs of backslashes (escaped backslashes): a backslash left before a quote escapes it.
+    2. Per chunk: real quotes (not after a backslash); brackets, and for each the parity of
+       the real quotes before it (odd: inside a string, ignored).
+    3. Running depth over the brackets that count, carried across chunks.
+    """
+    raw = raw.replace(b"\\\\", b"")
+    n = len(raw)
+    depth, in_str, prev = 0, 0, 0
+    for i in range(0, n, step):
+        a = np.frombuffer(raw, np.uint8, count=min(step, n - i), offset=i)
+        q = np.flatnonzero(a == 34)
+        if q.size:
+            before = np.where(q > 0, a[np.maximum(q - 1, 0)], prev)
+            q = q[before != 92]
+        d = _BRACKET[a]
+        b = np.flatnonzero(d)
+        outside = ((np.searchsorted(q, b) + in_str) & 1) == 0
+        c = np.cumsum(d[b[outside]], dtype=np.int64)
+        if c.size:
+            top = int(c.max()) + depth
+            if top > limit:
+                return top
+            depth += int(c[-1])
+        in_str = (in_str + q.size) & 1
+        prev = int(a[-1])
+    return depth
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _gunzip_capped(path: str, f, cap: int) -> bytes:
+    """Decompress as a stream, stopping once more than ``cap`` bytes came out (a gzip bomb
+    costs at most ``cap``, not what it expands to)."""
+    try:
+        with gzip.GzipFile(fileobj=f) as g:
+            raw = g.read(cap + 1)
+    except EOFError as e:
+        raise TraceFileError(path, "truncated gzip stream (file ends before the end-of-stream marker)") from e
+    except (gzip.BadGzipFile, zlib.error) as e:
+        raise TraceFileError(path, f"corrupt gzip data: {e}") from e
+    if len(raw) > cap:
+        raise TraceFileError(path, f"decompresses to more than the {_gib(cap)} limit "
+                                   "(TRAINSCOPE_REPLAY_MAX_BYTES)")
+    return raw
 
 
 @contextlib.contextmanager
@@ -226,6 +325,8 @@ def _span(ev: dict) -> tuple[int, int] | str:
     d = _to_ns(dur, "duration")
     if type(d) is str:
         return d
+    if start + d > _MAX_NS:
+        return "bad_duration"
     return (start, d) if d else "zero_duration"
 
 
@@ -263,6 +364,9 @@ def _scan_events(events: list):
                 continue
             if type(name) is not str:
                 name = str(name)
+            if len(name) > MAX_NAME_CHARS:
+                name = name[:MAX_NAME_CHARS]
+                skipped["kernel:long_name"] += 1
             args = ev.get("args")
             k_start.append(span[0])
             k_dur.append(span[1])
@@ -284,8 +388,10 @@ def _scan_events(events: list):
                 skipped["iteration:" + span] += 1
                 continue
             digits = name[len(STEP_PREFIX):]
-            if not digits.isdecimal() or int(digits) in steps:
-                skipped["iteration:duplicate" if digits.isdecimal() else "iteration:bad_name"] += 1
+            # more than 18 digits is no step number (and int() of a huge one raises)
+            if not digits.isdecimal() or len(digits) > 18 or int(digits) in steps:
+                bad = not digits.isdecimal() or len(digits) > 18
+                skipped["iteration:bad_name" if bad else "iteration:duplicate"] += 1
                 continue
             steps[int(digits)] = span
             continue
@@ -298,6 +404,9 @@ def _scan_events(events: list):
         if type(name) is not str:
             skipped["phase:missing_name"] += 1
             continue
+        if len(name) > MAX_NAME_CHARS:
+            name = name[:MAX_NAME_CHARS]
+            skipped["phase:long_name"] += 1
         if cat == "gpu_user_annotation":
             gpu_phases.append((name, span[0], span[1], _stream_of(ev.get("args"), ev.get("tid"))))
         else:
