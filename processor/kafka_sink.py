@@ -116,6 +116,7 @@ class KafkaSink:
         self._since_rewind = 0
         self._gen = 0
         self._up = False
+        self._next_refuse_log = 0.0
         self._down_reason: str | None = None
         self._suspect = False
         self._backoff = 0.1
@@ -163,14 +164,48 @@ class KafkaSink:
         if self._closed:
             self.metrics.inc("drops", where="kafka_closed")
             return False
-        if not self._spool.append(topic, key.encode(), record.SerializeToString(), headers):
-            self.metrics.inc("drops", where="kafka_spool")
-            return False
+        value = record.SerializeToString()
+        if not self._spool.append(topic, key.encode(), value, headers):
+            return self._spool_refused(topic, key, value, headers, signal)
         if topic not in self._wanted:
             self._wanted = self._wanted | {topic}
         self._set_gauge()
         self._wake.set()
         return True
+
+    def _spool_refused(self, topic: str, key: str, value: bytes, headers, signal: str) -> bool:
+        """The spool would not take a record: say so (rate-limited), count it, and when the disk
+        is what refused and nothing is queued ahead, hand it to a connected broker directly.
+
+        A full spool disk must not stop live delivery: with an empty spool there is no order
+        to keep, so the record goes straight to the producer (at-most-once for these records:
+        a delivery failure is counted as ``drops{where="kafka_direct"}``).
+        """
+        why = self._spool.refused or "full"
+        now = time.monotonic()
+        if now >= self._next_refuse_log:
+            self._next_refuse_log = now + 10.0
+            log.warning("kafka sink: spool %s refused a record (%s%s); %s", self.config.spool_dir, why,
+                        f": {self._spool.disk_error}" if why == "disk" else
+                        f": {self.config.spool_max_bytes} bytes held" if why == "full" else "",
+                        "sending it directly" if why == "disk" and self._up else "dropped")
+        if why == "disk" and self._up and self._spool.frames == 0 and self._producer is not None:
+            try:
+                self._producer.produce(topic, value, key.encode(), headers=headers,
+                                       on_delivery=lambda err, msg: self._on_direct(signal, len(value), err))
+                self.metrics.inc("spool_bypassed", sink=self.name)
+                return True
+            except Exception as e:  # BufferError (queue full), KafkaException
+                log.debug("kafka sink: direct produce failed: %s", e)
+        self.metrics.inc("drops", where="kafka_spool_disk" if why == "disk" else "kafka_spool")
+        return False
+
+    def _on_direct(self, signal: str, nbytes: int, err) -> None:
+        if err is None:
+            self.metrics.inc("records_out", sink=self.name, signal=signal)
+            self.metrics.inc("bytes_out", nbytes, sink=self.name, signal=signal)
+        else:
+            self.metrics.inc("drops", where="kafka_direct")
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every spooled record is acknowledged; True if none is left."""

@@ -26,6 +26,7 @@ COUNTERS = {
     "bytes_out": ("Serialized bytes delivered, by sink and signal", ("sink", "signal")),
     "drops": ("Records dropped, by where they were dropped", ("where",)),
     "sink_errors": ("Delivery errors, by sink", ("sink",)),
+    "spool_bypassed": ("Records sent to the broker directly because the spool's disk refused them", ("sink",)),
     "windows_closed": ("Windows closed, by how they were closed", ("trigger",)),
     "window_mode_decided": ("Ranks whose window mode auto chose, by mode (iterations: marks arrived)", ("mode",)),
     "window_close_seconds_sum": ("Total time spent closing and summarising windows", ()),

@@ -276,22 +276,36 @@ class DiskSpool:
         """Add one record at the end; ``False`` (nothing written) if full or closed."""
         data = encode_frame(topic, key, value, headers)
         with self._lock:
-            if self._closed or self.bytes + len(data) > self.max_bytes:
+            if self._closed:
+                self.refused = "closed"
+                return False
+            if self.bytes + len(data) > self.max_bytes:
+                self.refused = "full"  # the configured bound
                 return False
             active = self._segments[-1]
-            if active.size and active.size + len(data) > self.segment_bytes:
-                active = self._rotate()
             try:
+                if active.size and active.size + len(data) > self.segment_bytes:
+                    active = self._rotate()
                 written = 0
                 while written < len(data):
                     written += os.write(self._wfd, data[written:])
-            except OSError:
-                os.ftruncate(self._wfd, active.size)  # never leave half a frame behind
+            except OSError as e:
+                try:
+                    os.ftruncate(self._wfd, active.size)  # never leave half a frame behind
+                except OSError:
+                    pass
+                self.refused = "disk"  # the file system said no (ENOSPC, EDQUOT, EIO)
+                self.disk_error = e.strerror or str(e)
                 return False
             active.size += len(data)
             active.frames += 1
             self._frames += 1
             return True
+
+    #: Why the last ``append`` returned False: "full" (max_bytes), "disk" (the file system
+    #: refused the write) or "closed".
+    refused: str = ""
+    disk_error: str = ""
 
     def _rotate(self) -> _Segment:
         os.close(self._wfd)

@@ -293,3 +293,70 @@ def test_config_errors_name_the_setting(tmp_path):
         assert sink.topic_for("diagnoses") == "trainscope.diagnoses.v1"
     finally:
         sink.close()
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 256 KiB tmpfs for the spool (needs root and mount; skipped otherwise)."""
+    import subprocess
+    d = tmp_path / "disk"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(d)],
+                       capture_output=True)
+    if r.returncode:
+        pytest.skip("cannot mount a tmpfs here to fill a real disk")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def fill(directory) -> None:
+    try:
+        with open(directory / "filler", "wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+    except OSError:
+        pass  # no space left: what we wanted
+
+
+def test_a_full_spool_disk_is_logged_counted_and_never_blocks_live_delivery(tansu_broker, tiny_disk, caplog):
+    """Issue #11 item 6: the spool's disk is full (really: a tmpfs with no byte left). With the broker
+    up every record still arrives, sent directly; with it down, each loss is counted and logged."""
+    sink = make_sink(tansu_broker.bootstrap, tiny_disk)
+    try:
+        assert wait_up(sink)
+        fill(tiny_disk)
+        outs = outputs(range(0, 3))
+        with caplog.at_level(logging.WARNING, logger="trainscope.processor.kafka_sink"):
+            for out in outs:
+                sink.export(out)
+        sent = expected(outs, sink)
+        got = consume(tansu_broker.bootstrap, sink)
+        assert count(got) == count(sent)  # nothing lost although the spool took nothing
+        assert sink.metrics.get("drops", where="kafka_spool_disk") == 0
+        assert sink.metrics.get("spool_bypassed", sink="kafka") == count(sent) + MARKERS
+        assert any("refused a record (disk" in r.getMessage() for r in caplog.records)
+
+        tansu_broker.stop()
+        assert wait_for_down(sink)
+        for out in outputs(range(3, 4)):
+            sink.export(out)
+        lost = count(expected(outputs(range(3, 4)), sink))
+        assert sink.metrics.get("drops", where="kafka_spool_disk") == lost  # counted, one by one
+    finally:
+        tansu_broker.start()
+        sink.close()
+
+
+def wait_up(sink, timeout_s=20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not sink._up:
+        time.sleep(0.05)
+    return sink._up
+
+
+def wait_for_down(sink, timeout_s=30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and sink._up:
+        time.sleep(0.05)
+    return not sink._up
