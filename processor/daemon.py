@@ -75,6 +75,17 @@ class ProcessorConfig:
             raise ConfigError("processor.queue_max_batches", self.queue_max_batches, "must be >= 1")
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
 class Processor:
     def __init__(
         self,
@@ -192,6 +203,11 @@ class Processor:
                 from trainscope.processor.remote_write import RemoteWriter
                 self.remote_writer = RemoteWriter.from_config(cfg.prometheus, self.registry, metrics=self.metrics)
                 self.remote_writer.start()
+        if not listen.startswith("unix:") and not _loopback(listen.rsplit(":", 1)[0]):
+            # gRPC over TCP has neither TLS nor authentication yet: anyone who can reach the
+            # port can send telemetry (issue #11 item 8); say so every time
+            log.warning("processor listening on %s, a non-loopback address, WITHOUT TLS or "
+                        "authentication: any host that reaches it can send telemetry", self.address)
         log.info("processor listening on %s", self.address)
         return self
 

@@ -45,6 +45,7 @@ import cramjam
 
 from trainscope.processor.prom_exporter import PrometheusConfig
 from trainscope.processor.selfmetrics import SelfMetrics
+from trainscope.proto.errors import redact_url
 from trainscope.proto.prompb import remote_pb2
 
 log = logging.getLogger(__name__)
@@ -316,12 +317,12 @@ class RemoteWriter:
             try:
                 status = self._post(self.url, body, HEADERS, max(remaining, 0.001))
             except OSError as e:  # refused, reset, timed out: no answer
-                log.debug("remote write to %s failed: %s", self.url, e)
+                log.debug("remote write to %s failed: %s", redact_url(self.url), e)
             if status is not None and 200 <= status < 300:
                 return True, status, False
             if status is not None and status < 500:
                 log.warning("remote write to %s rejected with HTTP %d; not retried",
-                            self.url, status)
+                            redact_url(self.url), status)
                 return False, status, False
             # 5xx or no answer: back off (an exponential step, jittered by
             # ±50% so that processors restarted together do not retry in
@@ -331,5 +332,5 @@ class RemoteWriter:
             attempt += 1
             if time.monotonic() + delay >= deadline or self._stop.wait(delay):
                 log.warning("remote write to %s gave up after %d attempts (last status %s)",
-                            self.url, attempt, status)
+                            redact_url(self.url), attempt, status)
                 return False, status, True

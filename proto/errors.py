@@ -5,16 +5,45 @@ record) so a daemon can count it, log it, or dead-letter it, and go on.
 """
 from __future__ import annotations
 
+import re
+
 
 class TrainscopeError(Exception):
     """Base of every error trainscope raises on purpose."""
 
 
+#: Setting names whose values are secrets: never printed, in errors or logs.
+_SECRET_WORDS = ("password", "secret", "token", "credential", "sasl.oauthbearer", "key.pem", "private")
+
+
+def is_secret(setting: str) -> bool:
+    s = setting.lower()
+    return any(w in s for w in _SECRET_WORDS)
+
+
+def redact_url(value: str) -> str:
+    """``scheme://user:pass@host/...`` with the user information replaced by ``***``."""
+    return re.sub(r"(?<=://)[^/@\s]+@", "***@", value)
+
+
+def redact(setting: str, value: object) -> object:
+    """What may be shown of a setting's value: ``***`` for secrets, URLs without credentials."""
+    if is_secret(setting):
+        return "***"
+    if isinstance(value, str) and "@" in value and "://" in value:
+        return redact_url(value)
+    return value
+
+
 class ConfigError(TrainscopeError, ValueError):
-    """A setting has a bad value. Raised at start-up, naming the setting."""
+    """A setting has a bad value. Raised at start-up, naming the setting.
+
+    The message never holds a secret: values of settings named like passwords,
+    tokens or keys print as ``***``, and credentials in URLs are removed
+    (``value`` keeps the real one for code that needs it)."""
 
     def __init__(self, setting: str, value: object, why: str) -> None:
-        super().__init__(f"bad value for {setting}: {value!r} ({why})")
+        super().__init__(f"bad value for {setting}: {redact(setting, value)!r} ({why})")
         self.setting = setting
         self.value = value
         self.why = why
