@@ -120,15 +120,50 @@ class StoreSource(_Parsing):
         self._db.close()
 
 
+class RateLimitedLog:
+    """librdkafka's log lines through ``logging``, at most one per ``every_s`` of each kind.
+
+    With a broker down librdkafka repeats "Connect ... failed" every reconnect
+    backoff (hundreds of lines a minute on stderr when no ``logger`` is set).
+    A kind is (level, facility, e.g. ``FAIL``); lines held back are counted in
+    the next one of their kind that is let through.
+    """
+
+    def __init__(self, logger: logging.Logger, every_s: float = 30.0, clock=None) -> None:
+        import time
+
+        self.logger = logger
+        self.every_s = every_s
+        self._clock = clock or time.monotonic
+        self._last: dict[tuple, float] = {}
+        self._held: collections.Counter = collections.Counter()
+
+    def log(self, level: int, msg: str, *args, **kwargs) -> None:
+        key = (level, str(args[0]) if args else msg[:40])
+        now = self._clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self.every_s:
+            self._held[key] += 1
+            return
+        self._last[key] = now
+        held = self._held.pop(key, 0)
+        if held:
+            msg += f" (and {held} more like it in the last {self.every_s:g} s)"
+        self.logger.log(level, msg, *args, **kwargs)
+
+
 class KafkaSource(_Parsing):
     def __init__(self, bootstrap: str, *, group_id: str = "trainscope-analyzer",
                  prefix: str = "trainscope", extra: dict | None = None) -> None:
         super().__init__()
         from confluent_kafka import Consumer
         self.topics = {topic_for(s, prefix): s for s in SIGNALS}
+        self._rdkafka_log = RateLimitedLog(logging.getLogger(__name__ + ".librdkafka"))
         self._consumer = Consumer({
             "bootstrap.servers": bootstrap, "group.id": group_id,
             "auto.offset.reset": "earliest", "enable.auto.commit": True,
+            "logger": self._rdkafka_log,  # not raw lines on stderr: logging, rate-limited
+            "error_cb": lambda err: self._rdkafka_log.log(logging.WARNING, "kafka %s: %s", err.name(), err.str()),
             **(extra or {}),
         })
         self._consumer.subscribe(list(self.topics))

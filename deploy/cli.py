@@ -109,6 +109,8 @@ def cmd_replay(args) -> int:
     if args.stats_out:
         write_json(stats, args.stats_out)
         print(f"kernel stats written to {args.stats_out}")
+    if _say_undelivered(res.processor, args):
+        return 1
     if not args.no_analyze:
         from trainscope.analyzer.report import report
         rep = report(res.store_path, res.job_id)
@@ -117,6 +119,19 @@ def cmd_replay(args) -> int:
             write_json(rep, args.json)
             print(f"diagnoses written to {args.json}")
     return 0 if not any(res.exporter_drops.values()) else 1
+
+
+def _say_undelivered(processor_metrics: dict, args) -> bool:
+    """One line on stderr when the final Kafka flush left records behind (the run then exits 1)."""
+    from trainscope.deploy.embedded import undelivered_kafka_bytes
+
+    left = undelivered_kafka_bytes(processor_metrics)
+    if left:
+        spool = os.path.join(_home(args), "kafka-spool")
+        print(f"trainscope: {left:,} bytes of records were not delivered to Kafka "
+              f"{getattr(args, 'kafka_bootstrap', None) or env.text(env.KAFKA_BOOTSTRAP)}; they stay in {spool} "
+              "and the next processor with this home sends them", file=sys.stderr)
+    return left > 0
 
 
 def cmd_analyzer(args) -> int:
@@ -183,6 +198,8 @@ def cmd_sim(args) -> int:
     if args.json_out:
         from trainscope.deploy.replay import write_json
         write_json(res.to_dict(), args.json_out)
+    if args.processor is None and _say_undelivered(res.processor or {}, args):
+        return 1
     return 0 if not res.dropped else 1
 
 

@@ -107,7 +107,7 @@ def run_sim(
             on_start(proc, store_path)
         res = _emit_sim(config, proc.address, sinks=sinks,  # step 2
                         barrier=lambda: proc.pipeline.drain(600.0, close_windows=False))
-        proc.drain(600.0)  # step 3
+        final_drain(proc, 600.0)  # step 3
         metrics = proc.metrics.snapshot()
         if on_processor is not None:
             on_processor(proc)
@@ -137,6 +137,25 @@ def embedded_processor_config(home: str, window: WindowConfig, *, replace_store:
                 os.unlink(store_path + suffix)
     sock = os.path.join(tempfile.mkdtemp(prefix="ts-"), "processor.sock")
     return ProcessorConfig(listen=f"unix://{sock}", window=window, store_path=store_path, **sinks)
+
+
+def final_drain(proc: Processor, timeout_s: float = 600.0) -> bool:
+    """Process everything received, then close every window and flush the sinks, within a bound.
+
+    The flush to Kafka gets its ``close_timeout_s`` plus 5 s to close the
+    windows: a broker that never answers must not hold a run for minutes
+    (librdkafka would retry for ``delivery_timeout_s`` per batch). What it did
+    not take stays in the Kafka spool (:func:`undelivered_kafka_bytes`), sent
+    by the next processor on the same home. True when everything was flushed.
+    """
+    proc.pipeline.drain(timeout_s, close_windows=False)
+    kafka = proc.config.kafka
+    return proc.drain(kafka.close_timeout_s + 5.0 if kafka is not None else timeout_s)
+
+
+def undelivered_kafka_bytes(processor_metrics: dict) -> int:
+    """Bytes of records still in the Kafka spool, from a processor metrics snapshot (0 without Kafka)."""
+    return int(processor_metrics.get("spool_bytes{sink=kafka}", 0))
 
 
 def remove_socket_dir(cfg: ProcessorConfig) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from trainscope.collector.exporter import BatchExporter, ExporterConfig
 from trainscope.collector.sources.replay_dir import resource_for, scan_replay_dir
-from trainscope.deploy.embedded import EmbeddedAnalysis, embedded_processor_config, remove_socket_dir
+from trainscope.deploy.embedded import EmbeddedAnalysis, embedded_processor_config, final_drain, remove_socket_dir
 from trainscope.processor.daemon import Processor
 from trainscope.processor.store import SqliteStore
 from trainscope.processor.windows import WindowConfig
@@ -117,7 +117,7 @@ def run_replay(
                 trace = job.load(rank)
                 skipped[rank] = dict(trace.skipped)
                 sent[rank], drops[rank] = feed_rank(trace, resource_for(trace, job), proc.address)
-            proc.drain(300.0)
+            final_drain(proc, 300.0)
             metrics = proc.metrics.snapshot()
             if analyze:
                 # ranks are fed one after the other: analysed while feeding, a window would be judged on
