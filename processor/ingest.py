@@ -61,6 +61,8 @@ class Decoded:
     nbytes: int
     sent_unix_ns: int
     dropped_total: int
+    seq: int = 0
+    prev_seq: int = 0  # the stream's last seq before this one (to release it when refused)
 
 
 class _StreamState:
@@ -120,9 +122,9 @@ class Validator:
             payload, n, end = self._iterations(b.iterations.marks)
         else:
             payload, n, end = self._stacks(b.stacks.snapshots)
-        self._admit(res, signal, end, b.seq, raw)
+        prev = self._admit(res, signal, end, b.seq, raw)
         return Decoded(res, signal or "final", payload, n, len(raw), b.sent_unix_ns,
-                       min(b.dropped_total, 2**53))
+                       min(b.dropped_total, 2**53), b.seq, prev)
 
     def _resource(self, b: telemetry_pb2.TelemetryBatch) -> Resource:
         if not b.HasField("resource") or not b.resource.job_id:
@@ -137,6 +139,15 @@ class Validator:
             raise BadInput("unknown_rank", f"rank {r.rank} outside world of {r.world_size}")
         return Resource.from_pb(r)
 
+    def release(self, d: Decoded) -> None:
+        """Forget that ``d``'s seq was received (it was refused after validation: it will come again)."""
+        if not d.seq:
+            return
+        with self._lock:
+            st = self._streams.get((d.resource.job_id, d.resource.rank, d.resource.pid))
+            if st is not None and st.last_seq == d.seq:
+                st.last_seq = d.prev_seq
+
     def _stream(self, key: tuple[str, int, int]) -> _StreamState:
         st = self._streams.get(key)
         if st is None:
@@ -145,13 +156,15 @@ class Validator:
             st = self._streams[key] = _StreamState()
         return st
 
-    def _admit(self, res: Resource, signal: str | None, end: int, seq: int, raw: bytes) -> None:
-        """Steps 4 and 5: check clock and seq against the stream, then commit both (or neither)."""
+    def _admit(self, res: Resource, signal: str | None, end: int, seq: int, raw: bytes) -> int:
+        """Steps 4 and 5: check clock and seq against the stream, then commit both (or neither);
+        returns the stream's previous seq."""
         lim = self.limits
         key = (res.job_id, res.rank, res.pid)
         now = self._clock()
         with self._lock:
             st = self._stream(key)
+            prev_seq = st.last_seq
             rebase = False
             if signal is not None and end:
                 prev = st.clock.get(signal)
@@ -181,6 +194,7 @@ class Validator:
                 else:
                     st.clock[signal] = (max(end, st.clock.get(signal, (0, 0.0))[0]), now)
                 st.jumps.pop(signal, None)
+            return prev_seq
 
     def _name(self, name: str, what: str) -> str:
         if len(name) > self.limits.max_name_chars:
@@ -351,11 +365,14 @@ class IngestServicer:
                 self._warn.warning(e.reason, "rejected batch from %s: %s", _peer(context), e)
                 continue
             if not self._accept(d):
-                s.batches_rejected += 1
-                s.rejected_by_reason["overloaded"] += 1
+                # Back-pressure, not loss: end the stream with RESOURCE_EXHAUSTED, which the
+                # exporter retries with everything this stream carried (what was accepted
+                # before comes back as duplicates and is dropped once); this batch's seq is
+                # released so that its resend is not taken for a duplicate.
+                self.validator.release(d)
                 self.metrics.inc("batches_rejected", reason="overloaded")
-                self._warn.warning("overloaded", "rejected batch: processing queue full (back-pressure)")
-                continue
+                self._warn.warning("overloaded", "refused a stream: processing queue full (back-pressure)")
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "processor overloaded: queue full, retry later")
             s.batches_accepted += 1
             s.records_accepted += d.records
             if d.signal == "final":

@@ -2,9 +2,11 @@
 
 gRPC handler threads only validate and enqueue (``accept``); one thread owns
 the windower and the sinks, so no per-rank state needs a lock. The queue is
-bounded: when it stays full for ``accept_timeout_s`` the batch is refused
-(``batches_rejected{reason="overloaded"}``), which pushes the backlog back to
-the collectors' own bounded queues instead of growing here.
+bounded: when it stays full for ``accept_timeout_s`` the stream is ended with
+RESOURCE_EXHAUSTED (``batches_rejected{reason="overloaded"}``); the collector
+keeps the unconfirmed batches and resends them after its backoff (those already
+taken are dropped once as duplicates), so the backlog is pushed back to the
+collectors' own bounded queues instead of growing here, and nothing is lost.
 """
 from __future__ import annotations
 

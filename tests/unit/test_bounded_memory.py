@@ -7,6 +7,7 @@ import time
 
 import grpc
 import numpy as np
+import pytest
 
 from support.pipeline import INGEST_METHOD, batch, raw_stream, start_processor, wait_for
 from trainscope.processor.selfmetrics import SelfMetrics
@@ -104,20 +105,46 @@ def test_idle_streams_are_closed_and_a_real_sender_gets_through():
         proc.stop()
 
 
-def test_a_full_queue_refuses_with_overloaded_and_reports_its_depth():
+def test_a_full_queue_refuses_the_stream_with_resource_exhausted_and_reports_its_depth():
     proc = start_processor(queue_max_batches=2)
     release = threading.Event()
     proc.pipeline._accept_timeout = 0.05
     orig = proc.pipeline.windower.add_kernels
     proc.pipeline.windower.add_kernels = lambda *a: (release.wait(20), orig(*a))
     try:
-        s = raw_stream(proc.address, [batch(RES, i, unique_names_batch(i, 5, i * S)) for i in range(1, 9)])
-        assert s.rejected_by_reason["overloaded"] >= 1
-        assert s.batches_accepted + s.rejected_by_reason["overloaded"] == 8
+        with pytest.raises(grpc.RpcError) as e:
+            raw_stream(proc.address, [batch(RES, i, unique_names_batch(i, 5, i * S)) for i in range(1, 9)])
+        # back-pressure: the stream ends, the sender keeps what was not confirmed and retries
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert proc.metrics.get("queue_depth") == 2
-        assert proc.metrics.get("batches_rejected", reason="overloaded") == s.rejected_by_reason["overloaded"]
+        assert proc.metrics.get("batches_rejected", reason="overloaded") == 1
     finally:
         release.set()
+        proc.stop()
+
+
+def test_an_overloaded_processor_slows_a_real_exporter_down_and_loses_nothing():
+    """The exporter resends a refused stream's batches; those the processor already took come
+    back as duplicates and are dropped once, the refused one is taken on the resend."""
+    from trainscope.collector.exporter import BatchExporter, ExporterConfig
+    from support.pipeline import kernel_count
+
+    proc = start_processor(queue_max_batches=2)
+    proc.pipeline._accept_timeout = 0.02
+    orig = proc.pipeline.windower.add_kernels
+    proc.pipeline.windower.add_kernels = lambda *a: (time.sleep(0.05), orig(*a))  # a slow window
+    exp = BatchExporter(RES, ExporterConfig(target=proc.address, confirm_interval_s=0.2,
+                                            backoff_initial_s=0.01, backoff_max_s=0.1))
+    try:
+        for i in range(40):
+            assert exp.submit(unique_names_batch(i, 25, i * S).to_pb(), 25 * 25)
+        assert exp.flush(60)
+        proc.drain(20)
+        assert proc.metrics.get("batches_rejected", reason="overloaded") >= 1  # it was overloaded
+        assert exp.stats.dropped_total == 0 and exp.stats.rejected_by_processor == 0
+        assert kernel_count(proc) == 40 * 25  # every kernel once: no loss, no double count
+    finally:
+        exp.shutdown(1)
         proc.stop()
 
 

@@ -7,7 +7,9 @@ import time
 import urllib.error
 import urllib.request
 
+import grpc
 import numpy as np
+import pytest
 
 from support.pipeline import batch, raw_stream, start_processor, wait_for
 from trainscope.processor.prom_exporter import PrometheusConfig
@@ -48,8 +50,10 @@ def test_healthz_ok_then_a_failing_thread_is_restarted_then_declared_dead():
         assert proc.metrics.get("thread_restarts", thread="pipeline") == proc.pipeline.max_restarts
         status, h = healthz(proc)
         assert status == 503 and not h["ok"] and not h["pipeline"]["alive"]
-        s = raw_stream(proc.address, [batch(RES, 1, cols(10, S))])
-        assert dict(s.rejected_by_reason) == {"overloaded": 1}  # refused, not swallowed
+        with pytest.raises(grpc.RpcError) as e:  # refused, not swallowed: the collector keeps it
+            raw_stream(proc.address, [batch(RES, 1, cols(10, S))])
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert proc.metrics.get("batches_rejected", reason="overloaded") >= 1
         assert proc.serve(threading.Event(), poll_s=0.01) == 1
     finally:
         t0 = time.monotonic()
@@ -83,7 +87,8 @@ def test_stop_is_bounded_when_the_queue_is_full_and_the_thread_is_stuck():
     release = threading.Event()
     proc.pipeline.windower.add_kernels = lambda *a: release.wait(60)
     try:
-        raw_stream(proc.address, [batch(RES, i, cols(5, i * S)) for i in range(1, 5)], timeout=20)
+        with pytest.raises(grpc.RpcError):  # the queue fills: the stream is refused (back-pressure)
+            raw_stream(proc.address, [batch(RES, i, cols(5, i * S)) for i in range(1, 5)], timeout=20)
     finally:
         t0 = time.monotonic()
         proc.pipeline.stop(timeout_s=2)
