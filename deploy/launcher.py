@@ -75,6 +75,8 @@ class RunResult:
     run_dir: str
     ranks: list = dataclasses.field(default_factory=list)
     """Per-rank counters written at exit (``InProcess.stats``), by rank."""
+    home: str = ""
+    """State directory of the processor started here ("" when one was already running)."""
 
 
 def default_match(command: Sequence[str]) -> str | None:
@@ -147,16 +149,25 @@ def run(config: RunConfig) -> RunResult:
     run_dir = config.run_dir or tempfile.mkdtemp(prefix="trainscope-run-")
     private_dir(run_dir, "--run-dir")  # 0700 and ours: ranks announce themselves in it
     proc = sidecar = None
+    home = ""
     if not reachable(target):
         if config.start_processor:
-            proc = start_processor(target, config.home or os.path.join(os.getcwd(), ".trainscope"))
+            home = os.path.abspath(config.home or os.path.join(os.getcwd(), ".trainscope"))
+            proc = start_processor(target, home)
         else:
             print(f"trainscope: no processor at {target}; the job runs, its telemetry is counted as dropped",
                   file=sys.stderr)
     e = child_env(config, job_id=job_id, processor=target, run_dir=run_dir)
     try:
         if config.stacks:
-            sidecar = spawn_sidecar(run_dir, e, config.stacks_window_s)
+            py_spy = find_py_spy()
+            if py_spy is None:
+                print("trainscope: py-spy is neither on PATH nor beside this python "
+                      f"({os.path.dirname(sys.executable)}); stack sampling (L5) is off: pip install py-spy",
+                      file=sys.stderr)
+            else:  # the sidecar finds it on its PATH; the job's own PATH is left as it is
+                side_env = dict(e, PATH=os.pathsep.join([os.path.dirname(py_spy), e.get("PATH", "")]))
+                sidecar = spawn_sidecar(run_dir, side_env, config.stacks_window_s)
         child = subprocess.Popen(list(config.command), env=e)
         forward = lambda sig, _frame: child.send_signal(sig)  # noqa: E731
         old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -168,7 +179,22 @@ def run(config: RunConfig) -> RunResult:
     finally:
         _stop(sidecar, 10.0)
         _stop(proc, 60.0)  # the processor drains and closes its windows on SIGTERM
-    return RunResult(rc, job_id, target, proc is not None, run_dir, read_stats(run_dir))
+    stats = read_stats(run_dir)
+    if not config.run_dir:  # made here for this run: leave no temporary directory behind
+        import shutil
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return RunResult(rc, job_id, target, proc is not None, run_dir, stats, home if proc is not None else "")
+
+
+def find_py_spy() -> str | None:
+    """py-spy on PATH, else beside the interpreter (a virtualenv used without being activated)."""
+    import shutil
+
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return beside if os.access(beside, os.X_OK) else None
 
 
 def read_stats(run_dir: str) -> list[dict]:
@@ -196,6 +222,14 @@ def summary_lines(result: RunResult) -> list[str]:
             f"kernels: {k.get('name', 'none')}" + "".join(f"; {n}" for n in s.get("notes", [])))
     if not result.ranks:
         lines.append("  no rank reported counters (were ranks selected? TRAINSCOPE_DEBUG_BOOT=1 shows why)")
+    if result.processor_started and result.home:
+        # the processor stored the windows; no analyzer ran beside it: say how to get the diagnosis
+        lines.append(f"next: trainscope analyzer --home {result.home}   (diagnoses the stored windows; "
+                     "Ctrl-C when it has printed them)")
+        lines.append(f"then: trainscope query verdict --job {result.job_id} --home {result.home}")
+    else:
+        lines.append(f"next: the analyzer beside processor {result.processor} diagnoses the job; "
+                     f"trainscope query verdict --job {result.job_id} --home <that processor's home>")
     return lines
 
 

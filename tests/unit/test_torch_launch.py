@@ -157,3 +157,23 @@ def test_in_process_stats_and_shutdown_never_raise(tmp_path, monkeypatch):
     st = launch.InProcess(Col(), run_dir=str(tmp_path))
     st.shutdown()
     assert launcher.read_stats(str(tmp_path))[0]["collector"] == {"submitted": 1}
+
+
+def test_run_summary_says_how_to_get_the_diagnosis():
+    started = launcher.RunResult(0, "j1", "unix:/x.sock", True, "/tmp/r", [], "/home/u/.trainscope")
+    text = "\n".join(launcher.summary_lines(started))
+    assert "trainscope analyzer --home /home/u/.trainscope" in text
+    assert "trainscope query verdict --job j1 --home /home/u/.trainscope" in text
+    joined = "\n".join(launcher.summary_lines(launcher.RunResult(0, "j2", "127.0.0.1:9", False, "/tmp/r")))
+    assert "analyzer beside processor 127.0.0.1:9" in joined and "--job j2" in joined
+
+
+def test_py_spy_is_found_beside_the_interpreter_when_not_on_path(tmp_path, monkeypatch):
+    fake = tmp_path / "py-spy"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o700)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    assert launcher.find_py_spy() == str(fake)
+    fake.chmod(0o600)  # not executable: not found
+    assert launcher.find_py_spy() is None
