@@ -34,9 +34,16 @@ evidence and attributes the waiting to the member that made the others wait.
    ``DEP``), with the waiter's excess as its impact.
    3b. Late arrivers linked to each other with no flagged work of their
    own, and no partner with any: the one with clearly (``TIEBREAK_MARGIN``) the most extra work
-   outside communication against its DP peers, significant or not, is where
-   the lateness starts (a slightly slower GPU that makes its TP partner and
-   their pipeline neighbours late).
+   outside communication against its DP peers is where the lateness starts (a slightly
+   slower GPU that makes its TP partner and their pipeline neighbours late), when that
+   excess stands out of the peers' spread on one test (``TIEBREAK_Z``, with the
+   personality floor: below it, it is healthy GPU-to-GPU variation, not a cause).
+   3c. Lateness nobody's work explains: a culprit whose only evidence is arriving late
+   (its collectives the shortest) with no owner found is named only when the
+   lateness exceeds what healthy personality gives the last of its group to arrive:
+   ``LATE_Z`` × ``PERSONALITY`` × sqrt(2 ln n) of the step (the expected maximum of n
+   normal draws, n its largest sync group). Some replica is always the last; a
+   healthy one is last by a few per cent.
 4. Waiters left without a culprit: when two or more share a host and no
    member of their sync groups arrived late, the link between them is slow
    (role ``link``: a degraded NVLink/NIC slows every member's collective
@@ -51,7 +58,6 @@ import collections
 import dataclasses
 import math
 import re
-import warnings
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -60,8 +66,15 @@ from trainscope.analyzer.model import CULPRIT, LINK, MISSING, WAITER, Finding, J
 from trainscope.analyzer.topology import RoutingConfig, group_of, has_coords
 from trainscope.proto.model import DIMS, Resource
 
-#: Step 3b: the late rank with the most own work must have this many times the next one's.
+#: Step 3b: the late rank with the most own work must have this many times the next one's ...
 TIEBREAK_MARGIN = 1.5
+#: ... and stand this many spreads (robust, with the personality floor) above its DP peers.
+TIEBREAK_Z = 2.0
+#: Healthy GPU-to-GPU personality as a share of a rank's work: the floor of the peers' spread
+#: used by every level (docs/noise.md: per-kernel offsets of 3 % averaged over a window's kernels).
+PERSONALITY = 0.02
+#: Step 3c: lateness with no owner is named beyond this many personality maxima of its group.
+LATE_Z = 2.0
 #: A partner's own slow work explains a rank's lateness when it is at least this share of it.
 INHERIT_SHARE = 0.2
 #: Phases that hold collectives inside them (forward/backward of tensor-parallel layers): being
@@ -217,6 +230,7 @@ def _own_work_tiebreak(out: dict[int, "RankVerdict"], owners: set[int], resource
     communication against its own DP peers, significant or not, is where the lateness starts."""
     from trainscope.analyzer.impact import window_scale
     from trainscope.analyzer.l2_groups import GroupsConfig, rank_times
+    from trainscope.analyzer.significance import robust_z
     from trainscope.analyzer.topology import group_of
 
     late = [r for r, rv in out.items() if rv.role == CULPRIT and r not in owners]
@@ -229,17 +243,17 @@ def _own_work_tiebreak(out: dict[int, "RankVerdict"], owners: set[int], resource
     row = {r: i for i, r in enumerate(ranks)}
     own_cols = np.array([not (cfg.routing.is_communication(k) or AMBIGUOUS.search(k))
                          for k in keys])
-    excess = collections.defaultdict(float)
+    excess: dict[int, float] = collections.defaultdict(float)
+    z: dict[int, float] = {}
     for members in group_of({r: resources[r] for r in ranks if r in resources}, "dp").values():
         rows = [row[r] for r in members]
         if len(rows) < 2:
             continue
-        with np.errstate(all="ignore"), warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)       # a key none of them has: NaN
-            med = np.nanmedian(m[rows][:, own_cols], axis=0)
-        for r in members:
+        own = np.nansum(m[rows][:, own_cols], axis=1)          # each member's work outside collectives
+        zs, med, _ = robust_z(own, None, PERSONALITY)
+        for i, r in enumerate(members):
             if r in out:
-                excess[r] = float(np.nansum(np.maximum(m[row[r], own_cols] - med, 0.0)))
+                excess[r], z[r] = float(own[i] - med.item()), float(zs[i])
     # components of late ranks linked by sync partnership
     left, found = set(late), set()
     while left:
@@ -256,7 +270,7 @@ def _own_work_tiebreak(out: dict[int, "RankVerdict"], owners: set[int], resource
             continue    # linked to a rank with flagged work of its own: step 3 follows it there
         best = sorted(comp, key=lambda r: -excess.get(r, 0.0))
         top, second = excess.get(best[0], 0.0), excess.get(best[1], 0.0)
-        if top > 0 and top >= TIEBREAK_MARGIN * second:
+        if top > 0 and top >= TIEBREAK_MARGIN * max(second, 0.0) and z.get(best[0], 0.0) >= TIEBREAK_Z:
             rv = out[best[0]]
             rv.evidence.append(Evidence(best[0], "DEP", "own_work", "own work outside communication", False,
                                         True, 1.0, rv.impact_ns, "dependency"))
@@ -265,9 +279,21 @@ def _own_work_tiebreak(out: dict[int, "RankVerdict"], owners: set[int], resource
     return found
 
 
+def _late_only(rv: RankVerdict) -> bool:
+    """Step 3c's subject: every piece of culprit evidence is a shortened collective (a late arrival)."""
+    cul = [e for e in rv.evidence if e.role == CULPRIT]
+    return bool(cul) and all(e.communication and not e.slower for e in cul)
+
+
+def healthy_lateness_ns(group_size: int, step_ns: float) -> float:
+    """Step 3c: how late the last of ``group_size`` healthy members may be, per iteration."""
+    n = max(int(group_size), 2)
+    return LATE_Z * PERSONALITY * math.sqrt(2.0 * math.log(n)) * step_ns
+
+
 def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
               jw: JobWindow | None = None, iterations: Mapping[int, float] | None = None,
-              partners: SyncPartners | None = None) -> list[RankVerdict]:
+              partners: SyncPartners | None = None, step_ns: float = 0.0) -> list[RankVerdict]:
     """Steps 2-5: one ``RankVerdict`` per rank named by any evidence, best first."""
     partners = partners or SyncPartners(resources)
     by_rank: dict[int, list[Evidence]] = collections.defaultdict(list)
@@ -329,6 +355,13 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
                 c.culprit_levels.add("DEP")
                 c.evidence.append(dep)
             rv.waited_for = late
+    # step 3c: lateness no one's work explains, within what healthy personality gives the last arriver
+    if step_ns > 0:
+        for rv in list(out.values()):
+            if rv.role == CULPRIT and rv.rank not in root and _late_only(rv):
+                group = max((len(ps) + 1 for d, ps in partners.of(rv.rank).items() if d != "pp"), default=2)
+                if rv.impact_ns < healthy_lateness_ns(group, step_ns):
+                    del out[rv.rank]        # its waiters keep pointing at it and are not named alone
     # step 4: unexplained waiters sharing a host: the link between them
     hosts: dict[str, list[RankVerdict]] = collections.defaultdict(list)
     for rv in out.values():

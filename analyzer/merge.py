@@ -80,7 +80,7 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
             evidence += evidence_of(f)
     partners = SyncPartners(resources)
     evidence += _host_evidence(active, evidence, partners)
-    ranked = attribute(evidence, resources, jw, iterations, partners)
+    ranked = attribute(evidence, resources, jw, iterations, partners, step_ns)
     host_fn = {s.rank: s.evidence.get("function") for f in active if f.level == "L5" for s in f.suspects}
     stalled_ranks = {s.rank for f in active if f.kind == "stall" for s in f.suspects}
 

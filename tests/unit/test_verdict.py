@@ -217,3 +217,47 @@ def test_a_rank_costing_a_large_share_of_the_step_is_named_at_once():
     big = finding("L2", "straggler", "mlp", [(3, "slower", 20 * MS)])      # 20 % of a 100 ms step
     v = merge("j", WIN, [big], res, step_ns=100 * MS, persistence=Persistence(2, 3))   # 16 ranks
     assert [s.rank for s in v.ranks] == [3] and v.state == "degraded"
+
+
+def _late_replica_window(res, mlp_ms, late_ms, late=(4, 5)):
+    """Every rank: 500 ms of own work ('mlp') and a DP all-reduce per iteration; the ranks in ``late``
+    arrive late to it (their all-reduce is shorter by ``late_ms``); ``mlp_ms`` overrides own work."""
+    jw = JobWindow(job_id="j", window=WIN, resources=res)
+    for r in res:
+        pw = records_pb2.PhaseWindow()
+        t = mlp_ms.get(r, 500.0) * MS
+        pw.phases.add(phase="mlp", count=10, mean_ns=t, total_ns=10 * t)
+        a = (20.0 if r in late else 20.0 + late_ms) * MS
+        pw.phases.add(phase="dp-allreduce", count=10, mean_ns=a, total_ns=10 * a)
+        jw.phases[r] = pw
+    f = finding("L2", "straggler", "dp-allreduce", [(r, "faster", late_ms * MS) for r in late])
+    return jw, f
+
+
+def test_a_replica_late_by_healthy_personality_names_nobody_but_a_large_lateness_is_named():
+    """Step 3c: some replica is always last to the DP all-reduce. Late by 3 % of the step with no
+    own work to show (16 ranks, TP 2: DP groups of 8) is within what personality gives the last of
+    8; late by 15 % is a finding (its ranks named as culprits, the lateness unexplained)."""
+    res = resources(16, tp=2)
+    for late_ms, named in ((30.0, False), (150.0, True)):
+        jw, f = _late_replica_window(res, {}, late_ms)
+        v = merge("j", WIN, [f], res, jw=jw, step_ns=1000 * MS, iterations={r: 10 for r in res})
+        assert bool(v.ranks) is named, late_ms
+        assert (v.state == "degraded") is named
+        if named:
+            assert {s.rank for s in v.ranks} == {4, 5} and all(s.role == "culprit" for s in v.ranks)
+
+
+def test_own_work_tie_break_needs_work_that_stands_out_of_the_personality_spread():
+    """Step 3b: of two late TP partners, the one with more own work is where the lateness starts
+    only when that work stands out of its DP peers' spread (personality floor 2 %): +1 % is
+    variation (both stay late arrivers), +10 % names rank 5 and makes 4 its waiter."""
+    res = resources(16, tp=2)
+    jw, f = _late_replica_window(res, {5: 505.0}, 150.0)
+    v = merge("j", WIN, [f], res, jw=jw, step_ns=1000 * MS, iterations={r: 10 for r in res})
+    assert {s.rank: s.role for s in v.ranks} == {4: "culprit", 5: "culprit"}
+    jw, f = _late_replica_window(res, {5: 550.0}, 150.0)
+    v = merge("j", WIN, [f], res, jw=jw, step_ns=1000 * MS, iterations={r: 10 for r in res})
+    assert v.ranks[0].rank == 5 and v.ranks[0].role == "culprit"
+    four = next(s for s in v.ranks if s.rank == 4)
+    assert four.role == "waiter" and four.waited_for == 5
