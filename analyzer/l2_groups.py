@@ -18,6 +18,12 @@ compared with each other:
    the siblings' median, and *uniform*: at least ``uniform`` of the group's
    members are themselves above the siblings' median by ``min_excess``
    (one slow member is an intra-group finding, not a group one).
+   3b. A class split in two (a slow host holding a third to a half of the
+   groups, where the siblings' median is meaningless): sort the group values;
+   at the widest gap leaving ``split_min``–½ of the groups above it, the
+   upper side is slow when the gap is z* × the spread inside the sides
+   (personality floor) and the upper median ``min_excess`` above the lower.
+   Siblings do the same work, so the slower side is the slow one.
 4. Suspects are the members, each with its own excess per iteration as
    impact; the evidence says which hosts they share. A slow group in a
    communication key with no late member is a slow link (``attribution``).
@@ -32,7 +38,7 @@ import numpy as np
 from trainscope.analyzer.impact import WindowScale
 from trainscope.analyzer.l2_phases import phase_matrix
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
-from trainscope.analyzer.significance import robust_z, z_threshold
+from trainscope.analyzer.significance import MAD_SIGMA, robust_z, z_threshold
 from trainscope.analyzer.topology import CATEGORIES, RoutingConfig, check_number, group_of, has_coords
 from trainscope.proto.errors import ConfigError
 
@@ -51,6 +57,8 @@ class GroupsConfig:
     """Family-wise false-alarm probability per window (Bonferroni over the (group, key) comparisons)."""
     rel_floor: float = 0.02
     """Floor of the siblings' spread, × their median."""
+    split_min: float = 1 / 3
+    """Step 3b: the slow side of a split class holds at least this share of the groups (at most half)."""
     routing: RoutingConfig = RoutingConfig()
     """Which phases and kernels are communication, and the kernel categories."""
 
@@ -63,6 +71,7 @@ class GroupsConfig:
         check_number("groups.uniform", self.uniform, lambda v: 0 < v <= 1, "must be in (0, 1]")
         check_number("groups.false_alarm", self.false_alarm, lambda v: 0 < v < 1, "must be in (0, 1)")
         check_number("groups.rel_floor", self.rel_floor, lambda v: v >= 0, "must be >= 0")
+        check_number("groups.split_min", self.split_min, lambda v: 0 < v <= 0.5, "must be in (0, 0.5]")
 
 
 def rank_times(jw: JobWindow, scale: WindowScale, cfg: GroupsConfig) -> tuple[list[int], list[str], np.ndarray]:
@@ -82,6 +91,28 @@ def rank_times(jw: JobWindow, scale: WindowScale, cfg: GroupsConfig) -> tuple[li
             sums[cfg.routing.category(ks.kernel)] += total
         m[row[r], len(p_names):] = np.where(sums > 0, sums, np.nan)
     return ranks, keys, m / iters[:, None]
+
+
+def _split(v: np.ndarray, idx: np.ndarray, cfg: GroupsConfig, z_star: float) -> list[tuple[int, float, float]]:
+    """Step 3b: the upper side of a class split in two, as (group index, z, lower side's median)."""
+    n = v.size
+    order = np.argsort(v)
+    s = v[order]
+    lo_n = n - int(np.floor(n / 2))                  # the slow side holds at most half ...
+    hi_n = n - int(np.ceil(cfg.split_min * n))       # ... and at least split_min of the groups
+    if n < cfg.min_groups or hi_n < lo_n:
+        return []
+    cut = lo_n + int(np.argmax(np.diff(s)[lo_n - 1:hi_n]))   # upper side starts at s[cut]
+    lower, upper = s[:cut], s[cut:]
+    lmed = float(np.median(lower))
+    inside = max(MAD_SIGMA * float(np.median(np.abs(lower - lmed))),
+                 MAD_SIGMA * float(np.median(np.abs(upper - np.median(upper)))))
+    spread = float(np.hypot(inside, cfg.rel_floor * lmed))
+    gap = float(s[cut] - s[cut - 1])
+    if spread <= 0 or gap < z_star * spread or float(np.median(upper)) < (1 + cfg.min_excess) * lmed:
+        return []
+    z = gap / spread
+    return [(int(idx[order[i]]), z, lmed) for i in range(cut, n)]
 
 
 def analyze_groups(jw: JobWindow, scale: WindowScale, cfg: GroupsConfig = GroupsConfig()) -> tuple[list[Finding], int]:
@@ -121,9 +152,11 @@ def analyze_groups(jw: JobWindow, scale: WindowScale, cfg: GroupsConfig = Groups
             z, med, _ = robust_z(v[ok], None, cfg.rel_floor)
             med = float(med.ravel()[0])
             idx = np.flatnonzero(ok)
-            for j, zz in zip(idx.tolist(), z.tolist()):
-                if zz < z_star or v[j] < (1 + cfg.min_excess) * med:
-                    continue
+            hits = [(j, zz, med) for j, zz in zip(idx.tolist(), z.tolist())
+                    if zz >= z_star and v[j] >= (1 + cfg.min_excess) * med]
+            if not hits:
+                hits = _split(v[ok], idx, cfg, z_star)
+            for j, zz, med in hits:
                 g, rows = sib[j]
                 own = m[rows, k]
                 slow = own >= (1 + cfg.min_excess) * med

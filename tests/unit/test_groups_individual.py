@@ -69,6 +69,30 @@ def test_healthy_siblings_and_a_single_slow_member_give_no_group_finding():
     assert found == []          # one slow member is L2's business, not a group's
 
 
+def test_a_class_split_by_a_slow_host_names_the_slower_side_and_healthy_splits_do_not():
+    """Step 3b: 16 ranks in TP groups of 2 on two hosts of 8; every rank of host 1 does its mlp 20 %
+    slower and nobody waits (no dependency to follow): half of the TP groups are slow, so the
+    siblings' median sits between the sides and no robust z stands out. The split names host 1's
+    ranks; a healthy job with 3 % noise, and one slowed 3 % (under min_excess), name nobody."""
+    def two_hosts(slow_factor, seed):
+        jw = job(world=16, tp=2, seed=seed, noise=0.03,
+                 slow=lambda r, p: slow_factor if r >= 8 and p == "mlp" else 1.0)
+        for r, res in jw.resources.items():      # hosts of 8 ranks: 4 TP groups each
+            jw.resources[r] = Resource(job_id="j", rank=r, world_size=16, host=f"h{r // 8}", coords=res.coords)
+        return jw
+    jw = two_hosts(1.2, 0)
+    found, _ = analyze_groups(jw, window_scale(jw))
+    slow = [f for f in found if f.scope.phase == "mlp"]
+    assert slow and {s.rank for f in slow for s in f.suspects} == set(range(8, 16))
+    assert all(f.evidence["shared_host"] == "h1" for f in slow)
+    v = merge("j", jw.window, found, jw.resources, jw=jw, step_ns=50 * MS)
+    assert v.host == "h1" and v.ranks[0].role == "culprit"
+    for seed in range(8):
+        for factor in (1.0, 1.03):
+            jw = two_hosts(factor, seed)
+            assert analyze_groups(jw, window_scale(jw))[0] == [], (seed, factor)
+
+
 def test_groups_config_is_validated():
     for field, bad in (("dims", ("xx",)), ("min_groups", 2), ("uniform", 0.0), ("false_alarm", 2.0)):
         with pytest.raises(ConfigError) as e:
