@@ -33,6 +33,8 @@ class FaultScore:
     stable: float = 0.0
     """Share of the verdicts after the first correct one whose top suspect is still a fault rank."""
     windows_to_diagnosis: int | None = None
+    onset_error: int | None = None
+    """The first right verdict's ``since_window`` minus the true onset window (0: onset located)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -103,6 +105,8 @@ def evaluate(verdicts: list[records_pb2.Verdict], truth: dict, window_iterations
             onset_window=onset, verdict=(first or (named[0] if named else None) or records_pb2.Verdict()).summary,
             host_named=host_named, right=right, stable=stable,
             windows_to_diagnosis=(after[good[0]].window.index - onset) if good and onset is not None else None,
+            onset_error=(after[good[0]].since_window - onset) if good and onset is not None
+            and after[good[0]].HasField("since_window") else None,
         ))
     return Evaluation(scores, false_alarms, len(healthy))
 

@@ -91,8 +91,16 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     if any(f.kind == "jitter" for f in l1):
         places[JOB] = {"jitter"}          # a job-level jitter must recur too (one spike is not a state)
     if persistence is not None:
+        observed: dict[int, float] = {}      # every rank's impact, sub-threshold findings too (onset)
+        for f in findings:
+            for s in f.suspects:
+                if s.impact_ns > observed.get(s.rank, 0.0):
+                    observed[s.rank] = float(s.impact_ns)
+        for r, rv in flagged.items():
+            observed[r] = max(observed.get(r, 0.0), rv.score_ns)
         confirmed = persistence.update(int(window.index), places,
-                                       {r: rv.score_ns for r, rv in flagged.items()}, final=final)
+                                       {r: rv.score_ns for r, rv in flagged.items()}, final=final,
+                                       observed=observed)
     else:
         confirmed = set(places)
     jitter_held = JOB in confirmed
@@ -116,7 +124,7 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     v = records_pb2.Verdict(job_id=job_id, window=window, created_unix_ns=time.time_ns(),
                             step_s=step_ns / 1e9, partial=partial)
     if persistence is not None and suspects:
-        since = [persistence.since(rv.rank) for rv in suspects[:3]]
+        since = [persistence.onset(rv.rank) for rv in suspects[:3]]
         since = [s for s in since if s is not None]
         if since:
             v.since_window = min(since)

@@ -32,6 +32,13 @@ window stays ≤ α whatever M is).
    verdict names it (stalls and hangs excepted);
    with per-window false-alarm probability p the job-level rate falls to
    about C(n,k)·p^k.
+4. Onset (``Persistence.onset``): each rank's impact per window, sub-threshold
+   (informational) findings included, over the last ``history`` windows; the
+   single mean-shift change point of that series (the split maximising
+   Welch's t of after − before, at least ``ONSET_T``) is when the rank went
+   bad, which can be before significance was reached or across a window
+   that missed it; without a clear change point, the first window of the
+   current run.
 """
 from __future__ import annotations
 
@@ -109,6 +116,32 @@ def robust_z(x: np.ndarray, se: np.ndarray | None = None, rel_floor: float = 0.0
     return z, med, scale
 
 
+#: Step 4: the t a change point needs (the maximum over ~n splits of a stationary series rarely reaches it).
+ONSET_T = 4.0
+
+
+def change_point(x: np.ndarray, min_t: float = ONSET_T) -> int | None:
+    """Step 4: the split s (x[s:] is the raised part) maximising the two-sample t of after − before
+    (pooled variance, so a one-window segment borrows the other's spread), or None.
+
+    O(n) with prefix sums. A variance floor of 5 % of the raised part's mean keeps a
+    noiseless step from dividing by zero."""
+    x = np.asarray(x, dtype=np.float64)
+    n = x.size
+    if n < 3:
+        return None
+    c1, c2 = np.cumsum(x), np.cumsum(x * x)
+    s = np.arange(1, n)
+    n1, n2 = s.astype(np.float64), (n - s).astype(np.float64)
+    m1 = c1[s - 1] / n1
+    m2 = (c1[-1] - c1[s - 1]) / n2
+    ss = np.maximum(c2[-1] - n1 * m1 ** 2 - n2 * m2 ** 2, 0.0)      # within-segment sum of squares
+    var = ss / max(n - 2, 1) + (0.05 * np.maximum(m2, 0.0)) ** 2
+    t = (m2 - m1) / np.sqrt(var * (1 / n1 + 1 / n2) + 1e-300)
+    best = int(np.argmax(t))
+    return int(s[best]) if t[best] >= min_t else None
+
+
 class Persistence:
     """Which ranks have been flagged, *in the same place*, in k of the last n windows of one job (step 3).
 
@@ -121,8 +154,10 @@ class Persistence:
     reports).
     """
 
-    def __init__(self, k: int, n: int) -> None:
+    def __init__(self, k: int, n: int, history: int = 64) -> None:
         self.k, self.n = k, n
+        self._indices: collections.deque[int] = collections.deque(maxlen=history)
+        self._observed: dict[int, dict[int, float]] = {}   # rank -> {window: impact ns} (step 4)
         self._recent: collections.deque[tuple[int, dict[int, frozenset[str]]]] = collections.deque(maxlen=n)
         self._since: dict[tuple[int, str], int] = {}      # (rank, place) -> first window of its run
         self._held: set[tuple[int, str]] = set()           # (rank, place) confirmed by the last update
@@ -130,10 +165,12 @@ class Persistence:
         self.windows = 0
 
     def update(self, index: int, flagged, impact: dict[int, float] | None = None,
-               final: bool = False) -> set[int]:
+               final: bool = False, observed: dict[int, float] | None = None) -> set[int]:
         """Record one window; return the confirmed ranks. ``flagged``: {rank: places} (or ranks,
         one place each). ``final``: the job ended (a replay's last windows): a job that had fewer
-        than k windows in all confirms what every window flagged."""
+        than k windows in all confirms what every window flagged. ``observed``: every rank's
+        impact in this window, sub-threshold findings included (step 4)."""
+        self._observe(index, observed or {})
         if not isinstance(flagged, dict):
             flagged = {r: ("*",) for r in flagged}
         flagged = {r: frozenset(p) or frozenset(("*",)) for r, p in flagged.items()}
@@ -172,3 +209,28 @@ class Persistence:
 
     def smoothed_impact(self, rank: int) -> float:
         return self._impact.get(rank, 0.0)
+
+    def _observe(self, index: int, observed: dict[int, float]) -> None:
+        if self._indices and index <= self._indices[-1]:
+            return                                   # a window seen twice keeps its first record
+        self._indices.append(index)
+        oldest = self._indices[0]
+        for r, x in observed.items():
+            if x > 0:
+                self._observed.setdefault(r, {})[index] = float(x)
+        for r in list(self._observed):               # bounded: only the windows still in history
+            series = self._observed[r]
+            for i in [i for i in series if i < oldest]:
+                del series[i]
+            if not series:
+                del self._observed[r]
+
+    def onset(self, rank: int) -> int | None:
+        """Step 4: the window ``rank`` went bad (change point of its impact series), else ``since``."""
+        run = self.since(rank)
+        series = self._observed.get(rank)
+        if run is None or not series:
+            return run
+        idx = list(self._indices)
+        split = change_point(np.array([series.get(i, 0.0) for i in idx]))
+        return idx[split] if split is not None and idx[split] <= idx[-1] else run

@@ -119,6 +119,7 @@ COMBOS = {
 
 def _row(label: str, ranks: int, f) -> None:
     lat = "-" if f.windows_to_diagnosis is None else str(f.windows_to_diagnosis)
+    lat += "" if f.onset_error is None else f"/{f.onset_error:+d}"
     print(f"{label:<52} {ranks:>5} {'yes' if f.caught else 'NO':>6} {'yes' if f.top1 else 'no':>5} "
           f"{'yes' if f.right else 'no':>5} {'yes' if f.host_named else '-':>5} {'yes' if f.phase else '-':>5} "
           f"{'yes' if f.kernel else '-':>6} {lat:>7} {f.stable:>6.0%}  {f.verdict[:80]}", flush=True)
@@ -200,7 +201,8 @@ def main(argv=None) -> int:
     rows = []
     t0 = time.perf_counter()
     head = (f"{'fault':<52} {'ranks':>5} {'caught':>6} {'top1':>5} {'right':>5} {'host':>5} {'phase':>5} "
-            f"{'kernel':>6} {'windows':>7} {'stable':>6}  verdict")
+            f"{'kernel':>6} {'windows':>7} {'stable':>6}  verdict   (windows: onset -> first right verdict"
+            f" / its 'since' minus the true onset window)")
     print(head)
     for ftype, (scope, ladder) in SCENARIOS.items():
         if args.only is not None and ftype not in args.only:
@@ -234,6 +236,10 @@ def main(argv=None) -> int:
           f"top-1 or right host/group {sum(f.right for _, _, f in rows)}/{n}, "
           f"host named {sum(f.host_named for _, _, f in rows)}, phase right {sum(f.phase for _, _, f in rows)}, "
           f"kernel right {sum(f.kernel for _, _, f in rows)}")
+    errs = [f.onset_error for _, _, f in rows if f.onset_error is not None]
+    if errs:
+        print(f"onset ('since window') located exactly in {sum(e == 0 for e in errs)}/{len(errs)} runs, "
+              f"within 1 window in {sum(abs(e) <= 1 for e in errs)}/{len(errs)}")
     stable = [f.stable for _, _, f in rows if f.right]
     if stable:
         print(f"top suspect stable after the first right verdict: median {sorted(stable)[len(stable) // 2]:.0%}, "

@@ -7,7 +7,7 @@ from trainscope.analyzer.attribution import evidence_of, sync_partners
 from trainscope.analyzer.impact import ImpactConfig, apply_floor, window_scale
 from trainscope.analyzer.merge import merge, merge_windows
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
-from trainscope.analyzer.significance import Persistence, robust_z, z_threshold
+from trainscope.analyzer.significance import Persistence, change_point, robust_z, z_threshold
 from trainscope.proto.model import Resource, coords_for_rank
 from trainscope.proto.v1 import records_pb2
 
@@ -54,6 +54,32 @@ def test_persistence_names_a_rank_after_k_of_n_windows_and_reports_the_onset():
     assert p.since(5) is None                     # gone for n windows: forgotten
     short = Persistence(2, 3)
     assert short.update(0, {3}, final=True) == {3}  # a job of one window confirms what it flagged
+
+
+def test_change_point_finds_the_step_and_not_noise():
+    rng = np.random.default_rng(0)
+    step = np.r_[rng.normal(1.0, 0.3, 12), rng.normal(6.0, 0.5, 8)]
+    assert change_point(step) == 12
+    nulls = sum(change_point(np.random.default_rng(seed).normal(2.0, 0.5, 20)) is not None
+                for seed in range(400))                      # no step: rarely a change point
+    assert nulls <= 8                                        # <= 2 % (measured 0.55 % over 2,000)
+    assert change_point(np.r_[np.zeros(5), np.full(4, 3.0)]) == 5   # noiseless: the floor divides
+
+
+def test_onset_is_when_the_impact_rose_not_when_it_became_significant():
+    """Rank 5's impact rises at window 3 (sub-threshold, informational) and is flagged from window 6,
+    with window 8 missed: the onset is window 3; the run start would say 6."""
+    p = Persistence(2, 3)
+    rng = np.random.default_rng(1)
+    for w in range(12):
+        impact = (4.0 + rng.normal(0, 0.3)) * MS if w >= 3 else max(0.0, rng.normal(0.3, 0.2)) * MS
+        flagged = {5} if w >= 6 and w != 8 else set()
+        p.update(w, flagged, {5: impact} if flagged else None, observed={5: impact, 9: abs(rng.normal(0.3, 0.2)) * MS})
+    assert p.since(5) == 6 and p.onset(5) == 3
+    q = Persistence(2, 3)                                   # no informational history: the run start
+    for w in range(8):
+        q.update(w, {4} if w >= 5 else set(), observed={4: 3 * MS} if w >= 5 else {})
+    assert q.onset(4) == 5
 
 
 # ------------------------------------------------------------------ impact
