@@ -44,10 +44,14 @@ evidence and attributes the waiting to the member that made the others wait.
    ``LATE_Z`` × ``PERSONALITY`` × sqrt(2 ln n) of the step (the expected maximum of n
    normal draws, n its largest sync group). Some replica is always the last; a
    healthy one is last by a few per cent.
-4. Waiters left without a culprit: when two or more share a host and no
-   member of their sync groups arrived late, the link between them is slow
-   (role ``link``: a degraded NVLink/NIC slows every member's collective
-   alike, ARGUS §9.2). Others stay plain waiters.
+4. Waiters left without a culprit: one whose work outside collectives is
+   short against its DP peers by at least ``EARLY_SHARE`` of its wait was
+   early, not slowed (a rank's step is its work plus its wait, and a fast
+   rank waits for everyone), and one that waited less than step 3c's bound
+   at ``WAIT_Z`` may have waited for healthy personality: both are dropped. When two or more of the rest
+   share a host, the link between them is slow (role ``link``: a degraded
+   NVLink/NIC slows every member's collective alike, ARGUS §9.2). Others
+   stay plain waiters.
 5. Scores: a culprit's score is the largest of its own impact and the
    impacts of the waiters that point at it, so a waiter can never outrank
    the rank it waited for; roles order the verdict (culprit, link, waiter).
@@ -75,6 +79,11 @@ TIEBREAK_Z = 2.0
 PERSONALITY = 0.02
 #: Step 3c: lateness with no owner is named beyond this many personality maxima of its group.
 LATE_Z = 2.0
+#: Step 4: a waiter whose own work is short by this share of its wait (or more) arrived early.
+EARLY_SHARE = 0.5
+#: Step 4: waiting with no late member is kept beyond this many personality maxima (the expected
+#: extreme itself: unlike a late arriver, a waiter is never named a culprit on it).
+WAIT_Z = 1.0
 #: A partner's own slow work explains a rank's lateness when it is at least this share of it.
 INHERIT_SHARE = 0.2
 #: Phases that hold collectives inside them (forward/backward of tensor-parallel layers): being
@@ -223,37 +232,45 @@ def _tp_last_arriver(jw: JobWindow | None, waiter: Evidence, partners: list[int]
     return best if times[best] <= mine - 0.5 * waiter.impact_ns else None
 
 
-def _own_work_tiebreak(out: dict[int, "RankVerdict"], owners: set[int], resources: Mapping[int, Resource],
-                       jw: JobWindow, partners: SyncPartners) -> set[int]:
-    """Step 3b: late arrivers connected to each other with no flagged work of their own (a TP pair
-    and its pipeline neighbours, all late): the one with clearly the most extra work outside
-    communication against its own DP peers, significant or not, is where the lateness starts."""
+def own_work_vs_dp(jw: JobWindow, resources: Mapping[int, Resource],
+                   wanted: Iterable[int]) -> dict[int, tuple[float, float]]:
+    """Each wanted rank's work outside collectives per iteration against its DP peers' median:
+    {rank: (excess ns, robust z with the personality floor)} (steps 3b and 4)."""
     from trainscope.analyzer.impact import window_scale
     from trainscope.analyzer.l2_groups import GroupsConfig, rank_times
     from trainscope.analyzer.significance import robust_z
     from trainscope.analyzer.topology import group_of
 
+    wanted = set(wanted)
+    cfg = GroupsConfig()
+    ranks, keys, m = rank_times(jw, window_scale(jw), cfg)
+    if not keys or not wanted:
+        return {}
+    row = {r: i for i, r in enumerate(ranks)}
+    own_cols = np.array([not (cfg.routing.is_communication(k) or AMBIGUOUS.search(k)) for k in keys])
+    out: dict[int, tuple[float, float]] = {}
+    for members in group_of({r: resources[r] for r in ranks if r in resources}, "dp").values():
+        if len(members) < 2 or not wanted.intersection(members):
+            continue
+        own = np.nansum(m[[row[r] for r in members]][:, own_cols], axis=1)
+        zs, med, _ = robust_z(own, None, PERSONALITY)
+        for i, r in enumerate(members):
+            if r in wanted:
+                out[r] = (float(own[i] - med.item()), float(zs[i]))
+    return out
+
+
+def _own_work_tiebreak(out: dict[int, "RankVerdict"], owners: set[int], resources: Mapping[int, Resource],
+                       jw: JobWindow, partners: SyncPartners) -> set[int]:
+    """Step 3b: late arrivers connected to each other with no flagged work of their own (a TP pair
+    and its pipeline neighbours, all late): the one with clearly the most extra work outside
+    communication against its own DP peers, standing out of their spread, is where the lateness starts."""
     late = [r for r, rv in out.items() if rv.role == CULPRIT and r not in owners]
     if len(late) < 2:
         return set()
-    cfg = GroupsConfig()
-    ranks, keys, m = rank_times(jw, window_scale(jw), cfg)
-    if not keys:
-        return set()
-    row = {r: i for i, r in enumerate(ranks)}
-    own_cols = np.array([not (cfg.routing.is_communication(k) or AMBIGUOUS.search(k))
-                         for k in keys])
-    excess: dict[int, float] = collections.defaultdict(float)
-    z: dict[int, float] = {}
-    for members in group_of({r: resources[r] for r in ranks if r in resources}, "dp").values():
-        rows = [row[r] for r in members]
-        if len(rows) < 2:
-            continue
-        own = np.nansum(m[rows][:, own_cols], axis=1)          # each member's work outside collectives
-        zs, med, _ = robust_z(own, None, PERSONALITY)
-        for i, r in enumerate(members):
-            if r in out:
-                excess[r], z[r] = float(own[i] - med.item()), float(zs[i])
+    vs_dp = own_work_vs_dp(jw, resources, late)
+    excess = {r: e for r, (e, _) in vs_dp.items()}
+    z = {r: zz for r, (_, zz) in vs_dp.items()}
     # components of late ranks linked by sync partnership
     left, found = set(late), set()
     while left:
@@ -285,10 +302,15 @@ def _late_only(rv: RankVerdict) -> bool:
     return bool(cul) and all(e.communication and not e.slower for e in cul)
 
 
-def healthy_lateness_ns(group_size: int, step_ns: float) -> float:
+def _group_size(partners: SyncPartners, rank: int) -> int:
+    """The rank's largest synchronising group (pipeline neighbours aside)."""
+    return max((len(ps) + 1 for d, ps in partners.of(rank).items() if d != "pp"), default=2)
+
+
+def healthy_lateness_ns(group_size: int, step_ns: float, z: float = LATE_Z) -> float:
     """Step 3c: how late the last of ``group_size`` healthy members may be, per iteration."""
     n = max(int(group_size), 2)
-    return LATE_Z * PERSONALITY * math.sqrt(2.0 * math.log(n)) * step_ns
+    return z * PERSONALITY * math.sqrt(2.0 * math.log(n)) * step_ns
 
 
 def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
@@ -359,9 +381,17 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
     if step_ns > 0:
         for rv in list(out.values()):
             if rv.role == CULPRIT and rv.rank not in root and _late_only(rv):
-                group = max((len(ps) + 1 for d, ps in partners.of(rv.rank).items() if d != "pp"), default=2)
-                if rv.impact_ns < healthy_lateness_ns(group, step_ns):
+                if rv.impact_ns < healthy_lateness_ns(_group_size(partners, rv.rank), step_ns):
                     del out[rv.rank]        # its waiters keep pointing at it and are not named alone
+    # step 4: a waiter with no culprit whose own work is short by about what it waited arrived early
+    # (a fast rank waits for everyone), and one that waited less than healthy lateness of the others
+    # gives (step 3c's bound) has no culprit to name; what is left, when sharing a host, is the link between them
+    alone = [rv.rank for rv in out.values() if rv.role == WAITER and rv.waited_for < 0]
+    vs_dp = own_work_vs_dp(jw, resources, alone) if jw is not None and alone else {}
+    for r in alone:
+        early = r in vs_dp and -vs_dp[r][0] >= EARLY_SHARE * out[r].impact_ns
+        if early or (step_ns > 0 and out[r].impact_ns < healthy_lateness_ns(_group_size(partners, r), step_ns, WAIT_Z)):
+            del out[r]
     # step 4: unexplained waiters sharing a host: the link between them
     hosts: dict[str, list[RankVerdict]] = collections.defaultdict(list)
     for rv in out.values():

@@ -155,11 +155,15 @@ def test_an_unflagged_last_arriver_is_found_from_the_records():
 
 
 def test_a_host_whose_members_all_wait_with_no_late_member_is_a_slow_link():
+    """Step 4: the four ranks of host h2 wait 10 % of the step with nobody late: the link. Waiting
+    2 % (under the expected extreme of healthy personality in groups of 4, 3.3 %) names nobody."""
     res = resources(16, tp=4)
-    wait = finding("L2", "slow_communication", "tp-allreduce", [(r, "slower", 4 * MS) for r in (8, 9, 10, 11)])
+    wait = finding("L2", "slow_communication", "tp-allreduce", [(r, "slower", 10 * MS) for r in (8, 9, 10, 11)])
     v = merge("j", WIN, [wait], res, step_ns=100 * MS)
     assert {s.role for s in v.ranks} == {"link"} and v.host == "h2"
     assert "host h2" in v.summary
+    wait = finding("L2", "slow_communication", "tp-allreduce", [(r, "slower", 2 * MS) for r in (8, 9, 10, 11)])
+    assert not merge("j", WIN, [wait], res, step_ns=100 * MS).ranks
 
 
 def test_host_is_named_when_the_suspects_share_it():
@@ -287,3 +291,25 @@ def test_own_work_tie_break_needs_work_that_stands_out_of_the_personality_spread
     assert v.ranks[0].rank == 5 and v.ranks[0].role == "culprit"
     four = next(s for s in v.ranks if s.rank == 4)
     assert four.role == "waiter" and four.waited_for == 5
+
+
+def test_waiters_whose_own_work_is_short_by_their_wait_arrived_early_and_are_not_a_slow_link():
+    """Step 4: ranks 8-11 (host h2) wait 40 ms longer in the DP all-reduce than their DP peers and
+    nobody is late. When their own work is 40 ms shorter, they were early (fast GPUs wait for
+    everyone): nobody is named. When their own work is the same, the time went to the link."""
+    res = resources(16, tp=4)
+    for short_ms, named in ((40.0, False), (0.0, True)):
+        jw = JobWindow(job_id="j", window=WIN, resources=res)
+        for r in res:
+            host2 = 8 <= r <= 11
+            pw = records_pb2.PhaseWindow()
+            mlp = (500.0 - (short_ms if host2 else 0.0)) * MS
+            pw.phases.add(phase="mlp", count=10, mean_ns=mlp, total_ns=10 * mlp)
+            a = (60.0 if host2 else 20.0) * MS
+            pw.phases.add(phase="dp-allreduce", count=10, mean_ns=a, total_ns=10 * a)
+            jw.phases[r] = pw
+        wait = finding("L2", "slow_communication", "dp-allreduce", [(r, "slower", 40 * MS) for r in range(8, 12)])
+        v = merge("j", WIN, [wait], res, jw=jw, step_ns=600 * MS, iterations={r: 10 for r in res})
+        assert bool(v.ranks) is named, short_ms
+        if named:
+            assert v.host == "h2" and {s.role for s in v.ranks} == {"link"}
