@@ -26,8 +26,13 @@ verdict says which one was used (``Finding.comparison``):
    late ranks in a larger group are L2's business. Persistence keeps noise
    out.
 
-Own history judges only ranks whose peer group is too small for L2/L3, so a
-rank is never reported twice for the same slowdown.
+Own history judges the ranks whose peer group is too small for L2/L3 (fewer
+than ``min_peers``), and the ranks of groups under ``SMALL_GROUP`` peers, where
+one noisy peer inflates the MAD enough to hide a rank 20 % slower: there a
+rank is named when it is significantly slower than its own history *and*
+slower than its peers now (robust z ≥ ``peer_z`` and ``min_excess`` above
+their median: a rank that changed while its peers did not; a job-wide
+change is L1's); its impact is the smaller of the two excesses.
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ import numpy as np
 from trainscope.analyzer.impact import WindowScale
 from trainscope.analyzer.l2_groups import GroupsConfig, rank_times
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
-from trainscope.analyzer.significance import MAD_SIGMA, z_threshold
+from trainscope.analyzer.significance import MAD_SIGMA, SMALL_GROUP, robust_z, z_threshold
 from trainscope.analyzer.topology import check_number, group_of, resources_with
 
 
@@ -53,6 +58,9 @@ class IndividualConfig:
     """Slower than its own best recent window by at least this much."""
     min_peers: int = 3
     """Ranks with a comparison group (same role) of fewer ranks are judged here."""
+    peer_z: float = 2.0
+    """Ranks of groups under SMALL_GROUP peers: own history, confirmed by a robust z against the peers now
+    (and ``min_excess`` above their median)."""
     false_alarm: float = 1e-3
     rel_floor: float = 0.02
     pair_min_excess: float = 0.03
@@ -68,6 +76,7 @@ class IndividualConfig:
                      "must be an integer in [2, history]", int)
         check_number("individual.min_excess", self.min_excess, lambda v: v > 0, "must be > 0")
         check_number("individual.min_peers", self.min_peers, lambda v: v >= 2, "must be an integer >= 2", int)
+        check_number("individual.peer_z", self.peer_z, lambda v: v >= 0, "must be >= 0")
         check_number("individual.false_alarm", self.false_alarm, lambda v: 0 < v < 1, "must be in (0, 1)")
         check_number("individual.rel_floor", self.rel_floor, lambda v: v >= 0, "must be >= 0")
         check_number("individual.pair_min_excess", self.pair_min_excess, lambda v: v > 0, "must be > 0")
@@ -99,6 +108,24 @@ def small_ranks(jw: JobWindow, cfg: IndividualConfig) -> list[int]:
                   for r in members)
 
 
+def peer_z_of_small_groups(jw: JobWindow, ranks: list[int], m: np.ndarray,
+                           cfg: IndividualConfig) -> dict[int, np.ndarray]:
+    """Rows of ranks in groups of ``min_peers`` to ``SMALL_GROUP`` - 1 ranks: (2, keys) arrays of their
+    robust z against their group now (personality floor) and the group's median."""
+    res = resources_with(jw.resources, {**jw.phases, **jw.kernels})
+    row = {r: i for i, r in enumerate(ranks)}
+    out: dict[int, np.ndarray] = {}
+    for members in group_of(res, cfg.dim).values():
+        rows = [row[r] for r in members if r in row]
+        if not cfg.min_peers <= len(rows) < SMALL_GROUP:
+            continue
+        with np.errstate(all="ignore"):
+            z, med, _ = robust_z(np.nan_to_num(m[rows].T, nan=0.0), None, cfg.rel_floor)   # keys x members
+        for n, i in enumerate(rows):
+            out[i] = np.stack([z[:, n], med[:, 0]])     # (2, keys): z and the peers' median
+    return out
+
+
 def analyze_individual(jw: JobWindow, scale: WindowScale, history: History,
                        cfg: IndividualConfig = IndividualConfig(),
                        groups_cfg: GroupsConfig = GroupsConfig()) -> tuple[list[Finding], dict[str, int]]:
@@ -109,15 +136,18 @@ def analyze_individual(jw: JobWindow, scale: WindowScale, history: History,
     if not keys:
         return [], {"own_history": 0, "dependency": 0}
     small = set(small_ranks(jw, cfg))
-    rows = [i for i, r in enumerate(ranks) if r in small]
+    peer_z = peer_z_of_small_groups(jw, ranks, m, cfg)
+    rows = sorted({i for i, r in enumerate(ranks) if r in small} | set(peer_z))
     out: list[Finding] = []
-    # step 1: own history
+    # step 1: own history (ranks of small groups: confirmed by their peers now)
     tests = []
     for i in rows:
         for k, key in enumerate(keys):
             now = m[i, k]
             past = history.get(ranks[i], key)
-            if np.isfinite(now) and now > 0 and past.size >= cfg.min_history:
+            if (np.isfinite(now) and now > 0 and past.size >= cfg.min_history
+                    and (i not in peer_z or (peer_z[i][0, k] >= cfg.peer_z
+                                             and now >= (1 + cfg.min_excess) * peer_z[i][1, k]))):
                 tests.append((i, k, now, past))
     comparisons = len(tests)
     if tests:
@@ -136,8 +166,11 @@ def analyze_individual(jw: JobWindow, scale: WindowScale, history: History,
                     suspects=(SuspectRank(ranks[i], float(now / best), {
                         "time_per_iteration_ns": float(now), "own_best_ns": best, "own_median_ns": med,
                         "ratio": float(now / med), "z": float(z), "z_threshold": z_star,
-                        "direction": "slower", "history_windows": int(past.size)},
-                        impact_ns=max(0.0, float(now - med))),),
+                        "direction": "slower", "history_windows": int(past.size),
+                        **({"peers_z": float(peer_z[i][0, k]), "peers_median_ns": float(peer_z[i][1, k])}
+                           if i in peer_z else {})},
+                        impact_ns=max(0.0, float(now - med) if i not in peer_z
+                                      else min(float(now - med), float(now - peer_z[i][1, k])))),),
                     severity=float(z), evidence={"history_windows": int(past.size),
                                                  "communication": key == "[communication]"}))
     # step 2: pairs

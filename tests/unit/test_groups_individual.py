@@ -116,6 +116,32 @@ def test_own_history_finds_a_rank_slower_than_itself_when_peers_cannot_be_compar
     assert f.suspects[0].impact_ns == pytest.approx(0.3 * 40 * MS, rel=0.1)
 
 
+def test_own_history_confirmed_by_peers_finds_a_rank_a_noisy_small_group_hides():
+    """16 ranks in TP groups of 4: DP groups of 4 peers. Rank 5's mlp becomes 20 % slower while a
+    peer (rank 13) draws +9 % noise: the 4-peer MAD hides rank 5 from L2, its own history does
+    not, and its peers agree (z >= peer_z). A job-wide 20 % slowdown names nobody here (the peers
+    do not agree: L1's business); neither do healthy windows."""
+    cfg = IndividualConfig()
+    hist = History(16)
+    for i in range(4):
+        jw = job(world=16, tp=4, index=i, seed=5, noise=0.02)
+        found, _ = analyze_individual(jw, window_scale(jw), hist, cfg)
+        assert [f for f in found if f.kind == "individual_slowdown"] == []
+    slow = lambda r, p: {5: 1.2, 13: 1.09}.get(r, 1.0) if p == "mlp" else 1.0   # noqa: E731
+    jw = job(world=16, tp=4, index=4, seed=5, noise=0.02, slow=slow)
+    found, _ = analyze_individual(jw, window_scale(jw), hist, cfg)
+    named = {s.rank for f in found if f.kind == "individual_slowdown" for s in f.suspects}
+    assert named == {5}
+    f = next(f for f in found if f.kind == "individual_slowdown")
+    assert f.comparison == "own_history" and f.scope.phase == "mlp" and f.suspects[0].evidence["peers_z"] >= 2
+    hist2 = History(16)
+    for i in range(5):
+        everyone = (lambda r, p: 1.2 if p == "mlp" else 1.0) if i == 4 else None
+        jw = job(world=16, tp=4, index=i, seed=6, noise=0.02, slow=everyone)
+        found, _ = analyze_individual(jw, window_scale(jw), hist2, cfg)
+        assert [f for f in found if f.kind == "individual_slowdown"] == [], i
+
+
 def test_pair_dependency_names_the_rank_its_partner_waited_for():
     """Two ranks: rank 1's data loader takes 16 ms a step; rank 0 waits that long in the all-reduce."""
     def slow(r, p):
