@@ -69,3 +69,24 @@ def test_a_slower_host_is_named_as_the_host(tmp_path):
     assert v["state"] == "degraded" and v.get("host") == "host1", v["summary"]
     on_host = set(truth["faults"][0]["ranks"])
     assert {s["rank"] for s in v["suspects"] if s["role"] in ("culprit", "link")} <= on_host
+
+
+def test_a_host_holding_half_of_every_group_is_named(tmp_path):
+    """16 ranks on two hosts of 8, TP groups of 2: host 1 holds half of the TP groups and half of
+    every DP group, so no median of peers is healthy; the split of the sibling class names it."""
+    spec = JobSpec(ranks=16, tp=2, pp=1, steps=20, seed=24, faults=(Fault("host", host=1, factor=1.2),))
+    doc, truth = replay(tmp_path, spec)
+    v = doc["verdict"]
+    assert v["state"] == "degraded" and v.get("host") == "host1", v["summary"]
+    assert {s["rank"] for s in v["suspects"]} <= set(truth["faults"][0]["ranks"])
+
+
+def test_a_rank_hidden_by_a_noisy_peer_of_a_small_group_is_named_from_its_own_history(tmp_path):
+    """DP groups of 4: rank 9's compute turns 1.2x from step 12 while the real stream's spikes make
+    a peer noisy; its own history, confirmed by its peers now, names it, from the window it began."""
+    spec = JobSpec(ranks=16, tp=2, pp=2, steps=20, seed=22, faults=(Fault("compute", ranks=(9,), factor=1.2, start=12),))
+    doc, _ = replay(tmp_path, spec)
+    v = doc["verdict"]
+    assert v["state"] == "degraded" and v["suspects"][0]["rank"] == 9, v["summary"]
+    assert v["since_window"] == 2
+    assert all(w["ranks"] == [] for w in doc["verdicts"] if w["window_index"] < 2)
