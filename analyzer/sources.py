@@ -156,16 +156,23 @@ class KafkaSource(_Parsing):
     def __init__(self, bootstrap: str, *, group_id: str = "trainscope-analyzer",
                  prefix: str = "trainscope", extra: dict | None = None) -> None:
         super().__init__()
-        from confluent_kafka import Consumer
+        from confluent_kafka import Consumer, KafkaException
+
+        from trainscope.proto.errors import ConfigError, scrub
         self.topics = {topic_for(s, prefix): s for s in SIGNALS}
         self._rdkafka_log = RateLimitedLog(logging.getLogger(__name__ + ".librdkafka"))
-        self._consumer = Consumer({
-            "bootstrap.servers": bootstrap, "group.id": group_id,
+        extra = dict(extra or {})
+        settings = {
             "auto.offset.reset": "earliest", "enable.auto.commit": True,
+            **extra,  # security.protocol, sasl.*, ssl.*, session.timeout.ms ... (never logged: secrets)
+            "bootstrap.servers": bootstrap, "group.id": group_id,
             "logger": self._rdkafka_log,  # not raw lines on stderr: logging, rate-limited
             "error_cb": lambda err: self._rdkafka_log.log(logging.WARNING, "kafka %s: %s", err.name(), err.str()),
-            **(extra or {}),
-        })
+        }
+        try:
+            self._consumer = Consumer(settings)
+        except KafkaException as e:
+            raise ConfigError("kafka.extra", extra, scrub(str(e), extra)) from None
         self._consumer.subscribe(list(self.topics))
         self.errors = 0
 

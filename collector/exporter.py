@@ -41,6 +41,7 @@ import grpc
 from trainscope.proto import env
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import Resource
+from trainscope.proto.security import ClientSecurity
 from trainscope.proto.v1 import telemetry_pb2
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ INGEST_METHOD = "/trainscope.v1.Ingest/Stream"
 #: oversize batch: that batch is dropped, the rest go on). After any other
 #: code (UNIMPLEMENTED: not a trainscope processor; INVALID_ARGUMENT,
 #: PERMISSION_DENIED, ...) the batches in flight are dropped, counted under
-#: ``dropped["non_retryable"]``, as OpenTelemetry's exporters do; the exporter
+#: ``dropped["non_retryable"]`` (``dropped["unauthenticated"]`` for a missing or
+#: wrong token), as OpenTelemetry's exporters do, with a WARNING; the exporter
 #: still reconnects with backoff for the batches that follow.
 RETRYABLE = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -87,6 +89,9 @@ class ExporterConfig:
     """Cap on the reconnect delay."""
     shutdown_timeout_s: float = 5.0
     """How long ``shutdown`` waits to deliver what is queued."""
+    security: ClientSecurity | None = None
+    """TLS (CA, client certificate) and bearer token for a ``host:port`` target; None reads them from
+    the ``TRAINSCOPE_TLS_*``/``TRAINSCOPE_TOKEN*`` variables when the exporter is built."""
 
     def __post_init__(self) -> None:
         if not self.target:
@@ -141,9 +146,10 @@ class ExporterStats:
 
 
 class _StreamBroken(Exception):
-    def __init__(self, why: str, retryable: bool = True) -> None:
+    def __init__(self, why: str, retryable: bool = True, reason: str = "non_retryable") -> None:
         super().__init__(why)
         self.retryable = retryable
+        self.reason = reason  # the dropped[] key when not retryable
 
 
 class BatchExporter:
@@ -158,8 +164,15 @@ class BatchExporter:
     ) -> None:
         self.config = config
         self._resource_pb = resource.to_pb()
-        self._channel_factory = channel_factory or (lambda target: grpc.insecure_channel(target))
         self.stats = ExporterStats()
+        self._config_error: str | None = None
+        try:
+            self._security = config.security if config.security is not None else ClientSecurity.from_env()
+        except ConfigError as e:  # never raise into the training job: say it once, send nothing
+            log.warning("trainscope exporter: %s; telemetry will not be sent", e)
+            self._config_error = str(e)
+            self._security = ClientSecurity()
+        self._channel_factory = channel_factory or self._security.channel
         self._init_state()
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork_in_child)
@@ -173,6 +186,8 @@ class BatchExporter:
         self._queue: Deque[_Pending] = collections.deque()
         self._unconfirmed: Deque[_Pending] = collections.deque()
         self._next_reject_log = 0.0
+        self._next_fail_log = 0.0
+        self._failing_since: float | None = None
         self._held_bytes = 0
         self._seq = 0
         self._thread: threading.Thread | None = None
@@ -206,6 +221,9 @@ class BatchExporter:
                     return False
                 if self._forked:
                     self.stats.dropped["forked"] += 1
+                    return False
+                if self._config_error is not None:
+                    self.stats.dropped["config"] += 1
                     return False
                 self.stats.submitted += 1
                 if nbytes > cfg.max_batch_bytes:
@@ -294,15 +312,20 @@ class BatchExporter:
             try:
                 if channel is None:
                     _check_socket_dir(self.config.target)
-                    channel = self._channel_factory(self.config.target)
+                    try:
+                        channel = self._channel_factory(self.config.target)
+                    except ConfigError as e:  # e.g. the CA file is missing: it may appear later
+                        raise _StreamBroken(str(e)) from None
                 self._stream_once(channel)
                 backoff = self.config.backoff_initial_s
+                self._failing_since = None
             except _StreamBroken as e:
                 log.debug("trainscope exporter stream broken: %s", e)
                 if e.retryable:
                     self._requeue_unconfirmed()
+                    self._note_failure(str(e))
                 else:
-                    self._drop_unconfirmed("non_retryable", str(e))
+                    self._drop_unconfirmed(e.reason, str(e))
                 self.stats.reconnects += 1
                 if channel is not None:
                     channel.close()
@@ -316,6 +339,17 @@ class BatchExporter:
                 self._stop.wait(backoff)
         if channel is not None:
             channel.close()
+
+    def _note_failure(self, why: str) -> None:
+        """A WARNING, at most one per 30 s, once delivery has failed for 5 s on end (a processor that
+        restarts in a second says nothing; a TLS or address mistake is said, with gRPC's reason)."""
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        if now - self._failing_since >= 5.0 and now >= self._next_fail_log:
+            self._next_fail_log = now + 30.0
+            log.warning("trainscope exporter cannot deliver to %s for %.0f s (%s); retrying, %d batches held",
+                        self.config.target, now - self._failing_since, why, self.pending)
 
     def _requeue_unconfirmed(self) -> None:
         with self._lock:
@@ -376,7 +410,7 @@ class BatchExporter:
                     return
                 yield item
 
-        future = call.future(requests(), wait_for_ready=False)
+        future = call.future(requests(), wait_for_ready=False, metadata=self._security.metadata())
         deadline = time.monotonic() + self.config.confirm_interval_s
         try:
             while time.monotonic() < deadline and not self._stop.is_set():
@@ -410,8 +444,10 @@ class BatchExporter:
             details = e.details() if hasattr(e, "details") else ""
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (details or ""):
                 self._drop_oversize_head()
+            reason = {grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
+                      grpc.StatusCode.PERMISSION_DENIED: "permission_denied"}.get(code, "non_retryable")
             raise _StreamBroken(f"{code}: {e.details() if hasattr(e, 'details') else e}",
-                                retryable=code is None or code in RETRYABLE)
+                                retryable=code is None or code in RETRYABLE, reason=reason)
         with self._lock:
             n = len(self._unconfirmed)
             for p in self._unconfirmed:

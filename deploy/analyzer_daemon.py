@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 from trainscope.proto.errors import ConfigError
 
@@ -36,6 +36,11 @@ class AnalyzerDaemonConfig:
     """Analyse a window with the ranks that have arrived after this long."""
     prometheus_port: int | None = None
     """Serve the analyzer's metrics on 127.0.0.1:PORT (0 = any); None: no endpoint."""
+    kafka_extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """More librdkafka settings for the consumer and the diagnosis producer: ``security.protocol``,
+    ``sasl.*``, ``ssl.*`` (``processor.kafka_config.security_settings``). Never printed."""
+    metrics_security: Any = None
+    """``proto.security.ServerSecurity`` of the metrics endpoint (TLS, bearer token); None: plain."""
 
     def __post_init__(self) -> None:
         if not self.kafka_bootstrap and not os.path.exists(self.store_path):
@@ -56,9 +61,11 @@ class AnalyzerDaemon:
         if config.kafka_bootstrap:  # step 1
             from trainscope.processor.kafka_config import KafkaSinkConfig
             from trainscope.processor.kafka_sink import KafkaSink
-            self.source = KafkaSource(config.kafka_bootstrap, group_id=config.group_id)
+            self.source = KafkaSource(config.kafka_bootstrap, group_id=config.group_id,
+                                      extra=dict(config.kafka_extra))
             sinks.append(KafkaDiagnosisSink(KafkaSink(KafkaSinkConfig(
-                bootstrap=config.kafka_bootstrap, client_id="trainscope-analyzer", spool_dir=config.spool_dir))))
+                bootstrap=config.kafka_bootstrap, client_id="trainscope-analyzer", spool_dir=config.spool_dir,
+                extra={k: v for k, v in config.kafka_extra.items() if k.startswith(("security.", "sasl.", "ssl."))}))))
             self.where = f"Kafka {config.kafka_bootstrap} (group {config.group_id})"
         else:
             self.source = StoreSource(config.store_path)
@@ -76,7 +83,8 @@ class AnalyzerDaemon:
             registry = CollectorRegistry()
             registry.register(self.metrics)
             try:
-                self.metrics_server = start_metrics_server(registry, "127.0.0.1", self.config.prometheus_port)
+                self.metrics_server = start_metrics_server(registry, "127.0.0.1", self.config.prometheus_port,
+                                                           security=self.config.metrics_security)
             except OSError as e:  # a taken port is the user's to fix: one line, exit 2
                 raise ConfigError("--prometheus-port", self.config.prometheus_port,
                                   f"cannot serve /metrics on 127.0.0.1: {e.strerror}") from None

@@ -16,6 +16,7 @@ import sys
 import threading
 from typing import Sequence
 
+from trainscope.deploy import secure_flags
 from trainscope.proto import env
 from trainscope.deploy.render import render_evaluation, render_query, render_sim, render_verdicts
 from trainscope.proto.errors import ConfigError, TrainscopeError
@@ -42,7 +43,7 @@ def _sink_configs(args) -> dict:
     bootstrap = getattr(args, "kafka_bootstrap", None) or env.text(env.KAFKA_BOOTSTRAP)
     if bootstrap:
         from trainscope.processor.kafka_config import KafkaSinkConfig
-        out["kafka"] = KafkaSinkConfig(bootstrap=bootstrap,
+        out["kafka"] = KafkaSinkConfig(bootstrap=bootstrap, extra=secure_flags.kafka_extra(args),
                                        spool_dir=os.path.join(_home(args), "kafka-spool"))
     port = getattr(args, "prometheus_port", None)
     if port is None:
@@ -50,7 +51,9 @@ def _sink_configs(args) -> dict:
     rw = getattr(args, "remote_write_url", None) or env.text(env.REMOTE_WRITE_URL)
     if port is not None or rw:
         from trainscope.processor.prom_exporter import PrometheusConfig
-        out["prometheus"] = PrometheusConfig(port=port or 0, remote_write_url=rw or None)
+        out["prometheus"] = PrometheusConfig(port=port or 0, remote_write_url=rw or None,
+                                             host=getattr(args, "metrics_host", None) or "127.0.0.1",
+                                             security=secure_flags.metrics_security(args))
     if getattr(args, "perfetto_url", None):
         from trainscope.processor.perfetto_sink import PerfettoConfig
         out["perfetto"] = PerfettoConfig(url=args.perfetto_url)
@@ -64,6 +67,7 @@ def _add_sink_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remote-write-url", help="Prometheus remote-write endpoint")
     p.add_argument("--perfetto-url", help="directory or fsspec URL for per-window Perfetto traces")
     p.add_argument("--home", help=f"state directory (env {env.HOME}; default ./.trainscope)")
+    secure_flags.add_kafka_flags(p)
 
 
 def cmd_processor(args) -> int:
@@ -75,6 +79,7 @@ def cmd_processor(args) -> int:
         window=WindowConfig(mode=args.window_mode, length_s=args.window_length_s,
                             iterations=args.window_iterations),
         store_path=os.path.join(writable_home(_home(args)), "store.sqlite"),
+        security=secure_flags.grpc_security(args),
         **_sink_configs(args),
     )
     stop = threading.Event()
@@ -143,7 +148,8 @@ def cmd_analyzer(args) -> int:
     cfg = AnalyzerDaemonConfig(
         store_path=store_path, spool_dir=os.path.join(home, "analyzer-spool"),
         kafka_bootstrap=args.kafka_bootstrap or env.text(env.KAFKA_BOOTSTRAP) or None,
-        group_id=args.group_id, window_timeout_s=args.window_timeout_s, prometheus_port=args.prometheus_port)
+        group_id=args.group_id, window_timeout_s=args.window_timeout_s, prometheus_port=args.prometheus_port,
+        kafka_extra=secure_flags.kafka_extra(args), metrics_security=secure_flags.metrics_security(args))
     daemon = AnalyzerDaemon(cfg)
     try:
         daemon.start()
@@ -356,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--window-timeout-s", type=float, default=60.0,
                     help="analyse a window this long after its first record even if ranks are missing")
     an.add_argument("--home", help=f"state directory (env {env.HOME}; default ./.trainscope)")
+    secure_flags.add_kafka_flags(an)
+    secure_flags.add_tls_flags(an, grpc=False)
     an.set_defaults(func=cmd_analyzer)
 
     pr = sub.add_parser("processor", help="run the per-host processor daemon")
@@ -365,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--window-length-s", type=float, default=10.0)
     pr.add_argument("--window-iterations", type=int, default=10)
     _add_sink_flags(pr)
+    secure_flags.add_tls_flags(pr, grpc=True)
     pr.set_defaults(func=cmd_processor)
 
     r = sub.add_parser("replay", help="feed PyTorch profiler traces through the pipeline")

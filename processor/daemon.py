@@ -22,6 +22,7 @@ from trainscope.processor.bus import EmbeddedBus, BusSink
 from trainscope.processor.ingest import IngestServicer
 from trainscope.processor.limits import IngestLimits
 from trainscope.proto.securefs import private_dir
+from trainscope.proto.security import ServerSecurity
 from trainscope.processor.pipeline import Pipeline
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.processor.sink import Sink
@@ -61,6 +62,9 @@ class ProcessorConfig:
     """``PrometheusConfig`` or None (no /metrics endpoint)."""
     perfetto: Any = None
     """``PerfettoConfig`` or None (no trace files)."""
+    security: ServerSecurity = dataclasses.field(default_factory=ServerSecurity)
+    """TLS (server certificate, optionally required client certificates) and bearer token of the
+    gRPC port (``proto/security.py``); the default is neither, fit for the per-user unix socket."""
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -109,7 +113,7 @@ class Processor:
             queue_max=config.queue_max_batches,
         )
         self.servicer = IngestServicer(self.pipeline.accept, self.metrics, config.limits,
-                                       stream_idle_s=config.stream_idle_s)
+                                       stream_idle_s=config.stream_idle_s, security=config.security)
         self._server: grpc.Server | None = None
         self.address = ""
 
@@ -179,7 +183,10 @@ class Processor:
             ],
         )
         try:
-            port = self._server.add_insecure_port(listen)
+            if cfg.security.tls:
+                port = self._server.add_secure_port(listen, cfg.security.grpc_credentials())
+            else:
+                port = self._server.add_insecure_port(listen)
         except RuntimeError:  # grpc's answer to an address it cannot bind (taken, malformed, no permission)
             port = 0
         if port == 0 or (listen.startswith("unix:") and not os.path.exists(listen[len("unix://"):])):
@@ -194,8 +201,10 @@ class Processor:
         if cfg.prometheus is not None:
             from trainscope.processor.prom_exporter import start_metrics_server
             try:
-                self.metrics_server = start_metrics_server(self.registry, cfg.prometheus.host, cfg.prometheus.port,
-                                                          health=self.health)
+                self.metrics_server = start_metrics_server(
+                    self.registry, cfg.prometheus.host, cfg.prometheus.port, health=self.health,
+                    security=cfg.prometheus.security,
+                    on_denied=lambda: self.metrics.inc("auth_rejected", endpoint="metrics"))
             except OSError as e:
                 raise ConfigError("--prometheus-port", cfg.prometheus.port,
                                   f"cannot serve /metrics on {cfg.prometheus.host}: {e.strerror}") from None
@@ -204,10 +213,22 @@ class Processor:
                 self.remote_writer = RemoteWriter.from_config(cfg.prometheus, self.registry, metrics=self.metrics)
                 self.remote_writer.start()
         if not listen.startswith("unix:") and not _loopback(listen.rsplit(":", 1)[0]):
-            # gRPC over TCP has neither TLS nor authentication yet: anyone who can reach the
-            # port can send telemetry (issue #11 item 8); say so every time
-            log.warning("processor listening on %s, a non-loopback address, WITHOUT TLS or "
-                        "authentication: any host that reaches it can send telemetry", self.address)
+            # anyone who reaches the port can send telemetry unless TLS and a client check are on
+            # (issue #11 item 8); say so every time
+            sec = cfg.security
+            if not sec.tls:
+                log.warning("processor listening on %s, a non-loopback address, WITHOUT TLS: telemetry "
+                            "and any token cross the network in clear text (--tls-cert/--tls-key)", self.address)
+            elif sec.token is None and not sec.client_ca_file:
+                log.warning("processor listening on %s with TLS but WITHOUT authentication: any host "
+                            "that reaches it can send telemetry (--token-file or --tls-client-ca)", self.address)
+        if cfg.prometheus is not None and self.metrics_server is not None and not _loopback(cfg.prometheus.host):
+            ms = cfg.prometheus.security
+            if ms is None or not ms.tls or ms.token is None:
+                log.warning("/metrics served on %s, a non-loopback address, without %s", cfg.prometheus.host,
+                            " and ".join(w for w, on in (("TLS", ms is not None and ms.tls),
+                                                         ("a bearer token", ms is not None and ms.token))
+                                         if not on))
         log.info("processor listening on %s", self.address)
         return self
 

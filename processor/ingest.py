@@ -40,6 +40,7 @@ from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.contracts import Signal
 from trainscope.proto.errors import BadInput
 from trainscope.proto.model import Resource
+from trainscope.proto.security import AUTH_METADATA, ServerSecurity
 from trainscope.proto.v1 import telemetry_pb2
 
 log = logging.getLogger(__name__)
@@ -300,8 +301,10 @@ class IngestServicer:
     """The ``trainscope.v1.Ingest`` service: validates and forwards each message."""
 
     def __init__(self, accept: Callable[[Decoded], bool], metrics: SelfMetrics,
-                 limits: IngestLimits | None = None, *, stream_idle_s: float = 10.0) -> None:
+                 limits: IngestLimits | None = None, *, stream_idle_s: float = 10.0,
+                 security: ServerSecurity | None = None) -> None:
         self._accept = accept
+        self.security = security or ServerSecurity()
         self.metrics = metrics
         self.validator = Validator(metrics, limits)
         self._warn = RateLimitedLog(log)
@@ -343,6 +346,14 @@ class IngestServicer:
             self.metrics.set("open_streams", len(self._open))
 
     def Stream(self, request_iterator, context) -> telemetry_pb2.IngestSummary:
+        if self.security.token is not None:
+            # constant-time comparison (proto/security.py); the token itself is never logged
+            header = dict(context.invocation_metadata()).get(AUTH_METADATA)
+            if not self.security.authorized(header):
+                self.metrics.inc("auth_rejected", endpoint="ingest")
+                self._warn.warning("unauthenticated", "refused an ingest stream from %s: %s bearer token",
+                                   _peer(context), "wrong" if header else "no")
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
         self.metrics.inc("streams")
         key = self._track(context)
         try:

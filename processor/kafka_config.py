@@ -24,7 +24,85 @@ _OWNED = frozenset({
 })
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+#: librdkafka ``security.protocol`` values and the SASL mechanisms its wheels build in.
+SECURITY_PROTOCOLS = ("plaintext", "ssl", "sasl_plaintext", "sasl_ssl")
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
+
+
+def security_settings(*, protocol: str | None = None, mechanism: str | None = None,
+                      username: str | None = None, password_file: str | None = None,
+                      ca: str | None = None, cert: str | None = None, key: str | None = None,
+                      key_password_file: str | None = None,
+                      environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """librdkafka security settings (``security.protocol``, ``sasl.*``, ``ssl.*``) from flags, then
+    the ``KAFKA_*`` environment variables (``proto/env.py``); empty when none is set.
+
+    Shared by the processor's sink and the analyzer's source and diagnosis sink.
+    Passwords come from a file (``--kafka-sasl-password-file``,
+    ``KAFKA_SASL_PASSWORD_FILE``) or ``KAFKA_SASL_PASSWORD``, never from argv;
+    a bad combination is a ConfigError naming the setting and never its secret.
+    """
+    from trainscope.proto import env
+    from trainscope.proto.security import resolve_secret
+
+    e = os.environ if environ is None else environ
+    out: dict[str, str] = {}
+    for key_, flag, var in (("security.protocol", protocol, env.KAFKA_SECURITY_PROTOCOL),
+                            ("sasl.mechanism", mechanism, env.KAFKA_SASL_MECHANISM),
+                            ("sasl.username", username, env.KAFKA_SASL_USERNAME),
+                            ("ssl.ca.location", ca, env.KAFKA_SSL_CA),
+                            ("ssl.certificate.location", cert, env.KAFKA_SSL_CERT),
+                            ("ssl.key.location", key, env.KAFKA_SSL_KEY)):
+        v = flag or e.get(var)
+        if v:
+            out[key_] = v.strip()
+    pw = resolve_secret(password_file, env.KAFKA_SASL_PASSWORD_FILE, env.KAFKA_SASL_PASSWORD,
+                        "--kafka-sasl-password-file", e)
+    if pw is not None:
+        out["sasl.password"] = pw.reveal()
+    kpw = resolve_secret(key_password_file, env.KAFKA_SSL_KEY_PASSWORD_FILE, env.KAFKA_SSL_KEY_PASSWORD,
+                         "--kafka-ssl-key-password-file", e)
+    if kpw is not None:
+        out["ssl.key.password"] = kpw.reveal()
+    if not out:
+        return out
+    proto = out.get("security.protocol", "").lower()
+    if "security.protocol" in out:
+        if proto not in SECURITY_PROTOCOLS:
+            raise ConfigError("kafka.security.protocol", out["security.protocol"],
+                              f"one of {', '.join(SECURITY_PROTOCOLS)}")
+        out["security.protocol"] = proto
+    sasl = {k for k in out if k.startswith("sasl.")}
+    if sasl and not proto.startswith("sasl_"):
+        raise ConfigError("kafka.security.protocol", proto or "(unset)",
+                          f"{', '.join(sorted(sasl))} given: use sasl_ssl (or sasl_plaintext on a trusted network)")
+    if proto.startswith("sasl_"):
+        mech = out.get("sasl.mechanism", "")
+        if mech.upper() not in SASL_MECHANISMS:
+            raise ConfigError("kafka.sasl.mechanism", mech or "(unset)", f"one of {', '.join(SASL_MECHANISMS)}")
+        out["sasl.mechanism"] = mech.upper()
+        if mech.upper() in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512") and not (
+                out.get("sasl.username") and out.get("sasl.password")):
+            raise ConfigError("kafka.sasl.username", out.get("sasl.username", "(unset)"),
+                              f"{mech.upper()} needs a username and a password (--kafka-sasl-password-file)")
+    if any(k.startswith("ssl.") for k in out) and proto not in ("ssl", "sasl_ssl"):
+        raise ConfigError("kafka.security.protocol", proto or "(unset)", "ssl.* settings given: use ssl or sasl_ssl")
+    if bool(out.get("ssl.certificate.location")) != bool(out.get("ssl.key.location")):
+        raise ConfigError("kafka.ssl.certificate.location", out.get("ssl.certificate.location", "(unset)"),
+                          "a client certificate needs its key (ssl.key.location) and the reverse")
+    for k in ("ssl.ca.location", "ssl.certificate.location", "ssl.key.location"):
+        if k in out and not os.path.isfile(out[k]):
+            raise ConfigError(f"kafka.{k}", out[k], "no such file")
+    return out
+
+
+def redacted(settings: Mapping[str, object]) -> dict[str, object]:
+    """``settings`` fit for a log line or an error: secrets (passwords, tokens, keys) as ``***``."""
+    from trainscope.proto.errors import redact
+    return {k: redact(k, v) for k, v in settings.items()}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, repr=False)
 class KafkaSinkConfig:
     """Where and how window summaries go to Kafka."""
 
@@ -88,6 +166,11 @@ class KafkaSinkConfig:
         if not self.spool_dir:
             default = os.path.join(tempfile.gettempdir(), "trainscope-kafka-spool", self.client_id)
             object.__setattr__(self, "spool_dir", default)
+
+    def __repr__(self) -> str:  # extra may hold sasl.password / ssl.key.password: never printed
+        fields = ", ".join(f"{f.name}={redacted(self.extra) if f.name == 'extra' else getattr(self, f.name)!r}"
+                           for f in dataclasses.fields(self))
+        return f"KafkaSinkConfig({fields})"
 
     def producer_settings(self) -> dict[str, object]:
         """The librdkafka producer configuration (callbacks added by the sink)."""

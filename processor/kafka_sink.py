@@ -45,7 +45,7 @@ from trainscope.processor.model import WindowOutput
 from trainscope.proto.contracts import SIGNALS, topic_for
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.processor.spool import DiskSpool, SpoolFrame
-from trainscope.proto.errors import ConfigError, SinkError
+from trainscope.proto.errors import ConfigError, SinkError, scrub
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class KafkaSink:
             self._admin = AdminClient({**config.admin_settings(), "logger": _rdkafka_log})
         except KafkaException as e:
             self._spool.close()
-            raise ConfigError("kafka.extra", dict(config.extra), str(e)) from e
+            raise ConfigError("kafka.extra", dict(config.extra), scrub(str(e), config.extra)) from None
         self._topics: dict[str, str] = {}
         self._wanted = {self.topic_for(s) for s in SIGNALS}  # created at start; others on first use
         self._ensured: set[str] = set()  # topics settled on this broker incarnation

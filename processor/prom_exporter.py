@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from typing import Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -94,6 +94,10 @@ class PrometheusConfig:
     """Labels added to every remote-written series that lacks them, like
     Prometheus' ``external_labels``; set ``instance`` so that two processors'
     self-metrics do not land in one series (scrapes get it from the target)."""
+
+    security: Any = None
+    """``proto.security.ServerSecurity`` of ``/metrics`` and ``/healthz`` (TLS certificate and key, bearer
+    token that Prometheus sends with ``authorization.credentials_file``); None: plain HTTP, no token."""
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -360,13 +364,13 @@ class PrometheusSink:
 class MetricsServer:
     """A running ``/metrics`` endpoint; ``close()`` stops it and frees the port."""
 
-    def __init__(self, httpd, thread: threading.Thread, host: str) -> None:
+    def __init__(self, httpd, thread: threading.Thread, host: str, tls: bool = False) -> None:
         self._httpd = httpd
         self._thread = thread
         self.host = host
         self.port: int = httpd.server_address[1]
         h = f"[{host}]" if ":" in host else host
-        self.url = f"http://{h}:{self.port}/metrics"
+        self.url = f"{'https' if tls else 'http'}://{h}:{self.port}/metrics"
         self._closed = False
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -386,7 +390,8 @@ class MetricsServer:
 
 def start_metrics_server(
     registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0,
-    health: Callable[[], dict] | None = None,
+    health: Callable[[], dict] | None = None, *, security=None,
+    on_denied: Callable[[], None] | None = None,
 ) -> MetricsServer:
     """Serve ``registry`` on ``http://host:port/metrics`` and, with ``health``, ``/healthz``.
 
@@ -394,16 +399,32 @@ def start_metrics_server(
     true, 503 otherwise (a dead thread, a store that cannot write). Other
     paths serve the registry, as prometheus_client's own server does;
     ``port=0`` binds a free port, read back from ``.port``.
+
+    With ``security`` (``proto.security.ServerSecurity``): TLS when it has a
+    certificate (the handshake runs in the request's thread, under a 10 s
+    socket timeout, so a client that never finishes it cannot stall the
+    accept loop), and every path answers 401 unless the request carries
+    ``Authorization: Bearer <token>`` (compared in constant time;
+    ``on_denied`` counts each refusal).
     """
     import json
+    import logging
     from wsgiref.simple_server import make_server
 
     from prometheus_client import make_wsgi_app
     from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 
     metrics_app = make_wsgi_app(registry)
+    token_required = security is not None and security.token is not None
 
     def app(environ, start_response):
+        if token_required and not security.authorized(environ.get("HTTP_AUTHORIZATION")):
+            if on_denied is not None:
+                on_denied()
+            body = b"401 Unauthorized: a bearer token is required\n"
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer"),
+                                                ("Content-Length", str(len(body)))])
+            return [body]
         if health is not None and environ.get("PATH_INFO") == "/healthz":
             try:
                 h = health()
@@ -415,10 +436,27 @@ def start_metrics_server(
             return [body]
         return metrics_app(environ, start_response)
 
+    ctx = security.ssl_context() if security is not None and security.tls else None
+    http_log = logging.getLogger(__name__ + ".http")
+
     class _Server(ThreadingWSGIServer):
         address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        def get_request(self):
+            sock, addr = self.socket.accept()
+            if ctx is None:
+                return sock, addr
+            sock.settimeout(10.0)
+            # handshake on first read, in the request's own thread
+            return ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), addr
+
+        def handle_error(self, request, client_address):
+            # a failed TLS handshake (plain HTTP to an https port, a wrong client certificate) is
+            # the client's problem: one DEBUG line, not a traceback on stderr
+            import sys
+            http_log.debug("metrics request from %s failed: %s", client_address, sys.exc_info()[1])
 
     httpd = make_server(host, port, app, _Server, handler_class=_SilentHandler)
     thread = threading.Thread(target=httpd.serve_forever, name="trainscope-metrics-http", daemon=True)
     thread.start()
-    return MetricsServer(httpd, thread, host)
+    return MetricsServer(httpd, thread, host, tls=ctx is not None)

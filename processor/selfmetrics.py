@@ -35,6 +35,7 @@ COUNTERS = {
     "ranks_expired": ("Ranks forgotten after rank_expire_s without data", ()),
     "streams_idle_closed": ("Ingest streams closed for sending nothing for stream_idle_s", ()),
     "store_errors": ("Failed store writes, by kind (locked, full, io: retried; invalid: dropped)", ("kind",)),
+    "auth_rejected": ("Requests refused for a missing or wrong bearer token, by endpoint", ("endpoint",)),
     "thread_restarts": ("Daemon threads restarted after an unexpected error, by thread", ("thread",)),
 }
 GAUGES = {

@@ -60,6 +60,30 @@ CUPTI = "TRAINSCOPE_CUPTI"                # "0" never try CUPTI
 HOOKS = "TRAINSCOPE_HOOKS"                # "0" off, or a subset "dataloader,optimizer,module,collectives"
 SHUTDOWN_TIMEOUT_S = "TRAINSCOPE_SHUTDOWN_TIMEOUT_S"
 SHIP_INTERVAL_S = "TRAINSCOPE_SHIP_INTERVAL_S"  # phases/iterations handed to the exporter at most this often
+# Network security (proto/security.py; issue #11 item 8). Secrets come from a file
+# (the *_FILE variables, preferred) or the variable itself, never from argv.
+TLS_CA = "TRAINSCOPE_TLS_CA"                  # exporter: CA bundle that signed the processor's certificate
+TLS_CLIENT_CERT = "TRAINSCOPE_TLS_CLIENT_CERT"  # exporter: its certificate for mutual TLS
+TLS_CLIENT_KEY = "TRAINSCOPE_TLS_CLIENT_KEY"    # exporter: the key of that certificate (0600)
+TLS_SERVER_NAME = "TRAINSCOPE_TLS_SERVER_NAME"  # exporter: name to verify instead of the target's host
+TLS_CERT = "TRAINSCOPE_TLS_CERT"              # processor/analyzer: server certificate (gRPC and /metrics)
+TLS_KEY = "TRAINSCOPE_TLS_KEY"                # processor/analyzer: its key (0600)
+TLS_CLIENT_CA = "TRAINSCOPE_TLS_CLIENT_CA"    # processor: require client certificates signed by this CA
+TOKEN = "TRAINSCOPE_TOKEN"                    # bearer token of the ingest stream (both ends)
+TOKEN_FILE = "TRAINSCOPE_TOKEN_FILE"          # ... read from this file instead
+METRICS_TOKEN = "TRAINSCOPE_METRICS_TOKEN"    # bearer token of /metrics and /healthz
+METRICS_TOKEN_FILE = "TRAINSCOPE_METRICS_TOKEN_FILE"
+# Kafka client security (processor's sink and analyzer's source), librdkafka names in capitals.
+KAFKA_SECURITY_PROTOCOL = "KAFKA_SECURITY_PROTOCOL"      # security.protocol: plaintext, ssl, sasl_ssl, ...
+KAFKA_SASL_MECHANISM = "KAFKA_SASL_MECHANISM"            # sasl.mechanism: PLAIN, SCRAM-SHA-256, ...
+KAFKA_SASL_USERNAME = "KAFKA_SASL_USERNAME"
+KAFKA_SASL_PASSWORD = "KAFKA_SASL_PASSWORD"
+KAFKA_SASL_PASSWORD_FILE = "KAFKA_SASL_PASSWORD_FILE"
+KAFKA_SSL_CA = "KAFKA_SSL_CA_LOCATION"                   # ssl.ca.location
+KAFKA_SSL_CERT = "KAFKA_SSL_CERTIFICATE_LOCATION"        # ssl.certificate.location
+KAFKA_SSL_KEY = "KAFKA_SSL_KEY_LOCATION"                 # ssl.key.location
+KAFKA_SSL_KEY_PASSWORD = "KAFKA_SSL_KEY_PASSWORD"
+KAFKA_SSL_KEY_PASSWORD_FILE = "KAFKA_SSL_KEY_PASSWORD_FILE"
 NCCL_TIMING = "TORCH_NCCL_ENABLE_TIMING"  # read by PyTorch: NCCL work times itself on its stream
 # Set by torchrun / torch.distributed launchers; read, never written.
 RANK = "RANK"

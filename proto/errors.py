@@ -30,9 +30,20 @@ def redact(setting: str, value: object) -> object:
     """What may be shown of a setting's value: ``***`` for secrets, URLs without credentials."""
     if is_secret(setting):
         return "***"
+    if isinstance(value, dict):  # a settings mapping (librdkafka's): judge each key
+        return {k: redact(str(k), v) for k, v in value.items()}
     if isinstance(value, str) and "@" in value and "://" in value:
         return redact_url(value)
     return value
+
+
+def scrub(text: str, settings) -> str:
+    """``text`` (a library's error message) with the value of every secret in ``settings`` replaced
+    by ``***``: librdkafka quotes the value of a setting it refuses."""
+    for k, v in settings.items():
+        if is_secret(str(k)) and isinstance(v, str) and v:
+            text = text.replace(v, "***")
+    return text
 
 
 class ConfigError(TrainscopeError, ValueError):
