@@ -100,6 +100,15 @@ def test_window_scale_and_the_impact_floor():
     pb = small.to_pb()
     assert not pb.suspects and pb.evidence["candidates"][0]["rank"] == 1   # informational: nobody named
     assert big.to_pb().impact_pct == pytest.approx(1.5)
+    # a jitter no rank carries needs jitter_floor_pct (3 %): 4 ms/iteration (2 %) is informational
+    def jitter(ms, suspects=()):
+        return Finding(level="L1", kind="jitter", job_id="j", window=WIN, suspects=suspects,
+                       job_impact_ns=ms * MS)
+    assert jitter(4).impact_ns == 4 * MS
+    low, high = apply_floor([jitter(4), jitter(8)], scale, ImpactConfig())
+    assert low.informational and not high.informational
+    carried = jitter(4, (SuspectRank(2, 1.2, {}, impact_ns=4 * MS),))
+    assert not apply_floor([carried], scale, ImpactConfig())[0].informational   # a place: the 1 % floor
     # the tail of a job: an iterations window whose records hold 2 of its 10 iterations
     for iw in jw.iterations.values():
         del iw.marks[2:]
