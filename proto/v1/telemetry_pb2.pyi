@@ -139,7 +139,7 @@ class TelemetryBatch(_message.Message):
     def __init__(self, resource: _Optional[_Union[_common_pb2.Resource, _Mapping]] = ..., seq: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., dropped_total: _Optional[int] = ..., submitted_total: _Optional[int] = ..., final: _Optional[bool] = ..., kernels: _Optional[_Union[KernelBatch, _Mapping]] = ..., phases: _Optional[_Union[PhaseBatch, _Mapping]] = ..., iterations: _Optional[_Union[IterationBatch, _Mapping]] = ..., stacks: _Optional[_Union[StackBatch, _Mapping]] = ...) -> None: ...
 
 class IngestSummary(_message.Message):
-    __slots__ = ("batches_accepted", "batches_rejected", "records_accepted", "records_rejected", "rejected_by_reason")
+    __slots__ = ("batches_accepted", "batches_rejected", "records_accepted", "records_rejected", "rejected_by_reason", "durable_seq")
     class RejectedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -152,9 +152,11 @@ class IngestSummary(_message.Message):
     RECORDS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     RECORDS_REJECTED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_SEQ_FIELD_NUMBER: _ClassVar[int]
     batches_accepted: int
     batches_rejected: int
     records_accepted: int
     records_rejected: int
     rejected_by_reason: _containers.ScalarMap[str, int]
-    def __init__(self, batches_accepted: _Optional[int] = ..., batches_rejected: _Optional[int] = ..., records_accepted: _Optional[int] = ..., records_rejected: _Optional[int] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    durable_seq: int
+    def __init__(self, batches_accepted: _Optional[int] = ..., batches_rejected: _Optional[int] = ..., records_accepted: _Optional[int] = ..., records_rejected: _Optional[int] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., durable_seq: _Optional[int] = ...) -> None: ...
