@@ -226,8 +226,14 @@ def main(argv=None) -> int:
                 cfg, res, verdicts = run_one(64, None, 7, 50, home, faults=specs)
                 ev = evaluate(verdicts, load_truth(res.ground_truth_path), cfg.window_iterations)
             f = ev.faults[0]
-            if len(ev.faults) > 1:     # two culprits: right when both are named
+            if len(ev.faults) > 1:     # two culprits: right when both are named, stable on either
                 f.right = f.right or all(x.caught for x in ev.faults)
+                union = {r for x in ev.faults for r in x.ranks}
+                named = sorted((v for v in verdicts if v.ranks), key=lambda v: v.window.index)
+                first = next((i for i, v in enumerate(named) if v.ranks[0].rank in union), None)
+                if first is not None:
+                    tail = named[first:]
+                    f.stable = sum(v.ranks[0].rank in union for v in tail) / len(tail)
             rows.append((label, 64, f))
             _row(label, 64, f)
     n = len(rows)
