@@ -34,6 +34,7 @@ import random
 import socket
 import threading
 import time
+import uuid
 from typing import Callable, Deque, Iterator
 
 import grpc
@@ -47,6 +48,10 @@ from trainscope.proto.v1 import telemetry_pb2
 log = logging.getLogger(__name__)
 
 INGEST_METHOD = "/trainscope.v1.Ingest/Stream"
+#: Stream metadata of the restart contract (processor/durability.py, which names the same keys).
+BOOT_METADATA = "trainscope-boot"
+SENDER_METADATA = "trainscope-sender"
+REPLAY_METADATA = "trainscope-replay"
 #: Codes after which sending the same batches again can help (otel-python's
 #: retryable set, plus RESOURCE_EXHAUSTED, which the processor uses for an
 #: oversize batch: that batch is dropped, the rest go on). After any other
@@ -89,6 +94,10 @@ class ExporterConfig:
     """Cap on the reconnect delay."""
     shutdown_timeout_s: float = 5.0
     """How long ``shutdown`` waits to deliver what is queued."""
+    max_retained_bytes: int = 16 << 20
+    """Bound on confirmed batches kept until the processor says they are durable (closed,
+    written windows), to be re-sent if it restarts meanwhile; beyond it the oldest are
+    forgotten and counted (``retain_evicted``)."""
     security: ClientSecurity | None = None
     """TLS (CA, client certificate) and bearer token for a ``host:port`` target; None reads them from
     the ``TRAINSCOPE_TLS_*``/``TRAINSCOPE_TOKEN*`` variables when the exporter is built."""
@@ -113,6 +122,9 @@ class _Pending:
     nbytes: int
     data: bytes | None = None
     resource: object = None  # a Resource message overriding the exporter's own
+    sent: bool = False       # written to a stream at least once
+    confirmed: bool = False  # counted in stats.confirmed (a replay is not counted again)
+    replay: bool = False     # to be re-sent to a restarted processor on a replay stream
 
 
 _FINAL = object()  # payload sentinel of the end-of-process marker
@@ -130,6 +142,9 @@ class ExporterStats:
         self.rejected_by_reason: collections.Counter[str] = collections.Counter()
         self.reconnects = 0
         self.dropped: collections.Counter[str] = collections.Counter()
+        self.processor_restarts = 0  # boot id changes seen
+        self.replayed = 0            # batches re-sent to a restarted processor
+        self.retain_evicted = 0      # confirmed, not yet durable, forgotten for the retention bound
 
     @property
     def dropped_total(self) -> int:
@@ -141,7 +156,8 @@ class ExporterStats:
             "resent": self.resent, "rejected_by_processor": self.rejected_by_processor,
             "rejected_by_reason": dict(self.rejected_by_reason),
             "reconnects": self.reconnects, "dropped_total": self.dropped_total,
-            "dropped": dict(self.dropped),
+            "dropped": dict(self.dropped), "processor_restarts": self.processor_restarts,
+            "replayed": self.replayed, "retain_evicted": self.retain_evicted,
         }
 
 
@@ -185,6 +201,10 @@ class BatchExporter:
         self._flush_requested = threading.Event()
         self._queue: Deque[_Pending] = collections.deque()
         self._unconfirmed: Deque[_Pending] = collections.deque()
+        self._retained: Deque[_Pending] = collections.deque()  # confirmed, not yet durable
+        self._retained_bytes = 0
+        self._boot: str | None = None  # the processor process we last streamed to
+        self._sender = uuid.uuid4().hex
         self._next_reject_log = 0.0
         self._next_fail_log = 0.0
         self._failing_since: float | None = None
@@ -237,6 +257,7 @@ class BatchExporter:
                     old = self._queue.popleft()
                     self._held_bytes -= old.nbytes
                     self.stats.dropped["queue_full"] += 1
+                    self.stats.confirmed -= old.confirmed  # a replayed batch: lost after all
                 self._seq += 1
                 self._queue.append(_Pending(self._seq, payload, nbytes,
                                             resource=None if resource is None else resource.to_pb()))
@@ -285,8 +306,11 @@ class BatchExporter:
             left = len(self._queue) + len(self._unconfirmed)
             if left:
                 self.stats.dropped["shutdown"] += left
+                self.stats.confirmed -= sum(p.confirmed for q in (self._queue, self._unconfirmed) for p in q)
             self._queue.clear()
             self._unconfirmed.clear()
+            self._retained.clear()
+            self._retained_bytes = 0
             self._held_bytes = 0
         self._stop.set()
         self._wake.set()
@@ -363,6 +387,7 @@ class BatchExporter:
             n = len(self._unconfirmed)
             for p in self._unconfirmed:
                 self._held_bytes -= p.nbytes
+                self.stats.confirmed -= p.confirmed  # a replayed batch refused: lost after all
             self._unconfirmed.clear()
             self.stats.dropped[reason] += n
             if not self._queue:
@@ -370,16 +395,41 @@ class BatchExporter:
         if n:
             log.warning("trainscope exporter: %d batches dropped, the processor refused them (%s)", n, why)
 
-    def _next_batch(self) -> _Pending | None:
+    def _next_batch(self, replay: bool = False) -> _Pending | None:
         with self._lock:
-            if not self._queue:
-                self._idle.set()
+            if not self._queue or (replay and not self._queue[0].replay):
+                if not self._queue:
+                    self._idle.set()
                 return None
             p = self._queue.popleft()
             self._unconfirmed.append(p)
         if p.data is None:
             p.data = self._serialise(p)
+        p.sent = True
         return p
+
+    def _processor_restarted(self, boot: str) -> None:
+        """The processor is a new process: what the old one confirmed but had not made durable, and
+        what it may have taken before the stream broke, goes first, on a replay stream."""
+        with self._lock:
+            again = list(self._retained)
+            self._retained.clear()
+            self._retained_bytes = 0
+            again += [p for p in self._queue if p.sent]  # requeued after the broken stream
+            for p in again:
+                p.replay = True
+            self._queue = collections.deque(again + [p for p in self._queue if not p.sent])
+            self._held_bytes += sum(p.nbytes for p in again if p.confirmed)
+            self.stats.processor_restarts += 1
+            self.stats.replayed += len(again)
+        if again:
+            log.warning("trainscope exporter: the processor at %s restarted; re-sending %d batches it had "
+                        "not yet written", self.config.target, len(again))
+
+    def _forget_durable(self, durable_seq: int) -> None:
+        """Called with the lock held: drop retained batches the processor has written."""
+        while self._retained and self._retained[0].seq <= durable_seq:
+            self._retained_bytes -= len(self._retained.popleft().data or b"")
 
     def _serialise(self, p: _Pending) -> bytes:
         b = telemetry_pb2.TelemetryBatch(
@@ -410,14 +460,34 @@ class BatchExporter:
                     return
                 yield item
 
-        future = call.future(requests(), wait_for_ready=False, metadata=self._security.metadata())
+        with self._lock:
+            replay = bool(self._queue) and self._queue[0].replay
+        md = [(SENDER_METADATA, self._sender)] + list(self._security.metadata() or ())
+        if replay:
+            md.append((REPLAY_METADATA, "1"))
+        # a deadline bounds every wait below, a processor that accepts connections and never
+        # answers included (the summary itself is waited for at most max(5 s, the interval))
+        future = call.future(requests(), wait_for_ready=False, metadata=tuple(md),
+                             timeout=self.config.confirm_interval_s + max(5.0, self.config.confirm_interval_s) + 5.0)
+        # the processor names its process first thing (processor/durability.py); a new name
+        # means the windows it held in memory are gone: re-send what they held before anything else
+        boot = dict(future.initial_metadata() or ()).get(BOOT_METADATA)
+        if boot and self._boot is not None and boot != self._boot and not replay:
+            self._boot = boot
+            self._processor_restarted(boot)
+            outbox.put(None)  # this stream ends empty; the next one is the replay
+            replay = None
+        elif boot:
+            self._boot = boot
         deadline = time.monotonic() + self.config.confirm_interval_s
         try:
-            while time.monotonic() < deadline and not self._stop.is_set():
+            while replay is not None and time.monotonic() < deadline and not self._stop.is_set():
                 if future.done():
                     break
-                p = self._next_batch()
+                p = self._next_batch(replay)
                 if p is None:
+                    if replay:
+                        break  # the replay stream carries the replayed batches only
                     if self._flush_requested.is_set() and self._unconfirmed:
                         self._flush_requested.clear()
                         break
@@ -450,15 +520,27 @@ class BatchExporter:
                                 retryable=code is None or code in RETRYABLE, reason=reason)
         with self._lock:
             n = len(self._unconfirmed)
+            again = sum(p.confirmed for p in self._unconfirmed)  # replayed: counted once already
             for p in self._unconfirmed:
                 self._held_bytes -= p.nbytes
-            self._unconfirmed.clear()
             # the summary answers for every batch of the stream: those it refused are
             # rejected, not confirmed (a rejected batch is gone, and the user must see it)
             # A duplicate is a re-sent batch the processor already holds: delivered.
             reasons = {k: v for k, v in summary.rejected_by_reason.items() if k != "duplicate"}
-            rejected = min(n, sum(reasons.values()))
-            self.stats.confirmed += n - rejected
+            rejected = min(n - again, sum(reasons.values()))
+            self.stats.confirmed += n - again - rejected
+            # kept until durable (re-sent if the processor restarts first); rejected ones are
+            # not told apart by the summary, so all are kept: a replayed rejection is harmless
+            for p in self._unconfirmed:
+                p.confirmed, p.replay = True, False
+                if self._boot is not None:  # a processor without a boot id offers no replay
+                    self._retained.append(p)
+                    self._retained_bytes += len(p.data or b"")
+            self._unconfirmed.clear()
+            self._forget_durable(summary.durable_seq)
+            while self._retained_bytes > self.config.max_retained_bytes and self._retained:
+                self._retained_bytes -= len(self._retained.popleft().data or b"")
+                self.stats.retain_evicted += 1
             self.stats.rejected_by_processor += rejected
             self.stats.rejected_by_reason.update(reasons)
             warn = rejected and time.monotonic() >= self._next_reject_log

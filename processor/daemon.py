@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from trainscope.proto import env
 from trainscope.processor.bus import EmbeddedBus, BusSink
+from trainscope.processor.durability import Durability, stored_until
 from trainscope.processor.ingest import IngestServicer
 from trainscope.processor.limits import IngestLimits
 from trainscope.proto.securefs import private_dir
@@ -108,12 +109,20 @@ class Processor:
         self.metrics_server = None
         self.remote_writer = None
         self.sinks: list[Sink] = list(sinks) + self._build_sinks()
+        # last: a window counts as durable once every sink before it has it (processor/durability.py)
+        store_sink = next((s for s in self.sinks if isinstance(s, StoreSink)), None)
+        self.durability = Durability(
+            enabled=self.store is not None,
+            store_backlog=(lambda: store_sink.health()["backlog_windows"]) if store_sink else (lambda: 0),
+            stored_until=stored_until(self.store) if self.store is not None else None)
+        self.sinks.append(self.durability)
         self.pipeline = Pipeline(
             config.window, Summarizer(config.summary), self.sinks, self.metrics,
             queue_max=config.queue_max_batches,
         )
         self.servicer = IngestServicer(self.pipeline.accept, self.metrics, config.limits,
-                                       stream_idle_s=config.stream_idle_s, security=config.security)
+                                       stream_idle_s=config.stream_idle_s, security=config.security,
+                                       durability=self.durability)
         self._server: grpc.Server | None = None
         self.address = ""
 

@@ -34,6 +34,8 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from trainscope.processor.durability import (BOOT_METADATA, REPLAY_METADATA, SENDER_METADATA, Durability,
+                                             drop_stored)
 from trainscope.processor.limits import IngestLimits, RateLimitedLog
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.proto.columnar import KernelColumns
@@ -64,6 +66,7 @@ class Decoded:
     dropped_total: int
     seq: int = 0
     prev_seq: int = 0  # the stream's last seq before this one (to release it when refused)
+    end_ns: int = 0    # latest record end (rank clock): when its window closes, the batch is durable
 
 
 class _StreamState:
@@ -125,7 +128,7 @@ class Validator:
             payload, n, end = self._stacks(b.stacks.snapshots)
         prev = self._admit(res, signal, end, b.seq, raw)
         return Decoded(res, signal or "final", payload, n, len(raw), b.sent_unix_ns,
-                       min(b.dropped_total, 2**53), b.seq, prev)
+                       min(b.dropped_total, 2**53), b.seq, prev, end)
 
     def _resource(self, b: telemetry_pb2.TelemetryBatch) -> Resource:
         if not b.HasField("resource") or not b.resource.job_id:
@@ -302,9 +305,10 @@ class IngestServicer:
 
     def __init__(self, accept: Callable[[Decoded], bool], metrics: SelfMetrics,
                  limits: IngestLimits | None = None, *, stream_idle_s: float = 10.0,
-                 security: ServerSecurity | None = None) -> None:
+                 security: ServerSecurity | None = None, durability: Durability | None = None) -> None:
         self._accept = accept
         self.security = security or ServerSecurity()
+        self.durability = durability or Durability()
         self.metrics = metrics
         self.validator = Validator(metrics, limits)
         self._warn = RateLimitedLog(log)
@@ -346,23 +350,30 @@ class IngestServicer:
             self.metrics.set("open_streams", len(self._open))
 
     def Stream(self, request_iterator, context) -> telemetry_pb2.IngestSummary:
+        md = dict(context.invocation_metadata())
         if self.security.token is not None:
             # constant-time comparison (proto/security.py); the token itself is never logged
-            header = dict(context.invocation_metadata()).get(AUTH_METADATA)
+            header = md.get(AUTH_METADATA)
             if not self.security.authorized(header):
                 self.metrics.inc("auth_rejected", endpoint="ingest")
                 self._warn.warning("unauthenticated", "refused an ingest stream from %s: %s bearer token",
                                    _peer(context), "wrong" if header else "no")
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
         self.metrics.inc("streams")
+        # first thing on every stream: who we are, so an exporter knows before it sends
+        # anything whether we are the process it sent to before (processor/durability.py)
+        context.send_initial_metadata(((BOOT_METADATA, self.durability.boot_id),) if self.durability.enabled else ())
         key = self._track(context)
         try:
-            return self._stream(request_iterator, context, key)
+            return self._stream(request_iterator, context, key, md.get(SENDER_METADATA, ""),
+                                md.get(REPLAY_METADATA) == "1")
         finally:
             self._untrack(key)
 
-    def _stream(self, request_iterator, context, key: int) -> telemetry_pb2.IngestSummary:
+    def _stream(self, request_iterator, context, key: int, sender: str = "",
+                replay: bool = False) -> telemetry_pb2.IngestSummary:
         s = telemetry_pb2.IngestSummary()
+        dur = self.durability
         for raw in request_iterator:
             entry = self._open.get(key)
             if entry is not None:
@@ -375,6 +386,15 @@ class IngestServicer:
                 self.metrics.inc("batches_rejected", reason=e.reason)
                 self._warn.warning(e.reason, "rejected batch from %s: %s", _peer(context), e)
                 continue
+            if replay and d.seq:
+                until = dur.stored_until.get((d.resource.job_id, d.resource.rank))
+                if until is not None:
+                    d, n = drop_stored(d, until)
+                    if n:
+                        self.metrics.inc("records_rejected", n, reason="already_stored")
+                    if d is None:  # all in windows the store holds: delivered, nothing to do
+                        s.batches_accepted += 1
+                        continue
             if not self._accept(d):
                 # Back-pressure, not loss: end the stream with RESOURCE_EXHAUSTED, which the
                 # exporter retries with everything this stream carried (what was accepted
@@ -386,6 +406,7 @@ class IngestServicer:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "processor overloaded: queue full, retry later")
             s.batches_accepted += 1
             s.records_accepted += d.records
+            dur.admitted(sender, d.seq, d.resource.job_id, d.resource.rank, d.end_ns)
             if d.signal == "final":
                 continue
             self.metrics.inc("batches_in", signal=d.signal)
@@ -398,6 +419,8 @@ class IngestServicer:
                 lag = (time.time_ns() - d.sent_unix_ns) / 1e9
                 if math.isfinite(lag):
                     self.metrics.set("lag_seconds", lag, signal=d.signal)
+        if sender:
+            s.durable_seq = dur.durable_seq(sender)
         return s
 
     def handler(self) -> grpc.GenericRpcHandler:
