@@ -153,8 +153,20 @@ class RateLimitedLog:
 
 
 class KafkaSource(_Parsing):
+    """A consumer group member on the per-signal topics.
+
+    Restarts (issue #11 item 5): offsets are committed every second
+    (at-least-once: a killed analyzer re-reads at most that much), and with
+    ``instance_id`` the member is static (KIP-345): a restarted analyzer with
+    the same id takes its partitions back without waiting for the dead
+    member's session to expire. Measured on Tansu 0.6 (session 10 s): a
+    dynamic member's replacement got its first record 18.8 s after the kill,
+    a static one 8.7 s (the issue saw 81 s with the 45 s default).
+    """
+
     def __init__(self, bootstrap: str, *, group_id: str = "trainscope-analyzer",
-                 prefix: str = "trainscope", extra: dict | None = None) -> None:
+                 prefix: str = "trainscope", extra: dict | None = None,
+                 instance_id: str | None = None, session_timeout_s: float = 10.0) -> None:
         super().__init__()
         from confluent_kafka import Consumer, KafkaException
 
@@ -163,7 +175,10 @@ class KafkaSource(_Parsing):
         self._rdkafka_log = RateLimitedLog(logging.getLogger(__name__ + ".librdkafka"))
         extra = dict(extra or {})
         settings = {
-            "auto.offset.reset": "earliest", "enable.auto.commit": True,
+            "auto.offset.reset": "earliest", "enable.auto.commit": True, "auto.commit.interval.ms": 1000,
+            "session.timeout.ms": int(session_timeout_s * 1000),
+            "heartbeat.interval.ms": max(100, int(session_timeout_s * 1000) // 5),
+            **({"group.instance.id": instance_id} if instance_id else {}),
             **extra,  # security.protocol, sasl.*, ssl.*, session.timeout.ms ... (never logged: secrets)
             "bootstrap.servers": bootstrap, "group.id": group_id,
             "logger": self._rdkafka_log,  # not raw lines on stderr: logging, rate-limited

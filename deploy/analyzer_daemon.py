@@ -39,13 +39,28 @@ class AnalyzerDaemonConfig:
     kafka_extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """More librdkafka settings for the consumer and the diagnosis producer: ``security.protocol``,
     ``sasl.*``, ``ssl.*`` (``processor.kafka_config.security_settings``). Never printed."""
+    group_instance_id: str | None = None
+    """Static group membership (KIP-345): a restarted analyzer with the same id resumes its partitions
+    from the committed offsets without waiting out the dead member's session. Unique per analyzer."""
+    session_timeout_s: float = 10.0
+    """Kafka consumer session timeout: how long a vanished analyzer holds its partitions."""
     metrics_security: Any = None
     """``proto.security.ServerSecurity`` of the metrics endpoint (TLS, bearer token); None: plain."""
 
     def __post_init__(self) -> None:
+        if not 1.0 <= self.session_timeout_s <= 300.0:
+            raise ConfigError("--session-timeout-s", self.session_timeout_s, "must be in [1, 300]")
         if not self.kafka_bootstrap and not os.path.exists(self.store_path):
             raise ConfigError("--store", self.store_path, "no processor store there (start `trainscope "
                               "processor` first, or give --kafka-bootstrap)")
+
+
+def default_instance_id(home: str) -> str:
+    """``<host>-<hash of the home directory>``: the same analyzer (same host, same state) after a
+    restart, and different for a second analyzer beside it with its own ``--home``."""
+    import hashlib
+    import socket
+    return f"{socket.gethostname()}-{hashlib.sha1(os.path.abspath(home).encode()).hexdigest()[:10]}"
 
 
 class AnalyzerDaemon:
@@ -62,7 +77,8 @@ class AnalyzerDaemon:
             from trainscope.processor.kafka_config import KafkaSinkConfig
             from trainscope.processor.kafka_sink import KafkaSink
             self.source = KafkaSource(config.kafka_bootstrap, group_id=config.group_id,
-                                      extra=dict(config.kafka_extra))
+                                      extra=dict(config.kafka_extra), instance_id=config.group_instance_id,
+                                      session_timeout_s=config.session_timeout_s)
             sinks.append(KafkaDiagnosisSink(KafkaSink(KafkaSinkConfig(
                 bootstrap=config.kafka_bootstrap, client_id="trainscope-analyzer", spool_dir=config.spool_dir,
                 extra={k: v for k, v in config.kafka_extra.items() if k.startswith(("security.", "sasl.", "ssl."))}))))

@@ -141,7 +141,7 @@ def _say_undelivered(processor_metrics: dict, args) -> bool:
 
 def cmd_analyzer(args) -> int:
     """The analyzer service (deploy/analyzer_daemon.py): Kafka consumer group, or tail of the local store."""
-    from trainscope.deploy.analyzer_daemon import AnalyzerDaemon, AnalyzerDaemonConfig
+    from trainscope.deploy.analyzer_daemon import AnalyzerDaemon, AnalyzerDaemonConfig, default_instance_id
 
     home = _home(args)
     store_path = args.store or os.path.join(home, "store.sqlite")
@@ -149,7 +149,8 @@ def cmd_analyzer(args) -> int:
         store_path=store_path, spool_dir=os.path.join(home, "analyzer-spool"),
         kafka_bootstrap=args.kafka_bootstrap or env.text(env.KAFKA_BOOTSTRAP) or None,
         group_id=args.group_id, window_timeout_s=args.window_timeout_s, prometheus_port=args.prometheus_port,
-        kafka_extra=secure_flags.kafka_extra(args), metrics_security=secure_flags.metrics_security(args))
+        kafka_extra=secure_flags.kafka_extra(args), metrics_security=secure_flags.metrics_security(args),
+        group_instance_id=args.group_instance_id or default_instance_id(home), session_timeout_s=args.session_timeout_s)
     daemon = AnalyzerDaemon(cfg)
     try:
         daemon.start()
@@ -357,6 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
     an = sub.add_parser("analyzer", help="run the analyzer service (Kafka consumer group or local store)")
     an.add_argument("--kafka-bootstrap", help=f"consume from Kafka (env {env.KAFKA_BOOTSTRAP})")
     an.add_argument("--group-id", default="trainscope-analyzer", help="Kafka consumer group")
+    an.add_argument("--group-instance-id", help="static group member id, unique per analyzer: a restart resumes "
+                    "at once (default: host name + hash of --home)")
+    an.add_argument("--session-timeout-s", type=float, default=10.0,
+                    help="Kafka session timeout: how long a vanished analyzer holds its partitions")
     an.add_argument("--store", help="processor store to tail when there is no broker (default HOME/store.sqlite)")
     an.add_argument("--prometheus-port", type=int, help="serve flagged-suspect series on 127.0.0.1:PORT")
     an.add_argument("--window-timeout-s", type=float, default=60.0,
