@@ -357,6 +357,21 @@ class BatchExporter:
                 # full jitter; the stop event cuts the wait short
                 self._stop.wait(random.uniform(0, backoff))
                 backoff = min(backoff * 2, self.config.backoff_max_s)
+            except RuntimeError as e:
+                if "interpreter shutdown" not in str(e):
+                    raise
+                # Python 3.12+: no new thread (gRPC starts one per stream) once the interpreter
+                # is finalizing; what is left cannot be sent: counted, not a traceback
+                with self._lock:
+                    left = len(self._queue) + len(self._unconfirmed)
+                    if left:
+                        self.stats.dropped["interpreter_shutdown"] += left
+                    self._queue.clear()
+                    self._unconfirmed.clear()
+                    self._held_bytes = 0
+                    self._idle.set()
+                log.debug("trainscope exporter: interpreter shutting down, %d batches not sent", left)
+                break
             except Exception:  # pragma: no cover - defensive: the worker must survive
                 log.exception("trainscope exporter worker error")
                 self._requeue_unconfirmed()

@@ -31,6 +31,7 @@ Nothing here raises into the program: a failure logs and leaves it untraced.
 from __future__ import annotations
 
 import atexit
+import threading
 import dataclasses
 import json
 import logging
@@ -105,6 +106,26 @@ class InProcess:
 _STATE: InProcess | None = None
 
 
+def _at_exit(fn) -> None:
+    """Run ``fn`` at interpreter exit while threads may still be started.
+
+    Python 3.12 refuses new threads in ``atexit`` handlers ("can't create new
+    thread at interpreter shutdown"), and the final flush needs them (gRPC
+    starts a thread per stream). ``threading._register_atexit`` hooks run
+    earlier, in ``threading._shutdown``, before that ban (concurrent.futures
+    uses it for the same reason); ``atexit`` is the fallback where it is
+    missing.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(fn)
+            return
+    except RuntimeError:  # already shutting down
+        return
+    atexit.register(fn)
+
+
 def current() -> InProcess | None:
     """The collector started in this process by :func:`start_in_process`, if any."""
     return _STATE
@@ -141,7 +162,7 @@ def _start(environ) -> InProcess:
     mode = environ.get(STACKS, "1").lower()
     if mode not in _OFF and mode != "external" and local == 0:
         state.sidecar = spawn_sidecar(state.run_dir, environ)
-    atexit.register(state.shutdown)
+    _at_exit(state.shutdown)
     if "torch" in sys.modules:
         _on_torch(state, environ)
     else:
