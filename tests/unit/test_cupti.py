@@ -230,3 +230,44 @@ def test_gpu_kernels_and_copies_are_captured():  # pragma: no cover - needs a GP
     assert any("gemm" in n.lower() or "sgemm" in n.lower() for n in names), names
     now = time.time_ns()
     assert all(now - 60 * 10**9 < int(c.start_ns.min()) <= now for c in got)
+
+
+# --- issue #11 item 10: demangled names, the cupti-python floor -----------------------------------
+KINETO_NAME = ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, "
+               "at::detail::Array<char*, 1> >(int, at::native::FillFunctor<float>, at::detail::Array<char*, 1>)")
+MANGLED = "_ZN2at6native29vectorized_elementwise_kernelILi4ENS0_11FillFunctorIfEENS_6detail5ArrayIPcLi1EEEEEviT0_T1_"
+
+
+def test_cupti_names_are_demangled_as_kineto_shows_them():
+    """The expected string is the name this kernel has in a real PyTorch-profiler trace
+    (../shared/data/kineto), so CUPTI and replayed traces agree on kernel identity."""
+    from trainscope.collector.cupti_source import demangle
+    (cols,) = parse_records([kernel(MANGLED, 1_000, 1_500), kernel("ampere_sgemm_128x64_nn", 2_000, 2_100),
+                             kernel(MANGLED, 3_000, 3_200)], SlabPool(1, 16).take())
+    assert sorted(cols.names) == sorted([KINETO_NAME, "ampere_sgemm_128x64_nn"])
+    assert [cols.names[i] for i in cols.name_id] == [KINETO_NAME, "ampere_sgemm_128x64_nn", KINETO_NAME]
+    assert demangle("_Znot_a_valid_name") == "_Znot_a_valid_name"  # unparsable: kept as it came
+    assert demangle("Memcpy HtoD (Pageable -> Device)") == "Memcpy HtoD (Pageable -> Device)"
+    demangle.cache_clear()
+    for _ in range(3):
+        demangle(MANGLED)
+    assert demangle.cache_info().hits == 2  # off the hot path: once per distinct name
+
+
+@pytest.mark.parametrize("version,ok", [("13.0.1", False), ("13.2.0", False), ("12.8.0", False),
+                                        ("13.3.1", True), ("13.4.0", True), ("14.0.0", True)])
+def test_the_cupti_python_floor(monkeypatch, version, ok, caplog):
+    import importlib.metadata
+
+    from trainscope.collector import cupti_source
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
+    problem = cupti_source.version_problem()
+    assert (problem is None) == ok
+    if not ok:
+        assert version in problem and ">=13.3.1" in problem
+        src = CuptiKernelSource()
+        with caplog.at_level("WARNING", logger="trainscope.collector.cupti_source"):
+            src.start(lambda cols: None)
+        assert not src.running and src.reason == problem
+        assert any(version in r.getMessage() for r in caplog.records)
+        assert probe() == (False, problem)
