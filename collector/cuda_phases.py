@@ -92,6 +92,12 @@ class Phases:
         self._pool: list = []
         self._created = 0
         self._lock = threading.Lock()
+        # One poll at a time: a poll takes the whole queue out to resolve it without holding
+        # _lock, so a second poll (flush() on the shutdown path, beside the poller thread) saw
+        # an empty queue and returned "nothing pending" while the first still held phases it
+        # had not recorded yet: the flush returned and the exporter shut down before them
+        # (tests/integration/test_cuda_phases lost 6 of 300 runs). Serialising polls closes it.
+        self._poll_lock = threading.Lock()
         self._pending: collections.deque = collections.deque()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -207,7 +213,14 @@ class Phases:
         self.poll()
 
     def poll(self) -> int:
-        """Resolve every finished pending phase; returns how many are still pending."""
+        """Resolve every finished pending phase; returns how many are still pending.
+
+        Serialised (``_poll_lock``): when it returns 0, every phase queued before the call
+        has been handed to the sink, whichever thread resolved it."""
+        with self._poll_lock:
+            return self._poll()
+
+    def _poll(self) -> int:
         with self._lock:
             items, self._pending = self._pending, collections.deque()
         keep = collections.deque()

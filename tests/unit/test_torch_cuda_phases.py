@@ -169,3 +169,34 @@ def test_a_failing_event_api_is_counted_never_raised():
 def test_bad_config_names_the_setting(kw):
     with pytest.raises(ConfigError, match="phases."):
         PhaseTimerConfig(**kw)
+
+
+def test_flush_waits_for_a_phase_the_poller_thread_is_resolving():
+    """The poll/flush race (issue #11 item 10): the poller thread had taken the queue out and was
+    handing a phase to the sink when flush() polled, found the queue empty and returned True; the
+    collector then shut the exporter down before that phase. Deterministic: the sink holds the
+    poller inside record_phase until the test lets it go."""
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowSink(Sink):
+        def record_phase(self, *a, **kw):
+            entered.set()
+            release.wait(10)
+            super().record_phase(*a, **kw)
+
+    cuda, sink = FakeCuda(), SlowSink()
+    ph = Phases(sink, PhaseTimerConfig(poll_interval_s=0.01), cuda=cuda)
+    span = ph.begin("backward")
+    cuda.clock[0] = 2_000_000
+    ph.end(span)
+    cuda.complete_all()
+    assert entered.wait(5)                   # the poller thread holds the phase, not yet recorded
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("flushed", ph.flush(5.0)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and sink.rows == []  # flush may not say "done" while a phase is in flight
+    release.set()
+    t.join(5)
+    assert result["flushed"] is True and len(sink.rows) == 1 and ph.recorded == 1
+    ph.stop()
