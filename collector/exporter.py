@@ -71,6 +71,7 @@ _PAYLOAD_FIELD = {
     telemetry_pb2.PhaseBatch: "phases",
     telemetry_pb2.IterationBatch: "iterations",
     telemetry_pb2.StackBatch: "stacks",
+    telemetry_pb2.CollectiveBatch: "collectives",
 }
 
 

@@ -127,7 +127,8 @@ class Durability:
 def stored_until(store) -> dict[tuple[str, int], int]:
     """Per (job, rank), the end of the latest window the store holds (read once at start)."""
     try:
-        rows = store._db.execute("SELECT job, rank, MAX(window_end) FROM records GROUP BY job, rank").fetchall()
+        rows = store._db.execute("SELECT job, rank, MAX(window_end) FROM records"
+                            " WHERE signal != 'collectives' GROUP BY job, rank").fetchall()
     except Exception:  # an unreadable store is the store sink's to report; replays are then not filtered
         return {}
     return {(job, int(rank)): int(end) for job, rank, end in rows}

@@ -39,6 +39,7 @@ from trainscope.processor.durability import (BOOT_METADATA, REPLAY_METADATA, SEN
 from trainscope.processor.limits import IngestLimits, RateLimitedLog
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.proto.columnar import KernelColumns
+from trainscope.processor import collectives
 from trainscope.proto.contracts import Signal
 from trainscope.proto.errors import BadInput
 from trainscope.proto.model import Resource
@@ -124,6 +125,12 @@ class Validator:
             payload, n, end = self._phases(b.phases.phases)
         elif signal == Signal.ITERATIONS:
             payload, n, end = self._iterations(b.iterations.marks)
+        elif signal == Signal.COLLECTIVES:  # processor/collectives.py
+            try:
+                payload, n, end = collectives.validate(b.collectives, res.world_size, lim.max_timestamp_ns,
+                                                       self.metrics)
+            except ValueError as e:
+                raise BadInput("empty", str(e), raw) from None
         else:
             payload, n, end = self._stacks(b.stacks.snapshots)
         prev = self._admit(res, signal, end, b.seq, raw)

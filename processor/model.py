@@ -43,6 +43,7 @@ class WindowOutput:
     phases: records_pb2.PhaseWindow | None = None
     iterations: records_pb2.IterationWindow | None = None
     stacks: records_pb2.StackWindow | None = None
+    collectives: records_pb2.CollectiveWindow | None = None   # processor/collectives.py
 
     def records(self) -> Iterator[tuple[str, Message]]:
         """(signal, record) for each signal that has one."""

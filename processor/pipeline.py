@@ -16,8 +16,10 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from trainscope.processor.collectives import CollectiveWindowConfig, CollectiveWindows
 from trainscope.processor.ingest import Decoded
 from trainscope.processor.model import ClosedWindow, WindowOutput
+from trainscope.processor.perfetto_sink import SINK as PERFETTO_SINK
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.processor.sink import Sink
 from trainscope.processor.windows import WindowConfig, Windower
@@ -43,11 +45,14 @@ class Pipeline:
         queue_max: int = 10_000,
         accept_timeout_s: float = 1.0,
         idle_check_s: float = 1.0,
+        collectives: CollectiveWindowConfig = CollectiveWindowConfig(),
     ) -> None:
         self.metrics = metrics
         self.sinks = list(sinks)
         self._summarize = summarize
         self.windower = Windower(window, self._on_close, metrics)
+        # collective records: short windows of their own (processor/collectives.py)
+        self.collectives = CollectiveWindows(collectives, self._on_collectives, metrics)
         self._q: "queue.Queue[Decoded | _Barrier | None]" = queue.Queue(maxsize=queue_max)
         self._accept_timeout = accept_timeout_s
         self._idle_check = idle_check_s
@@ -164,6 +169,7 @@ class Pipeline:
                 if isinstance(item, _Barrier):
                     if item.flush_windows:
                         w.flush()
+                        self.collectives.flush()
                     item.done.set()
                 elif item.signal == Signal.KERNELS:
                     w.add_kernels(item.resource, item.payload)
@@ -173,8 +179,11 @@ class Pipeline:
                     w.add_iterations(item.resource, item.payload)
                 elif item.signal == Signal.STACKS:
                     w.add_stacks(item.resource, item.payload)
+                elif item.signal == Signal.COLLECTIVES:
+                    self.collectives.add(item.resource, item.payload)
                 elif item.signal == "final":
                     w.finish_rank(item.resource)
+                    self.collectives.finish_rank(item.resource)
             except Exception:
                 # A bug on one batch must not stop the processor.
                 log.exception("pipeline failed on a batch")
@@ -185,15 +194,24 @@ class Pipeline:
             if now >= next_idle:
                 next_idle = now + self._idle_check
                 w.close_idle()
+                self.collectives.tick()
                 self.metrics.set("queue_depth", self._q.qsize())
                 self.metrics.expire_jobs(self.windower.config.rank_expire_s)
                 for s in self.sinks:
                     if hasattr(s, "tick"):  # e.g. the store retrying its backlog
                         s.tick()
 
+    def _on_collectives(self, out: WindowOutput) -> None:
+        # summaries only: the Perfetto sink draws a rank's iteration windows (same file names)
+        self._export(out, skip=PERFETTO_SINK)
+
     def _on_close(self, cw: ClosedWindow) -> None:
-        out = self._summarize(cw)
+        self._export(self._summarize(cw))
+
+    def _export(self, out: WindowOutput, skip: str = "") -> None:
         for s in self.sinks:
+            if skip and getattr(s, "name", "") == skip:
+                continue
             try:
                 s.export(out)
             except Exception:

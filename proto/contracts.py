@@ -28,6 +28,7 @@ class Signal(_StrEnum):
     PHASES = "phases"
     ITERATIONS = "iterations"
     STACKS = "stacks"
+    COLLECTIVES = "collectives"   # per-collective records joined across ranks (Mycroft §4.2)
 
 
 SIGNALS: tuple[Signal, ...] = tuple(Signal)
@@ -38,6 +39,7 @@ RECORD_TYPES = {
     Signal.PHASES: records_pb2.PhaseWindow,
     Signal.ITERATIONS: records_pb2.IterationWindow,
     Signal.STACKS: records_pb2.StackWindow,
+    Signal.COLLECTIVES: records_pb2.CollectiveWindow,
 }
 
 #: Topic prefix of every signal and of the analyzer's outputs (Kafka and embedded bus alike).

@@ -137,6 +137,46 @@ class StackWindow(_message.Message):
     stacks: _containers.RepeatedCompositeFieldContainer[_telemetry_pb2.FoldedStack]
     def __init__(self, resource: _Optional[_Union[_common_pb2.Resource, _Mapping]] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., samples: _Optional[int] = ..., idle_samples: _Optional[int] = ..., stacks: _Optional[_Iterable[_Union[_telemetry_pb2.FoldedStack, _Mapping]]] = ...) -> None: ...
 
+class CollectiveStats(_message.Message):
+    __slots__ = ("group", "op", "size_class", "count", "p50_ns", "p99_ns", "max_ns", "total_bytes")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    SIZE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    P50_NS_FIELD_NUMBER: _ClassVar[int]
+    P99_NS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    op: str
+    size_class: int
+    count: int
+    p50_ns: float
+    p99_ns: float
+    max_ns: float
+    total_bytes: float
+    def __init__(self, group: _Optional[str] = ..., op: _Optional[str] = ..., size_class: _Optional[int] = ..., count: _Optional[int] = ..., p50_ns: _Optional[float] = ..., p99_ns: _Optional[float] = ..., max_ns: _Optional[float] = ..., total_bytes: _Optional[float] = ...) -> None: ...
+
+class CollectiveWindow(_message.Message):
+    __slots__ = ("resource", "window", "groups", "records", "stats", "now_ns", "records_dropped", "collector_dropped")
+    RESOURCE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    NOW_NS_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    COLLECTOR_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    resource: _common_pb2.Resource
+    window: Window
+    groups: _containers.RepeatedCompositeFieldContainer[_telemetry_pb2.CollectiveGroup]
+    records: _containers.RepeatedCompositeFieldContainer[_telemetry_pb2.CollectiveRecord]
+    stats: _containers.RepeatedCompositeFieldContainer[CollectiveStats]
+    now_ns: int
+    records_dropped: int
+    collector_dropped: int
+    def __init__(self, resource: _Optional[_Union[_common_pb2.Resource, _Mapping]] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., groups: _Optional[_Iterable[_Union[_telemetry_pb2.CollectiveGroup, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[_telemetry_pb2.CollectiveRecord, _Mapping]]] = ..., stats: _Optional[_Iterable[_Union[CollectiveStats, _Mapping]]] = ..., now_ns: _Optional[int] = ..., records_dropped: _Optional[int] = ..., collector_dropped: _Optional[int] = ...) -> None: ...
+
 class DiagnosisScope(_message.Message):
     __slots__ = ("phase", "kernel", "stream", "group", "group_index")
     PHASE_FIELD_NUMBER: _ClassVar[int]

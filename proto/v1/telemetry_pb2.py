@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from trainscope.proto.v1 import common_pb2 as trainscope_dot_proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#trainscope/proto/v1/telemetry.proto\x12\rtrainscope.v1\x1a trainscope/proto/v1/common.proto\"\x82\x01\n\x0bKernelBatch\x12\r\n\x05names\x18\x01 \x03(\t\x12\x10\n\x08start_ns\x18\x02 \x01(\x0c\x12\x13\n\x0b\x64uration_ns\x18\x03 \x01(\x0c\x12\x0f\n\x07name_id\x18\x04 \x01(\x0c\x12\x0e\n\x06stream\x18\x05 \x01(\x0c\x12\x0c\n\x04kind\x18\x06 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\r\"\xa4\x01\n\x0bPhaseTiming\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08start_ns\x18\x02 \x01(\x04\x12\x13\n\x0b\x64uration_ns\x18\x03 \x01(\x04\x12\x11\n\titeration\x18\x04 \x01(\x04\x12\x0e\n\x06stream\x18\x05 \x01(\r\x12(\n\x05\x63lock\x18\x06 \x01(\x0e\x32\x19.trainscope.v1.PhaseClock\x12\x13\n\x0bmicro_batch\x18\x07 \x01(\r\"8\n\nPhaseBatch\x12*\n\x06phases\x18\x01 \x03(\x0b\x32\x1a.trainscope.v1.PhaseTiming\"D\n\rIterationMark\x12\x11\n\titeration\x18\x01 \x01(\x04\x12\x10\n\x08start_ns\x18\x02 \x01(\x04\x12\x0e\n\x06\x65nd_ns\x18\x03 \x01(\x04\"=\n\x0eIterationBatch\x12+\n\x05marks\x18\x01 \x03(\x0b\x32\x1c.trainscope.v1.IterationMark\"L\n\x0b\x46oldedStack\x12\r\n\x05stack\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x11\n\tthread_id\x18\x03 \x01(\r\x12\x0c\n\x04idle\x18\x04 \x01(\x08\"|\n\rStackSnapshot\x12\x17\n\x0fwindow_start_ns\x18\x01 \x01(\x04\x12\x15\n\rwindow_end_ns\x18\x02 \x01(\x04\x12\x0f\n\x07samples\x18\x03 \x01(\r\x12*\n\x06stacks\x18\x04 \x03(\x0b\x32\x1a.trainscope.v1.FoldedStack\"=\n\nStackBatch\x12/\n\tsnapshots\x18\x01 \x03(\x0b\x32\x1c.trainscope.v1.StackSnapshot\"\xe6\x02\n\x0eTelemetryBatch\x12)\n\x08resource\x18\x01 \x01(\x0b\x32\x17.trainscope.v1.Resource\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x14\n\x0csent_unix_ns\x18\x03 \x01(\x04\x12\x15\n\rdropped_total\x18\x04 \x01(\x04\x12\x17\n\x0fsubmitted_total\x18\x05 \x01(\x04\x12\r\n\x05\x66inal\x18\x06 \x01(\x08\x12-\n\x07kernels\x18\n \x01(\x0b\x32\x1a.trainscope.v1.KernelBatchH\x00\x12+\n\x06phases\x18\x0b \x01(\x0b\x32\x19.trainscope.v1.PhaseBatchH\x00\x12\x33\n\niterations\x18\x0c \x01(\x0b\x32\x1d.trainscope.v1.IterationBatchH\x00\x12+\n\x06stacks\x18\r \x01(\x0b\x32\x19.trainscope.v1.StackBatchH\x00\x42\t\n\x07payload\"\x95\x02\n\rIngestSummary\x12\x18\n\x10\x62\x61tches_accepted\x18\x01 \x01(\x04\x12\x18\n\x10\x62\x61tches_rejected\x18\x02 \x01(\x04\x12\x18\n\x10records_accepted\x18\x03 \x01(\x04\x12\x18\n\x10records_rejected\x18\x04 \x01(\x04\x12N\n\x12rejected_by_reason\x18\x05 \x03(\x0b\x32\x32.trainscope.v1.IngestSummary.RejectedByReasonEntry\x12\x13\n\x0b\x64urable_seq\x18\x06 \x01(\x04\x1a\x37\n\x15RejectedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*T\n\nKernelKind\x12\x16\n\x12KERNEL_KIND_KERNEL\x10\x00\x12\x16\n\x12KERNEL_KIND_MEMCPY\x10\x01\x12\x16\n\x12KERNEL_KIND_MEMSET\x10\x02*Z\n\nPhaseClock\x12\x1b\n\x17PHASE_CLOCK_UNSPECIFIED\x10\x00\x12\x1a\n\x16PHASE_CLOCK_CUDA_EVENT\x10\x01\x12\x13\n\x0fPHASE_CLOCK_CPU\x10\x02\x32Q\n\x06Ingest\x12G\n\x06Stream\x12\x1d.trainscope.v1.TelemetryBatch\x1a\x1c.trainscope.v1.IngestSummary(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#trainscope/proto/v1/telemetry.proto\x12\rtrainscope.v1\x1a trainscope/proto/v1/common.proto\"\x82\x01\n\x0bKernelBatch\x12\r\n\x05names\x18\x01 \x03(\t\x12\x10\n\x08start_ns\x18\x02 \x01(\x0c\x12\x13\n\x0b\x64uration_ns\x18\x03 \x01(\x0c\x12\x0f\n\x07name_id\x18\x04 \x01(\x0c\x12\x0e\n\x06stream\x18\x05 \x01(\x0c\x12\x0c\n\x04kind\x18\x06 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\r\"\xa4\x01\n\x0bPhaseTiming\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08start_ns\x18\x02 \x01(\x04\x12\x13\n\x0b\x64uration_ns\x18\x03 \x01(\x04\x12\x11\n\titeration\x18\x04 \x01(\x04\x12\x0e\n\x06stream\x18\x05 \x01(\r\x12(\n\x05\x63lock\x18\x06 \x01(\x0e\x32\x19.trainscope.v1.PhaseClock\x12\x13\n\x0bmicro_batch\x18\x07 \x01(\r\"8\n\nPhaseBatch\x12*\n\x06phases\x18\x01 \x03(\x0b\x32\x1a.trainscope.v1.PhaseTiming\"D\n\rIterationMark\x12\x11\n\titeration\x18\x01 \x01(\x04\x12\x10\n\x08start_ns\x18\x02 \x01(\x04\x12\x0e\n\x06\x65nd_ns\x18\x03 \x01(\x04\"=\n\x0eIterationBatch\x12+\n\x05marks\x18\x01 \x03(\x0b\x32\x1c.trainscope.v1.IterationMark\"L\n\x0b\x46oldedStack\x12\r\n\x05stack\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x11\n\tthread_id\x18\x03 \x01(\r\x12\x0c\n\x04idle\x18\x04 \x01(\x08\"|\n\rStackSnapshot\x12\x17\n\x0fwindow_start_ns\x18\x01 \x01(\x04\x12\x15\n\rwindow_end_ns\x18\x02 \x01(\x04\x12\x0f\n\x07samples\x18\x03 \x01(\r\x12*\n\x06stacks\x18\x04 \x03(\x0b\x32\x1a.trainscope.v1.FoldedStack\"=\n\nStackBatch\x12/\n\tsnapshots\x18\x01 \x03(\x0b\x32\x1c.trainscope.v1.StackSnapshot\".\n\x0f\x43ollectiveGroup\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07members\x18\x02 \x03(\r\"\xa1\x01\n\x10\x43ollectiveRecord\x12\r\n\x05group\x18\x01 \x01(\r\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\n\n\x02op\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nenqueue_ns\x18\x06 \x01(\x04\x12\x10\n\x08start_ns\x18\x07 \x01(\x04\x12\x0e\n\x06\x65nd_ns\x18\x08 \x01(\x04\x12\x11\n\titeration\x18\t \x01(\x04\"\x9c\x01\n\x0f\x43ollectiveBatch\x12.\n\x06groups\x18\x01 \x03(\x0b\x32\x1e.trainscope.v1.CollectiveGroup\x12\x30\n\x07records\x18\x02 \x03(\x0b\x32\x1f.trainscope.v1.CollectiveRecord\x12\x0e\n\x06now_ns\x18\x03 \x01(\x04\x12\x17\n\x0f\x64ropped_records\x18\x04 \x01(\x04\"\x9d\x03\n\x0eTelemetryBatch\x12)\n\x08resource\x18\x01 \x01(\x0b\x32\x17.trainscope.v1.Resource\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x14\n\x0csent_unix_ns\x18\x03 \x01(\x04\x12\x15\n\rdropped_total\x18\x04 \x01(\x04\x12\x17\n\x0fsubmitted_total\x18\x05 \x01(\x04\x12\r\n\x05\x66inal\x18\x06 \x01(\x08\x12-\n\x07kernels\x18\n \x01(\x0b\x32\x1a.trainscope.v1.KernelBatchH\x00\x12+\n\x06phases\x18\x0b \x01(\x0b\x32\x19.trainscope.v1.PhaseBatchH\x00\x12\x33\n\niterations\x18\x0c \x01(\x0b\x32\x1d.trainscope.v1.IterationBatchH\x00\x12+\n\x06stacks\x18\r \x01(\x0b\x32\x19.trainscope.v1.StackBatchH\x00\x12\x35\n\x0b\x63ollectives\x18\x0e \x01(\x0b\x32\x1e.trainscope.v1.CollectiveBatchH\x00\x42\t\n\x07payload\"\x95\x02\n\rIngestSummary\x12\x18\n\x10\x62\x61tches_accepted\x18\x01 \x01(\x04\x12\x18\n\x10\x62\x61tches_rejected\x18\x02 \x01(\x04\x12\x18\n\x10records_accepted\x18\x03 \x01(\x04\x12\x18\n\x10records_rejected\x18\x04 \x01(\x04\x12N\n\x12rejected_by_reason\x18\x05 \x03(\x0b\x32\x32.trainscope.v1.IngestSummary.RejectedByReasonEntry\x12\x13\n\x0b\x64urable_seq\x18\x06 \x01(\x04\x1a\x37\n\x15RejectedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*T\n\nKernelKind\x12\x16\n\x12KERNEL_KIND_KERNEL\x10\x00\x12\x16\n\x12KERNEL_KIND_MEMCPY\x10\x01\x12\x16\n\x12KERNEL_KIND_MEMSET\x10\x02*Z\n\nPhaseClock\x12\x1b\n\x17PHASE_CLOCK_UNSPECIFIED\x10\x00\x12\x1a\n\x16PHASE_CLOCK_CUDA_EVENT\x10\x01\x12\x13\n\x0fPHASE_CLOCK_CPU\x10\x02\x32Q\n\x06Ingest\x12G\n\x06Stream\x12\x1d.trainscope.v1.TelemetryBatch\x1a\x1c.trainscope.v1.IngestSummary(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_INGESTSUMMARY_REJECTEDBYREASONENTRY']._loaded_options = None
   _globals['_INGESTSUMMARY_REJECTEDBYREASONENTRY']._serialized_options = b'8\001'
-  _globals['_KERNELKIND']._serialized_start=1487
-  _globals['_KERNELKIND']._serialized_end=1571
-  _globals['_PHASECLOCK']._serialized_start=1573
-  _globals['_PHASECLOCK']._serialized_end=1663
+  _globals['_KERNELKIND']._serialized_start=1913
+  _globals['_KERNELKIND']._serialized_end=1997
+  _globals['_PHASECLOCK']._serialized_start=1999
+  _globals['_PHASECLOCK']._serialized_end=2089
   _globals['_KERNELBATCH']._serialized_start=89
   _globals['_KERNELBATCH']._serialized_end=219
   _globals['_PHASETIMING']._serialized_start=222
@@ -54,12 +54,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STACKSNAPSHOT']._serialized_end=781
   _globals['_STACKBATCH']._serialized_start=783
   _globals['_STACKBATCH']._serialized_end=844
-  _globals['_TELEMETRYBATCH']._serialized_start=847
-  _globals['_TELEMETRYBATCH']._serialized_end=1205
-  _globals['_INGESTSUMMARY']._serialized_start=1208
-  _globals['_INGESTSUMMARY']._serialized_end=1485
-  _globals['_INGESTSUMMARY_REJECTEDBYREASONENTRY']._serialized_start=1430
-  _globals['_INGESTSUMMARY_REJECTEDBYREASONENTRY']._serialized_end=1485
-  _globals['_INGEST']._serialized_start=1665
-  _globals['_INGEST']._serialized_end=1746
+  _globals['_COLLECTIVEGROUP']._serialized_start=846
+  _globals['_COLLECTIVEGROUP']._serialized_end=892
+  _globals['_COLLECTIVERECORD']._serialized_start=895
+  _globals['_COLLECTIVERECORD']._serialized_end=1056
+  _globals['_COLLECTIVEBATCH']._serialized_start=1059
+  _globals['_COLLECTIVEBATCH']._serialized_end=1215
+  _globals['_TELEMETRYBATCH']._serialized_start=1218
+  _globals['_TELEMETRYBATCH']._serialized_end=1631
+  _globals['_INGESTSUMMARY']._serialized_start=1634
+  _globals['_INGESTSUMMARY']._serialized_end=1911
+  _globals['_INGESTSUMMARY_REJECTEDBYREASONENTRY']._serialized_start=1856
+  _globals['_INGESTSUMMARY_REJECTEDBYREASONENTRY']._serialized_end=1911
+  _globals['_INGEST']._serialized_start=2091
+  _globals['_INGEST']._serialized_end=2172
 # @@protoc_insertion_point(module_scope)

@@ -114,8 +114,50 @@ class StackBatch(_message.Message):
     snapshots: _containers.RepeatedCompositeFieldContainer[StackSnapshot]
     def __init__(self, snapshots: _Optional[_Iterable[_Union[StackSnapshot, _Mapping]]] = ...) -> None: ...
 
+class CollectiveGroup(_message.Message):
+    __slots__ = ("id", "members")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    members: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[str] = ..., members: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CollectiveRecord(_message.Message):
+    __slots__ = ("group", "seq", "op", "bytes", "dtype", "enqueue_ns", "start_ns", "end_ns", "iteration")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ENQUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    START_NS_FIELD_NUMBER: _ClassVar[int]
+    END_NS_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    seq: int
+    op: str
+    bytes: int
+    dtype: str
+    enqueue_ns: int
+    start_ns: int
+    end_ns: int
+    iteration: int
+    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., op: _Optional[str] = ..., bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., enqueue_ns: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., iteration: _Optional[int] = ...) -> None: ...
+
+class CollectiveBatch(_message.Message):
+    __slots__ = ("groups", "records", "now_ns", "dropped_records")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    NOW_NS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[CollectiveGroup]
+    records: _containers.RepeatedCompositeFieldContainer[CollectiveRecord]
+    now_ns: int
+    dropped_records: int
+    def __init__(self, groups: _Optional[_Iterable[_Union[CollectiveGroup, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[CollectiveRecord, _Mapping]]] = ..., now_ns: _Optional[int] = ..., dropped_records: _Optional[int] = ...) -> None: ...
+
 class TelemetryBatch(_message.Message):
-    __slots__ = ("resource", "seq", "sent_unix_ns", "dropped_total", "submitted_total", "final", "kernels", "phases", "iterations", "stacks")
+    __slots__ = ("resource", "seq", "sent_unix_ns", "dropped_total", "submitted_total", "final", "kernels", "phases", "iterations", "stacks", "collectives")
     RESOURCE_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +168,7 @@ class TelemetryBatch(_message.Message):
     PHASES_FIELD_NUMBER: _ClassVar[int]
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     STACKS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
     resource: _common_pb2.Resource
     seq: int
     sent_unix_ns: int
@@ -136,7 +179,8 @@ class TelemetryBatch(_message.Message):
     phases: PhaseBatch
     iterations: IterationBatch
     stacks: StackBatch
-    def __init__(self, resource: _Optional[_Union[_common_pb2.Resource, _Mapping]] = ..., seq: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., dropped_total: _Optional[int] = ..., submitted_total: _Optional[int] = ..., final: _Optional[bool] = ..., kernels: _Optional[_Union[KernelBatch, _Mapping]] = ..., phases: _Optional[_Union[PhaseBatch, _Mapping]] = ..., iterations: _Optional[_Union[IterationBatch, _Mapping]] = ..., stacks: _Optional[_Union[StackBatch, _Mapping]] = ...) -> None: ...
+    collectives: CollectiveBatch
+    def __init__(self, resource: _Optional[_Union[_common_pb2.Resource, _Mapping]] = ..., seq: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ..., dropped_total: _Optional[int] = ..., submitted_total: _Optional[int] = ..., final: _Optional[bool] = ..., kernels: _Optional[_Union[KernelBatch, _Mapping]] = ..., phases: _Optional[_Union[PhaseBatch, _Mapping]] = ..., iterations: _Optional[_Union[IterationBatch, _Mapping]] = ..., stacks: _Optional[_Union[StackBatch, _Mapping]] = ..., collectives: _Optional[_Union[CollectiveBatch, _Mapping]] = ...) -> None: ...
 
 class IngestSummary(_message.Message):
     __slots__ = ("batches_accepted", "batches_rejected", "records_accepted", "records_rejected", "rejected_by_reason", "durable_seq")
