@@ -63,7 +63,7 @@ class Durability:
 
     def __init__(self, *, enabled: bool = True, store_backlog: Callable[[], int] = lambda: 0,
                  stored_until: dict[tuple[str, int], int] | None = None,
-                 max_senders: int = 4096, max_waiting: int = 1_000_000) -> None:
+                 max_senders: int = 4096, max_waiting: int = 65_536) -> None:
         self.boot_id = uuid.uuid4().hex
         #: Offer the replay (send the boot id) only when windows outlive the process, in a store whose
         #: ``stored_until`` keeps a replay from writing a window twice; without one, a restarted
