@@ -72,7 +72,8 @@ class InProcess:
             h = self.hooks
             out["hooks"] = {"errors": h.errors, "phases_recorded": h.phases.recorded,
                             "phases_dropped": dict(h.phases.dropped), "iterations": h.detector.iterations,
-                            "pattern": h.detector.pattern, "relearned": h.detector.relearned}
+                            "pattern": h.detector.pattern, "relearned": h.detector.relearned,
+                            "collectives": h.collective_log.stats() if h.collective_log else {}}
         if self.source is not None:
             out["kernel_source"] = {"name": self.source.name, **dict(getattr(self.source, "stats", {}))}
         return out
@@ -90,6 +91,7 @@ class InProcess:
             timeout = min(timeout, 0.2)  # nobody to flush to: count the rest as dropped, exit now
         for step in (lambda: self.source and self.source.stop(),
                      lambda: self.hooks and self.hooks.phases.stop(min(timeout, 2.0)),
+                     lambda: self.hooks and self.hooks.stop_collectives(),
                      lambda: self.collector.shutdown(timeout)):
             try:
                 step()

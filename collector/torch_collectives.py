@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 import threading
 import time
 
@@ -34,7 +35,22 @@ COLLECTIVES = {
     "send": "send", "recv": "recv", "isend": "send", "irecv": "recv",
     "all_gather_object": "allgather", "broadcast_object_list": "broadcast",
 }
+#: Point-to-point calls: not collectives of the whole group (no group sequence number).
+P2P = frozenset({"send", "recv"})
+log = logging.getLogger(__name__)
 _tls = threading.local()  # "coll": inside a wrapped collective (a collective calling another is timed once)
+
+
+def _payload(a, k) -> tuple[int, str]:
+    """Bytes and dtype of a collective's first tensor argument (a list: summed)."""
+    import torch
+
+    first = a[0] if a else next(iter(k.values()), None)
+    tensors = first if isinstance(first, (list, tuple)) else [first]
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if not tensors:
+        return 0, ""
+    return sum(t.numel() * t.element_size() for t in tensors), str(tensors[0].dtype).removeprefix("torch.")
 
 
 class CollectiveHooks:
@@ -56,6 +72,12 @@ class CollectiveHooks:
 
         self._patch(c10d, "init_process_group", init_process_group)
         self._patch(dist, "init_process_group", init_process_group)
+        if self.config.ddp_comm_hook:
+            from trainscope.collector.torch_ddp import install_ddp
+            try:
+                install_ddp(self)
+            except Exception:   # an old torch without comm hooks: DDP stays unrecorded
+                log.warning("trainscope: could not hook DDP; its all-reduces are not recorded", exc_info=True)
         for fname, op in COLLECTIVES.items():
             fn = getattr(c10d, fname, None)
             if fn is None or getattr(fn, "__trainscope__", False):
@@ -92,6 +114,7 @@ class CollectiveHooks:
         name, mode = prep
         if mode == "capturing":  # inside CUDA-graph capture: no events, no handle juggling
             return fn(*a, **k)
+        rec = self._guard(self._record_begin, op, group, a, k)
         if mode == "nccl_timing":  # async internally, so the group's NCCL-stream events time it
             wall = time.time_ns()
             if ai < len(a):
@@ -101,17 +124,21 @@ class CollectiveHooks:
             work = fn(*a, **k)
             if work is not None:
                 self.phases.add_work(name, work, start_wall=wall)
+                self._guard(self._end_on_completion, [work], None, rec)
                 if not user_async:
                     work.wait()
                     return None
+            else:
+                self._guard(self._record_end, rec)
             return work
         span = self.phases.begin(name, device_side=(mode == "events"))
         out = fn(*a, **k)
         works = out if isinstance(out, list) else [out]
         if mode == "events" or not all(hasattr(w, "get_future") for w in works):
             self.phases.end(span)  # done (recv returns the sender's rank, not a handle)
+            self._guard(self._record_end, rec)
         else:
-            self._guard(self._end_on_completion, works, span)
+            self._guard(self._end_on_completion, works, span, rec)
         return out
 
     def _prepare_collective(self, op: str, group, can_async: bool) -> tuple[str, str]:
@@ -123,7 +150,7 @@ class CollectiveHooks:
             return name, ("nccl_timing" if timing and can_async else "events")
         return name, "host"
 
-    def _end_on_completion(self, works: list, span) -> None:
+    def _end_on_completion(self, works: list, span, rec=None) -> None:
         pending = [len(works)]
         lock = threading.Lock()
 
@@ -132,10 +159,52 @@ class CollectiveHooks:
                 pending[0] -= 1
                 last = pending[0] == 0
             if last:
-                self.phases.end(span)
+                if span is not None:
+                    self.phases.end(span)
+                self._guard(self._record_end, rec)
 
         for w in works:
             w.get_future().add_done_callback(done)
+
+    # ------------------------------------------- collective records (Mycroft §4.2)
+    def _record_begin(self, op: str, group, a, k):
+        """A record for ``collective_log`` (``collective_log.py``): group id and members,
+        the group's next sequence number, bytes and dtype of the first tensor argument."""
+        clog = getattr(self, "collective_log", None)
+        if clog is None or op in P2P:
+            return None
+        info = self._group_info(group)
+        if info is None:
+            return None   # this rank is not a member: torch makes the call a no-op
+        nbytes, dtype = _payload(a, k)
+        it = self._current_iteration() if self.config.iterations else 0
+        return clog.begin(info[0], info[1], op, nbytes, dtype, it)
+
+    def _record_end(self, rec) -> None:
+        if rec is not None:
+            self.collective_log.end(rec)
+
+    def _group_info(self, group) -> tuple[str, tuple[int, ...]] | None:
+        key = id(group)
+        if key in self._group_infos:
+            return self._group_infos[key]
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        pg = group if group is not None else c10d._get_default_group()
+        if dist.get_rank(pg) < 0:
+            info = None
+        else:
+            members = tuple(int(r) for r in dist.get_process_group_ranks(pg))
+            try:  # torch names groups "0", "1", ... in creation order: the same on every member
+                name = str(c10d._get_process_group_name(pg))
+            except Exception:
+                name = ""
+            info = (name or "ranks:" + ",".join(map(str, members)), members)
+        if len(self._group_infos) > 1024:   # groups made on the fly: bounded
+            self._group_infos.clear()
+        self._group_infos[key] = info
+        return info
 
     def _backend(self, group) -> str:
         key = id(group)

@@ -20,6 +20,10 @@ wraps a few call sites where semantic boundaries are clear (ARGUS §4.2):
    completion: on CPU backends by the work's future callback, on NCCL by the
    process group's own events on the NCCL stream (``TORCH_NCCL_ENABLE_TIMING``),
    which the poller reads without synchronising (``cuda_phases``).
+   Each collective (not point-to-point) is also a record with its group's
+   sequence number (``collective_log``, Mycroft §4.2); DDP's all-reduces,
+   issued from C++, are relayed through the wrapped ``all_reduce`` by a
+   communication hook (``torch_ddp``).
 5. The iteration detector turns D/O events into iteration marks.
 
 Rank and world size follow ``init_process_group`` when the environment did
@@ -38,6 +42,7 @@ import time
 import weakref
 from typing import Any, Callable
 
+from trainscope.collector.collective_log import CollectiveLog, CollectiveLogConfig
 from trainscope.collector.cuda_phases import Phases, PhaseTimerConfig, activate
 from trainscope.collector.iteration_detector import (
     DATALOADER, OPTIMIZER, IterationDetector, IterationDetectorConfig)
@@ -60,6 +65,12 @@ class TorchHooksConfig:
     """Time forward of the top-level module(s) and the outermost backward."""
     collectives: bool = True
     """Wrap ``torch.distributed`` collectives and point-to-point calls."""
+    collective_records: bool = True
+    """Also emit one record per collective with the group's sequence number (``collective_log``)."""
+    ddp_comm_hook: bool = True
+    """Relay DDP's bucket all-reduces through the wrapped ``all_reduce`` (``torch_ddp``)."""
+    collective_log: CollectiveLogConfig = dataclasses.field(default_factory=CollectiveLogConfig)
+    """Shipping of collective records."""
     iterations: bool = True
     """Detect iterations from the data-loader/optimizer sequence (EROICA §4.1)."""
     learn_forwards: int = 3
@@ -98,6 +109,10 @@ class TorchHooks(CollectiveHooks):
         self._roles: dict[int, tuple[Any, str]] = {}
         self._backends: dict[int, str] = {}
         self._role_cache: dict[int, str] = {}
+        self._group_infos: dict[int, tuple | None] = {}
+        submit = getattr(getattr(collector, "exporter", None), "submit", None)
+        self.collective_log = (CollectiveLog(submit, config.collective_log)
+                               if config.collectives and config.collective_records and submit else None)
         self._top: "weakref.WeakSet" = weakref.WeakSet()
         self._seen_forwards = 0
         self._global_module_hooks: list = []
@@ -140,9 +155,15 @@ class TorchHooks(CollectiveHooks):
         self._undo.clear()
         self._remove_global_module_hooks()
         self.phases.stop()
+        self.stop_collectives()
         if _CURRENT is self:
             _CURRENT = None
             activate(None)
+
+    def stop_collectives(self) -> None:
+        """Ship the collective records left (before the exporter's final flush)."""
+        if self.collective_log is not None:
+            self._guard(self.collective_log.stop)
 
     def _patch(self, owner, attr: str, new) -> None:
         old = owner.__dict__[attr] if attr in getattr(owner, "__dict__", {}) else getattr(owner, attr)
