@@ -151,16 +151,25 @@ class Query:
                 host=(ri.host if ri else "") or s.host, coords=ri.coords if ri else "",
                 waited_for=s.waited_for if s.waited_for >= 0 else None,
                 levels=tuple(ev.get("levels", ())), where=tuple(ev.get("where", ()))))
-        w = v.window
-        its = ((w.first_iteration, w.last_iteration) if w.kind == records_pb2.WINDOW_KIND_ITERATIONS else None)
-        if window is None:
-            its = None
+        its = window_span(v.window) if window is not None else None
+        since = v.since_window if v.HasField("since_window") else None
+        since_span = next((window_span(x.window) for x in diagnoses.verdicts(job) if x.window.index == since),
+                          None) if since is not None else None
         return VerdictView(job=job, window=window, iterations=its, summary=v.summary, state=v.state or "healthy",
-                           confidence=v.confidence, host=v.host,
-                           since_window=v.since_window if v.HasField("since_window") else None,
+                           confidence=v.confidence, host=v.host, since_window=since, since_span=since_span,
+                           stacks=self._stack_note(job),
                            comparison=v.comparison, suspects=tuple(suspects),
                            phases=tuple(v.phases), kernels=tuple(v.kernels),
                            findings=tuple(_finding_row(d) for d in v.findings if not d.informational), verdict=v)
+
+    def _stack_note(self, job: str) -> str:
+        """Whether L5 had py-spy stacks to read for the job: ranks sampled, or why none (issue #12 item 4)."""
+        records, _ = self._open()
+        sampled = {r.resource.rank for r in records.records(Signal.STACKS, job)}
+        if sampled:
+            return f"stack sampling (py-spy): {len(sampled)} rank(s) sampled"
+        return ("stack sampling (py-spy) was off for this job: no stacks recorded (py-spy not found, "
+                "--no-stacks, or a simulator run without them), so L5 could not corroborate")
 
     def stragglers(self, job: str | None, since_ns: int = 0) -> Rows:
         """Ranks flagged as stragglers by diagnoses made at or after ``since_ns`` (unix ns; 0: all)."""
@@ -356,3 +365,19 @@ def _iteration_row(window: int, recs: Mapping[int, records_pb2.IterationWindow])
 
 def _iso(ns: int) -> str | None:
     return dt.datetime.fromtimestamp(ns / 1e9, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if ns else None
+
+
+def window_span(w) -> str:
+    """A window as a person reads it: ``iterations 40-44``, else its time range on the rank's clock.
+
+    Time windows carry rank-clock nanoseconds: shown as a UTC time range when they look like wall-clock
+    time (after 2001), else as seconds from the clock's zero (a simulated clock)."""
+    if w.kind == records_pb2.WINDOW_KIND_ITERATIONS:
+        return f"iterations {w.first_iteration}-{w.last_iteration}"
+    if not w.end_ns:
+        return ""
+    if w.start_ns >= 10**18:
+        a = dt.datetime.fromtimestamp(w.start_ns / 1e9, dt.timezone.utc)
+        b = dt.datetime.fromtimestamp(w.end_ns / 1e9, dt.timezone.utc)
+        return f"{a:%Y-%m-%d %H:%M:%S}-{b:%H:%M:%S} UTC"
+    return f"t={w.start_ns / 1e9:.0f}-{w.end_ns / 1e9:.0f} s"

@@ -78,12 +78,17 @@ class VerdictView:
     job: str
     window: int | None
     """The window of a one-window verdict; None for the job's verdict merged over its windows."""
-    iterations: tuple[int, int] | None
+    iterations: str | None
+    """The one-window verdict's span (``iterations 40-44`` or a UTC time range); None over all windows."""
     summary: str
     state: str
     confidence: float
     host: str
     since_window: int | None
+    since_span: str | None = None
+    """``since_window`` as a person reads it (``iterations 10-19`` or a UTC time range)."""
+    stacks: str = ""
+    """Whether py-spy stacks were recorded for the job (L5's input), one sentence."""
     comparison: str
     suspects: tuple[SuspectRow, ...]
     phases: tuple[str, ...]
@@ -151,7 +156,8 @@ def as_json(result: Rows | VerdictView) -> dict:
 
     if isinstance(result, VerdictView):
         # "verdict" is the replay contract's object (ARCHITECTURE.md): runbooks and tests read one schema
-        return {"query": "verdict", "job": result.job, "window": result.window,
+        return {"query": "verdict", "job": result.job, "window": result.window, "window_span": result.iterations,
+                "since_span": result.since_span, "stacks": result.stacks,
                 "verdict": contract_verdict_json(result.verdict),
                 "suspects": [dataclasses.asdict(s) for s in result.suspects],
                 "findings": [diagnosis_json(d) for d in result.verdict.findings if not d.informational]}

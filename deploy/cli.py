@@ -495,6 +495,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `trainscope query ... | head`: the reader left; no traceback, and none again at exit's flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # what a shell reports for a tool ended by SIGPIPE
 
 
 if __name__ == "__main__":

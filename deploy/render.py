@@ -9,7 +9,13 @@ import dataclasses
 
 def render_verdicts(verdicts) -> str:
     """One line per window that has findings; 'healthy' when none has."""
-    lines = [f"  window {v.window.index}: {v.summary}" for v in verdicts if v.ranks or v.findings]
+    from trainscope.analyzer.query import window_span
+
+    def label(w) -> str:
+        span = window_span(w)
+        return f"window {w.index}" + (f" ({span})" if span else "")
+
+    lines = [f"  {label(v.window)}: {v.summary}" for v in verdicts if v.ranks or v.findings]
     if not lines:
         return "verdict: healthy (no suspects)"
     return "verdict:\n" + "\n".join(lines)
@@ -51,13 +57,14 @@ def render_query(result) -> str:
 
     if isinstance(result, VerdictView):
         v = result
-        its = f" (iterations {v.iterations[0]}-{v.iterations[1]})" if v.iterations else ""
+        its = f" ({v.iterations})" if v.iterations else ""
         where = f"window {v.window}{its}" if v.window is not None else "all windows"
         head = [f"job {v.job}, {where}", v.summary,
                 f"state {v.state}, confidence {v.confidence:.2f}"
                 + (f", host {v.host}" if v.host else "")
                 + (f", since window {v.since_window}" if v.since_window is not None else "")
-                + f", compared with {v.comparison or 'peers'}"]
+                + (f" ({v.since_span})" if v.since_span else "")
+                + f", compared with {v.comparison or 'peers'}"] + ([v.stacks] if v.stacks else [])
         if not v.suspects and not v.findings:
             return "\n".join(head + [f"verdict: {v.state} (no suspects)"])
         out = head

@@ -128,7 +128,7 @@ def test_verdict_names_the_slow_rank_with_its_host_and_coordinates(query):
     assert doc["verdict"]["state"] == "degraded" and doc["verdict"]["suspects"][0]["rank"] == 2
     assert doc["verdict"]["suspects"][0]["impact_s"] == pytest.approx(0.031)
     v = query.verdict("train-a", window=2)
-    assert v.window == 2 and v.iterations == (10, 14)
+    assert v.window == 2 and v.iterations == "iterations 10-14"
     assert [s.rank for s in v.suspects] == [2]
     s = v.suspects[0]
     assert (s.host, s.coords, s.levels) == ("node1", "dp=1 tp=0 pp=0 ep=0 cp=0", ("L2", "L3"))
@@ -370,3 +370,39 @@ def test_cli_bad_input_exit_codes(store_path, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # argparse: missing --rank
         main(["query", "kernels", "--store", store_path])
     assert e.value.code == 2
+
+
+def test_verdict_says_since_which_iterations_and_whether_stacks_were_sampled(store_path):
+    """Window ids a person can read, and L5's input named (issue #12 item 4): no stacks -> said off."""
+    from trainscope.deploy.render import render_query
+
+    with Query(QueryConfig(store_path=store_path), now=lambda: NOW) as q:
+        v = q.verdict("train-a")
+        one = q.verdict("train-a", window=2)
+    assert v.since_window is None and v.since_span is None  # this fixture's verdicts carry no onset
+    assert "was off" in v.stacks and "py-spy" in v.stacks
+    assert "was off" in render_query(v)
+    assert render_query(one).startswith("job train-a, window 2 (iterations 10-14)")
+    import dataclasses
+    text = render_query(dataclasses.replace(v, since_window=1, since_span="iterations 5-9"))
+    assert "since window 1 (iterations 5-9)" in text
+    assert as_json(v)["stacks"] == v.stacks
+
+    records = SqliteStore(store_path)
+    res = _resource("train-a", 1, 4)
+    records.put("stacks", records_pb2.StackWindow(resource=res.to_pb(), window=_window(0), samples=10))
+    records.close()
+    with Query(QueryConfig(store_path=store_path), now=lambda: NOW) as q:
+        assert q.verdict("train-a").stacks == "stack sampling (py-spy): 1 rank(s) sampled"
+
+
+def test_window_span_reads_as_iterations_or_a_utc_time_range():
+    from trainscope.analyzer.query import window_span
+
+    assert window_span(_window(3)) == "iterations 15-19"
+    wall = records_pb2.Window(kind=records_pb2.WINDOW_KIND_TIME, index=1, start_ns=1_700_000_000 * 10**9,
+                              end_ns=1_700_000_010 * 10**9)
+    assert window_span(wall) == "2023-11-14 22:13:20-22:13:30 UTC"
+    simulated = records_pb2.Window(kind=records_pb2.WINDOW_KIND_TIME, index=3, start_ns=30 * 10**9,
+                                   end_ns=40 * 10**9)
+    assert window_span(simulated) == "t=30-40 s"
