@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from trainscope.analyzer import consistent, individual, l1_iteration, l2_groups, l2_phases, l3_kernels, l5_stacks
+from trainscope.analyzer import collectives, consistent, individual, l1_iteration, l2_groups, l2_phases, l3_kernels, l5_stacks
 from trainscope.analyzer.impact import WindowScale
 from trainscope.analyzer.model import Finding, JobWindow
 from trainscope.analyzer.topology import group_of, resources_with
@@ -192,3 +192,23 @@ class ConsistentShift:
         found, n = consistent.analyze_consistent(ctx.jw, ctx.scale, ratios, self.cfg, self.groups_cfg)
         ctx.comparisons["peers_over_windows"] = n
         return found
+
+
+class Collectives:
+    """Late start to a collective, from per-collective records joined across ranks (``collectives``).
+
+    The records arrive on their own topic, faster than the windows; the service files them in
+    ``job_state.collectives`` and checks hangs on every step (``CollectiveState.hangs``). Per
+    analysed window this level judges the collectives completed since the last one."""
+
+    level, corroborating = collectives.LEVEL, False
+
+    def __init__(self, cfg: collectives.CollectivesConfig) -> None:
+        self.cfg = cfg
+
+    def analyze(self, ctx: WindowContext) -> list[Finding]:
+        state = getattr(ctx.job_state, "collectives", None)
+        if state is None:
+            return []
+        ctx.comparisons[self.level] = sum(len(g.members) for g in state.groups.values() if len(g.members) > 1)
+        return state.late_starts(ctx.jw.job_id, ctx.jw.window, ctx.scale.iterations)

@@ -23,6 +23,10 @@ Steps, continuously (``step`` / ``run``):
    simulated clock change nothing. A job whose ranks said they shut down
    (``Window.final``, sent by a normal collector shutdown) has ended, not
    stalled; a crashed or hung one never says so.
+6. Collective hang (Mycroft §4.3): collective records (their own topic, filed
+   by (group, seq) in ``collectives.CollectiveState``) are checked on every
+   step: a collective some ranks wait in for ``collectives.hang_timeout_s``
+   while others never entered it names the first-stuck rank and the seq.
 
 State is bounded: jobs, open windows per job, iteration history per rank.
 """
@@ -38,11 +42,11 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from trainscope.analyzer import (
-    consistent, individual, l1_iteration, l2_groups, l2_phases, l3_kernels, l5_stacks, stall,
+    collectives, consistent, individual, l1_iteration, l2_groups, l2_phases, l3_kernels, l5_stacks, stall,
 )
 from trainscope.analyzer.impact import ImpactConfig, apply_floor, window_scale
 from trainscope.analyzer.levels import (
-    ConsistentShift, Detector, L1Iterations, L2Phases, L3Kernels, L5Stacks, OwnHistory, SiblingGroups,
+    Collectives, ConsistentShift, Detector, L1Iterations, L2Phases, L3Kernels, L5Stacks, OwnHistory, SiblingGroups,
     WindowContext,
 )
 from trainscope.analyzer.merge import merge
@@ -59,7 +63,7 @@ log = logging.getLogger(__name__)
 
 
 #: Detector levels, in the order they run (corroborating L5 last).
-LEVEL_NAMES = ("L2", "L3", "groups", "history", "consistent", "L1", "L5")
+LEVEL_NAMES = ("L2", "L3", "groups", "history", "consistent", "collectives", "L1", "L5")
 # comparisons counted per level are named by what was compared with what:
 # L1/L2/L3 "peers", sibling_groups, own_history, pair
 
@@ -90,7 +94,9 @@ class AnalyzerConfig:
     """Weak but consistent shifts from the peers, over windows."""
     impact: ImpactConfig = dataclasses.field(default_factory=ImpactConfig)
     """The impact floor below which findings are informational."""
-    levels: tuple[str, ...] = ("L1", "L2", "L3", "L5", "groups", "history", "consistent")
+    collectives: collectives.CollectivesConfig = dataclasses.field(default_factory=collectives.CollectivesConfig)
+    """Late start and hang from per-collective records (Mycroft §4.3, §5)."""
+    levels: tuple[str, ...] = ("L1", "L2", "L3", "L5", "groups", "history", "consistent", "collectives")
     """Which levels run."""
     persist_k: int = 2
     """A rank is named once flagged in persist_k ..."""
@@ -166,6 +172,7 @@ class _Job:
         self.own_history = None                   # individual.History, kept by the OwnHistory level
         self.shift_ratios = None                  # consistent.Ratios, kept by the ConsistentShift level
         self.first_iteration: dict[int, int] = {}  # rank -> first iteration it reported
+        self.collectives = None                   # collectives.CollectiveState: records joined by (group, seq)
 
 
 class Analyzer:
@@ -189,6 +196,12 @@ class Analyzer:
         job = self._job(res.job_id, now)
         job.world_size = max(job.world_size, res.world_size)
         job.resources[res.rank] = res
+        if signal == Signal.COLLECTIVES:   # their own short windows: joined by (group, seq), not by window
+            if job.collectives is None:
+                job.collectives = collectives.CollectiveState(self.config.collectives)
+            job.collectives.absorb(res.rank, rec)
+            self.metrics.counters["records_in"] += 1
+            return
         w = rec.window
         key = (w.kind, w.index)
         if signal != Signal.STACKS:  # stacks come from an optional sidecar: never waited for
@@ -263,6 +276,7 @@ class Analyzer:
                 if reason:
                     out.append(self._analyse(job, key, reason))
             self._check_stall(job, now)
+            self._check_hang(job)
         return out
 
     def run(self, stop: threading.Event, timeout_s: float = 0.2) -> None:
@@ -390,6 +404,18 @@ class Analyzer:
             self._publish([f.to_pb()], merge(job.job_id, window, [f], job.resources))
 
 
+    def _check_hang(self, job: _Job) -> None:
+        """Step 6: a collective some ranks wait in and others never entered (``collectives.py``)."""
+        if job.collectives is None:
+            return
+        window = records_pb2.Window(index=max(job.latest.values(), default=0))
+        found = job.collectives.hangs(job.job_id, window, job.ended)
+        if found:
+            job.stalled = True
+            self.metrics.set_stalled(job.job_id, True)
+            self._publish([f.to_pb() for f in found], merge(job.job_id, window, found, job.resources))
+
+
 def default_detectors(config: AnalyzerConfig, metrics: AnalyzerMetrics | None = None) -> list[Detector]:
     """The levels the service runs, in order (``AnalyzerConfig.levels`` picks them)."""
     made = {
@@ -398,6 +424,7 @@ def default_detectors(config: AnalyzerConfig, metrics: AnalyzerMetrics | None = 
         "groups": lambda: SiblingGroups(config.groups),
         "history": lambda: OwnHistory(config.individual, config.groups),
         "consistent": lambda: ConsistentShift(config.consistent, config.groups),
+        "collectives": lambda: Collectives(config.collectives),
         "L1": lambda: L1Iterations(config.l1),
         "L5": lambda: L5Stacks(config.l5),
     }

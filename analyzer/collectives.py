@@ -1,0 +1,271 @@
+"""Collective root cause from per-collective records: late start and hang (Mycroft §4.3, §5).
+
+Input: ``CollectiveWindow`` records (one per rank and short processor window,
+``processor/collectives.py``), each with the rank's collectives keyed by
+(group, seq): the n-th collective on a group is the same collective on every
+member. ``CollectiveState`` (one per job, bounded) joins them across ranks.
+
+Late start versus slow transfer (Mycroft §5, Table 3 "late start"; Algorithm 2
+asks which rank of the group is behind), per collective complete on every
+member, clock-free:
+
+1. A synchronising collective ends at about the same moment on every member,
+   so the member that entered last waited least: ``wait_r = end_r - enqueue_r``;
+   the last entrant is ``argmin wait`` and its lateness is the median wait of
+   the others minus its own. No cross-host clock is compared.
+2. The transfer time of the collective is the last entrant's wait (it found
+   everyone there): ``transfer = min wait``.
+3. Over the collectives judged in a window, per group: a rank that entered last
+   in at least ``min_share`` of them, late by at least ``late_factor`` transfer
+   times and ``min_late_ms`` on average, is a culprit (late start: compute or
+   host side); its impact is its total lateness per iteration, and the members
+   that waited for it are waiters. The first collective it was late to (group,
+   seq) is the evidence an engineer looks up.
+4. Slow transfer (network side): no rank late, but the group's transfer time of
+   these collectives ``slow_factor`` times its own earlier median for the same
+   (op, size class): reported as evidence (informational: gloo gives no
+   per-link records to name a link; the NCCL profiler plugin would).
+
+Hang (Mycroft §4.3 trigger "no completion for a timeout", then §5's "which rank
+has not started the op"), checked on every analyzer step, not per window:
+
+5. A collective (group, seq) that some members report in flight (state records,
+   ``end_ns = 0``) for ``hang_timeout_s`` or more on their own clocks, while
+   other members never reported that seq: those others are stuck before it. The
+   first-stuck rank is the one whose last collective on the group is the
+   oldest (lowest seq); it is the culprit of a ``stall`` finding naming the
+   group and seq; the members in flight are its waiters.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Mapping
+
+import numpy as np
+
+from trainscope.analyzer.model import CULPRIT, WAITER, Finding, Scope, SuspectRank
+from trainscope.proto.errors import ConfigError
+from trainscope.proto.v1 import records_pb2
+
+LEVEL = "collectives"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CollectivesConfig:
+    hang_timeout_s: float = 15.0
+    """Step 5: a collective in flight this long on some members, never entered by others, is a hang."""
+    min_collectives: int = 3
+    """Step 3: collectives of a group judged in a window before a late start is named."""
+    min_share: float = 0.5
+    """Step 3: share of those a rank must have entered last."""
+    late_factor: float = 2.0
+    """Step 3: its mean lateness in transfer times (the last entrant's wait)."""
+    min_late_ms: float = 2.0
+    """Step 3: ... and in milliseconds (scheduler noise on a busy host is below it)."""
+    slow_factor: float = 3.0
+    """Step 4: transfer time against the group's own earlier median, same op and size class."""
+    max_seqs_per_group: int = 4096
+    """Collectives kept per group (oldest dropped): bounds memory."""
+    max_groups: int = 1024
+    """Groups tracked per job."""
+
+    def __post_init__(self) -> None:
+        for f in ("hang_timeout_s", "late_factor", "min_late_ms", "slow_factor"):
+            if not getattr(self, f) > 0:
+                raise ConfigError(f"analyzer.collectives.{f}", getattr(self, f), "must be > 0")
+        if not 0 < self.min_share <= 1:
+            raise ConfigError("analyzer.collectives.min_share", self.min_share, "must be in (0, 1]")
+        for f in ("min_collectives", "max_seqs_per_group", "max_groups"):
+            if not (isinstance(getattr(self, f), int) and getattr(self, f) >= 1):
+                raise ConfigError(f"analyzer.collectives.{f}", getattr(self, f), "must be an integer >= 1")
+
+
+class _Group:
+    __slots__ = ("members", "seqs", "judged", "transfer_hist", "reported_hang")
+
+    def __init__(self, members: tuple[int, ...]) -> None:
+        self.members = members
+        # seq -> rank -> (op, bytes, enqueue_ns, end_ns, iteration); end 0 = in flight
+        self.seqs: dict[int, dict[int, tuple]] = {}
+        self.judged = 0                     # highest seq judged for late start
+        self.transfer_hist: dict[tuple[str, int], collections.deque] = {}
+        self.reported_hang: set[int] = set()
+
+
+class CollectiveState:
+    """One job's collectives joined by (group, seq); bounded (``CollectivesConfig``)."""
+
+    def __init__(self, config: CollectivesConfig = CollectivesConfig()) -> None:
+        self.config = config
+        self.groups: dict[str, _Group] = {}
+        self.now_ns: dict[int, int] = {}    # rank -> its clock at its latest record
+        self.records = 0
+
+    def absorb(self, rank: int, rec: records_pb2.CollectiveWindow) -> None:
+        cfg = self.config
+        if rec.now_ns > self.now_ns.get(rank, 0):
+            self.now_ns[rank] = rec.now_ns
+        ids = []
+        for g in rec.groups:
+            grp = self.groups.get(g.id)
+            if grp is None and len(self.groups) < cfg.max_groups:
+                grp = self.groups[g.id] = _Group(tuple(g.members))
+            ids.append(grp)
+        for r in rec.records:
+            grp = ids[r.group] if r.group < len(ids) else None
+            if grp is None or r.seq <= grp.judged and r.seq not in grp.seqs:
+                continue   # untracked group, or a collective already judged and forgotten
+            row = grp.seqs.get(r.seq)
+            if row is None:
+                row = grp.seqs[r.seq] = {}
+                if len(grp.seqs) > cfg.max_seqs_per_group:
+                    del grp.seqs[min(grp.seqs)]
+            old = row.get(rank)
+            if old is None or not old[3]:   # a completion replaces the state record
+                row[rank] = (r.op, r.bytes, r.enqueue_ns, r.end_ns, r.iteration)
+            self.records += 1
+
+    # ------------------------------------------------------------ steps 1-4
+    def late_starts(self, job_id: str, window: records_pb2.Window,
+                    iterations: Mapping[int, float] | None = None) -> list[Finding]:
+        cfg = self.config
+        out: list[Finding] = []
+        for gid, grp in self.groups.items():
+            members = set(grp.members)
+            done = []
+            for s in sorted(x for x in grp.seqs if x > grp.judged):
+                row = grp.seqs[s]
+                if not (members <= set(row) and all(row[m][3] for m in members)):
+                    break   # judge a prefix without holes: later records may still be on their way
+                done.append(s)
+            if not done:
+                continue
+            grp.judged = done[-1]
+            if len(members) < 2:
+                continue
+            last_of, late_ns, transfer, first_late = [], collections.defaultdict(float), [], {}
+            late_count: dict[int, int] = collections.Counter()
+            waits_of: dict[int, list[float]] = collections.defaultdict(list)
+            for s in done:
+                row = grp.seqs[s]
+                ranks = sorted(members)
+                waits = np.array([row[m][3] - row[m][2] for m in ranks], dtype=np.float64)
+                i = int(np.argmin(waits))                           # step 1: the last entrant
+                others = np.delete(waits, i)
+                lateness = float(np.median(others) - waits[i])
+                transfer.append((row[ranks[i]][0], row[ranks[i]][1], float(waits[i])))    # step 2
+                last_of.append(ranks[i])
+                late_count[ranks[i]] += 1
+                late_ns[ranks[i]] += lateness
+                if lateness >= max(cfg.min_late_ms * 1e6, cfg.late_factor * waits[i]):
+                    first_late.setdefault(ranks[i], (s, row[ranks[i]][0], lateness))
+                for j, m in enumerate(ranks):
+                    if m != ranks[i]:
+                        waits_of[m].append(float(waits[j] - waits[i]))
+            med_transfer = float(np.median([t for _, _, t in transfer]))
+            found = False
+            if len(done) >= cfg.min_collectives:
+                for r, n in late_count.items():
+                    mean_late = late_ns[r] / n
+                    if (r in first_late and n / len(done) >= cfg.min_share
+                            and mean_late >= cfg.late_factor * med_transfer
+                            and mean_late >= cfg.min_late_ms * 1e6):
+                        out += self._late_finding(job_id, window, gid, grp, r, n, len(done), late_ns[r],
+                                                  med_transfer, first_late[r], waits_of, iterations)
+                        found = True
+            if not found:
+                slow = self._slow_transfer(job_id, window, gid, grp, transfer)
+                if slow is not None:
+                    out.append(slow)
+            for op, nbytes, t in transfer:   # step 4's history, after the check
+                h = grp.transfer_hist.setdefault((op, int(nbytes).bit_length()), collections.deque(maxlen=256))
+                h.append(t)
+            for s in done:
+                del grp.seqs[s]
+        return out
+
+    def _late_finding(self, job_id, window, gid, grp, rank, n, judged, late_total, transfer, first,
+                      waits_of, iterations) -> list[Finding]:
+        it = max(float((iterations or {}).get(rank, 1.0)), 1.0)
+        seq, op, lateness = first
+        ev = {"group": gid, "op": op, "seq": seq, "late_collectives": n, "judged": judged,
+              "mean_late_ms": round(late_total / n / 1e6, 3), "transfer_ms": round(transfer / 1e6, 3),
+              "function": f"late start to {op} (group {gid}, seq {seq})", "late_start": True}
+        culprit = Finding(
+            level=LEVEL, kind="late_start", job_id=job_id, window=window, scope=Scope(group="collective"),
+            suspects=(SuspectRank(rank, late_total / n / max(transfer, 1.0), ev, impact_ns=late_total / it,
+                                  role=CULPRIT),),
+            severity=late_total / n / max(transfer, 1.0), comparison="peers",
+            evidence={"communication": False, "group": gid, "seq": seq, "op": op, "rule": "Mycroft §5 late start",
+                      "members": list(grp.members)})
+        waiters = tuple(
+            SuspectRank(m, 1.0, {"waited_ms": round(sum(w) / len(w) / 1e6, 3), "group": gid, "seq": seq,
+                                 "ratio": 2.0}, impact_ns=sum(w) / it, role=WAITER, waited_for=rank)
+            for m, w in sorted(waits_of.items()) if m != rank and w)
+        out = [culprit]
+        if waiters:
+            out.append(Finding(level=LEVEL, kind="collective_wait", job_id=job_id, window=window,
+                               scope=Scope(group="collective"), suspects=waiters, comparison="peers",
+                               severity=1.0, evidence={"communication": True, "group": gid, "seq": seq,
+                                                       "waited_for": rank}))
+        return out
+
+    def _slow_transfer(self, job_id, window, gid, grp, transfer) -> Finding | None:
+        worst = None
+        for (op, size), h in grp.transfer_hist.items():
+            now = [t for o, b, t in transfer if o == op and int(b).bit_length() == size]
+            if len(h) < 8 or len(now) < self.config.min_collectives:
+                continue
+            base, cur = float(np.median(h)), float(np.median(now))
+            if base > 0 and cur >= self.config.slow_factor * base and (worst is None or cur / base > worst[0]):
+                worst = (cur / base, op, size, base, cur)
+        if worst is None:
+            return None
+        ratio, op, size, base, cur = worst
+        # informational: no rank is late, and gloo gives no per-link record to name a link
+        return Finding(level=LEVEL, kind="slow_transfer", job_id=job_id, window=window,
+                       scope=Scope(group="collective"), severity=ratio, informational=True, comparison="own_history",
+                       evidence={"communication": True, "group": gid, "op": op, "size_class": size - 1,
+                                 "transfer_ms": round(cur / 1e6, 3), "usual_ms": round(base / 1e6, 3),
+                                 "members": list(grp.members), "rule": "Mycroft §5 slow transfer"})
+
+    # ------------------------------------------------------------ step 5
+    def hangs(self, job_id: str, window: records_pb2.Window, ended: set[int] = frozenset()) -> list[Finding]:
+        """Step 5, for every group: the first-stuck rank of a collective others wait in."""
+        cfg = self.config
+        out = []
+        timeout = int(cfg.hang_timeout_s * 1e9)
+        for gid, grp in self.groups.items():
+            for seq in sorted(grp.seqs, reverse=True)[:4]:   # the newest few: a hang is at the front
+                if seq in grp.reported_hang:
+                    continue
+                row = grp.seqs[seq]
+                waiting = {r: self.now_ns.get(r, 0) - v[2] for r, v in row.items() if not v[3]}
+                if not waiting or max(waiting.values()) < timeout:
+                    continue
+                absent = [m for m in grp.members if m not in row and m not in ended]
+                if not absent:
+                    continue   # every member entered: in the transfer itself (not localised here)
+                last_seen = {m: max((s for s, rw in grp.seqs.items() if m in rw), default=grp.judged)
+                             for m in absent}
+                first = min(absent, key=lambda m: (last_seen[m], m))
+                grp.reported_hang.add(seq)
+                op = next(iter(row.values()))[0]
+                waited = max(waiting.values())
+                suspects = [SuspectRank(first, waited / 1e9, {
+                    "group": gid, "seq": seq, "op": op, "last_seq": last_seen[first],
+                    "function": f"never entered {op} (group {gid}, seq {seq})",
+                    "waited_s": round(waited / 1e9, 3)}, impact_ns=float(waited), role=CULPRIT)]
+                out.append(Finding(
+                    level=LEVEL, kind="stall", job_id=job_id, window=window, scope=Scope(group="collective"),
+                    suspects=tuple(suspects), severity=waited / 1e9, job_impact_ns=float(waited), comparison="job",
+                    evidence={"rule": "collective hang (Mycroft §4.3 timeout, §5 not started)", "group": gid,
+                              "seq": seq, "op": op, "first_stuck_rank": first,
+                              "waiting_ranks": sorted(waiting), "absent_ranks": absent,
+                              "waited_s": round(waited / 1e9, 3), "hang_timeout_s": cfg.hang_timeout_s}))
+                break
+        return out
+
+
+__all__ = ["CollectiveState", "CollectivesConfig", "LEVEL"]

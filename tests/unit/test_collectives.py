@@ -1,0 +1,156 @@
+"""Collective records end to end without processes: processor windows, then the analyzer's
+late-start and hang rules (analyzer/collectives.py) on records built like the collector's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trainscope.analyzer.collectives import CollectiveState, CollectivesConfig
+from trainscope.processor.collectives import CollectiveWindowConfig, CollectiveWindows, size_class, validate
+from trainscope.processor.selfmetrics import SelfMetrics
+from trainscope.proto.errors import ConfigError
+from trainscope.proto.model import Resource
+from trainscope.proto.v1 import records_pb2, telemetry_pb2
+
+MS = 1_000_000
+T0 = 1_700_000_000 * 10**9
+W = records_pb2.Window(index=0)
+
+
+def job_batches(ranks=4, steps=20, late_rank=None, late_ms=0.0, late_from=0, hang_rank=None, hang_at=None,
+                seed=0, transfer_ms=1.0, step_ms=50.0):
+    """Per rank: one CollectiveBatch of an all-reduce per step. Each rank enters after its own compute
+    (50 ms +- noise); the collective ends transfer_ms after the last member entered, on every member.
+    ``hang_rank`` never enters step ``hang_at``: the others stay in flight (state records)."""
+    rng = np.random.default_rng(seed)
+    recs = {r: [] for r in range(ranks)}
+    t = T0
+    now = {}
+    for step in range(steps):
+        enter = {r: t + int((step_ms + rng.normal(0, 0.5)) * MS) for r in range(ranks)}
+        if late_rank is not None and step >= late_from:
+            enter[late_rank] += int(late_ms * MS)
+        if hang_at is not None and step == hang_at:
+            for r in range(ranks):
+                if r != hang_rank:
+                    recs[r].append(telemetry_pb2.CollectiveRecord(
+                        group=0, seq=step + 1, op="allreduce", bytes=4096, dtype="float32",
+                        enqueue_ns=enter[r], start_ns=enter[r], end_ns=0, iteration=step))
+                now[r] = enter[r] + 20_000 * MS   # 20 s later, still in flight
+            now[hang_rank] = max(enter.values())
+            break
+        end = max(enter.values()) + int(transfer_ms * MS)
+        for r in range(ranks):
+            recs[r].append(telemetry_pb2.CollectiveRecord(
+                group=0, seq=step + 1, op="allreduce", bytes=4096, dtype="float32",
+                enqueue_ns=enter[r], start_ns=enter[r], end_ns=end + int(rng.uniform(0, 0.05) * MS),
+                iteration=step))
+        t = end
+    return {r: telemetry_pb2.CollectiveBatch(
+        groups=[telemetry_pb2.CollectiveGroup(id="0", members=list(range(ranks)))], records=recs[r],
+        now_ns=now.get(r, t)) for r in range(ranks)}
+
+
+def windows_of(batches, world=4):
+    """The batches through the processor's validation and windows: CollectiveWindow per rank."""
+    out = []
+    m = SelfMetrics()
+    cw = CollectiveWindows(CollectiveWindowConfig(), out.append, m)
+    for r, b in batches.items():
+        payload, n, end = validate(b, world, 2**62, m)
+        assert end == 0 and n == len(b.records)
+        cw.add(Resource(job_id="j", rank=r, world_size=world), payload)
+    cw.flush()
+    assert cw.open_windows == 0
+    return {o.collectives.resource.rank: o.collectives for o in out}
+
+
+def state_of(batches, **cfg) -> CollectiveState:
+    st = CollectiveState(CollectivesConfig(**cfg))
+    for r, w in windows_of(batches).items():
+        st.absorb(r, w)
+    return st
+
+
+def test_processor_window_keeps_raw_records_and_summarises_per_group_op_size():
+    ws = windows_of(job_batches(steps=10))
+    w = ws[1]
+    assert len(w.records) == 10 and [g.id for g in w.groups] == ["0"]
+    (s,) = w.stats
+    assert (s.group, s.op, s.size_class, s.count) == ("0", "allreduce", size_class(4096), 10)
+    assert s.p50_ns > 0 and s.max_ns >= s.p99_ns >= s.p50_ns
+    assert w.window.end_ns >= w.window.start_ns > 0
+
+
+def test_processor_window_is_bounded_and_counts_what_it_summarised_only():
+    out = []
+    m = SelfMetrics()
+    cw = CollectiveWindows(CollectiveWindowConfig(max_records_per_window=4), out.append, m)
+    payload, _, _ = validate(job_batches(steps=10)[0], 4, 2**62, m)
+    cw.add(Resource(job_id="j", rank=0, world_size=4), payload)
+    cw.flush()
+    (o,) = out
+    assert len(o.collectives.records) == 4 and o.collectives.records_dropped == 6
+    assert o.collectives.stats[0].count == 10          # summaries still cover every record
+    assert o.raw.window.end_ns == 0                    # never moves durability's closed_until
+
+
+def test_validation_drops_bad_records_and_refuses_an_empty_batch():
+    m = SelfMetrics()
+    b = job_batches(steps=3)[0]
+    b.records[0].group = 7                       # no such group
+    b.records[1].end_ns = b.records[1].enqueue_ns - 1   # ends before it began
+    payload, n, _ = validate(b, 4, 2**62, m)
+    assert n == 1
+    bad = telemetry_pb2.CollectiveBatch(groups=[telemetry_pb2.CollectiveGroup(id="0", members=[0, 9])],
+                                        records=[b.records[2]])
+    with pytest.raises(ValueError):
+        validate(bad, 4, 2**62, m)                # member 9 outside a world of 4
+
+
+def test_late_start_names_the_late_rank_with_the_first_collective_it_was_late_to():
+    st = state_of(job_batches(late_rank=2, late_ms=30, late_from=5))
+    found = st.late_starts("j", W, {r: 20.0 for r in range(4)})
+    culprit = [f for f in found if f.kind == "late_start"]
+    assert len(culprit) == 1
+    (s,) = culprit[0].suspects
+    assert s.rank == 2 and s.role == "culprit"
+    assert s.evidence["seq"] == 6 and s.evidence["group"] == "0"   # step 5 is the 6th all-reduce
+    assert s.evidence["mean_late_ms"] == pytest.approx(30, rel=0.2)
+    waiters = [f for f in found if f.kind == "collective_wait"][0]
+    assert sorted(w.rank for w in waiters.suspects) == [0, 1, 3]
+    assert all(w.waited_for == 2 for w in waiters.suspects)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_healthy_group_names_nobody(seed):
+    st = state_of(job_batches(seed=seed))
+    assert [f for f in st.late_starts("j", W) if not f.informational] == []
+    assert st.hangs("j", W) == []
+
+
+def test_hang_names_the_rank_that_never_entered_and_the_sequence_number():
+    st = state_of(job_batches(steps=30, hang_rank=2, hang_at=12))
+    st.late_starts("j", W)
+    (f,) = st.hangs("j", W)
+    assert f.kind == "stall" and f.suspects[0].rank == 2
+    assert f.evidence["seq"] == 13 and f.evidence["first_stuck_rank"] == 2
+    assert f.evidence["waiting_ranks"] == [0, 1, 3]
+    assert st.hangs("j", W) == []                 # reported once
+
+
+def test_no_hang_before_the_timeout():
+    st = state_of(job_batches(steps=30, hang_rank=2, hang_at=12), hang_timeout_s=60)
+    assert st.hangs("j", W) == []
+
+
+def test_state_is_bounded():
+    st = state_of(job_batches(steps=40, hang_rank=2, hang_at=35), max_seqs_per_group=8)
+    assert all(len(g.seqs) <= 8 for g in st.groups.values())
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError):
+        CollectivesConfig(min_share=0)
+    with pytest.raises(ConfigError):
+        CollectiveWindowConfig(length_s=0)
