@@ -18,7 +18,8 @@ from typing import Sequence
 
 from trainscope.deploy import secure_flags
 from trainscope.proto import env
-from trainscope.deploy.render import render_evaluation, render_query, render_sim, render_verdicts
+from trainscope.deploy.render import (Progress, SimProgress, render_evaluation, render_query, render_sim,
+                                      render_verdicts)
 from trainscope.proto.errors import ConfigError, TrainscopeError
 
 
@@ -97,8 +98,10 @@ def cmd_processor(args) -> int:
 def cmd_replay(args) -> int:
     from trainscope.deploy.replay import kernel_stats_json, run_replay, write_json
 
-    res = run_replay(args.dir, home=writable_home(_home(args)), window_iterations=args.window_iterations,
-                     analyze=not args.no_analyze, replace_store=args.force, **_sink_configs(args))
+    with Progress(f"trainscope replay {args.dir}", unit="ranks fed") as progress:
+        res = run_replay(args.dir, home=writable_home(_home(args)), window_iterations=args.window_iterations,
+                         analyze=not args.no_analyze, replace_store=args.force, progress=progress,
+                         **_sink_configs(args))
     total = sum(res.kernel_events_sent.values())
     print(f"replayed job {res.job_id!r}: {len(res.ranks)} ranks, {total:,} kernel events "
           f"in {res.seconds:.2f} s", flush=True)
@@ -195,7 +198,12 @@ def cmd_sim(args) -> int:
     if args.processor is None and not args.no_analyze:
         from trainscope.deploy.embedded import SimAnalysis
         analysis = SimAnalysis()
-    res = run_sim(cfg, args.processor, processor_options=options, **(analysis.hooks() if analysis else {}))
+    progress = Progress(f"trainscope sim (job {cfg.job_id})", cfg.iterations, "iterations")
+    try:
+        res = run_sim(cfg, args.processor, processor_options=options, sinks=[SimProgress(progress)],
+                      **(analysis.hooks() if analysis else {}))
+    finally:
+        progress.close()
     render_sim(res, sys.stdout)
     if analysis is not None:
         from trainscope.analyzer.evaluate import evaluate, load_truth
@@ -236,7 +244,7 @@ def cmd_query(args) -> int:
     }[args.what]
     import sqlite3
     try:
-        with Query(cfg) as q:
+        with Query(cfg) as q, Progress(f"trainscope query {args.what}: reading {path}").ticking():
             result = ask(q)
     except sqlite3.DatabaseError as e:
         raise ConfigError(setting, path, f"not a readable trainscope store: {e}") from None

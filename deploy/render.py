@@ -5,6 +5,9 @@ The CLI and the demo print through these; every number carries its unit.
 from __future__ import annotations
 
 import dataclasses
+import sys
+import time
+from typing import Callable, TextIO
 
 
 def render_verdicts(verdicts) -> str:
@@ -100,3 +103,95 @@ def _table(rows) -> str:
         grid.append([c if len(c) <= 60 or i == len(names) - 1 else c[:59] + "…" for i, c in enumerate(cells)])
     widths = [max(len(row[i]) for row in grid) for i in range(len(names))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in grid)
+
+
+class Progress:
+    """One status line on stderr for a long command (``sim``, ``replay``, a slow ``query``).
+
+    No progress library is a dependency, so: redrawn in place (``\\r``) at most 5 times a second,
+    and only on a terminal; piped or redirected stderr (CI logs, ``2>file``, the tests) gets
+    nothing, so machine-read output and one-line errors stay as they are. stdout is never
+    touched (``--json`` output is not mixed with it). ``close()`` clears the line.
+    """
+
+    def __init__(self, what: str, total: int | None = None, unit: str = "", *, stream: TextIO | None = None,
+                 interval_s: float = 0.2, clock: Callable[[], float] = time.monotonic) -> None:
+        self.what, self.total, self.unit = what, total, unit
+        self.stream = stream if stream is not None else sys.stderr
+        self.on = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.interval_s, self.clock = interval_s, clock
+        self.t0 = clock()
+        self._last = float("-inf")
+        self._shown = False
+
+    def update(self, done: int | None = None, note: str = "") -> None:
+        """``done`` units so far (None: only the time spent is shown)."""
+        if not self.on:
+            return
+        now = self.clock()
+        if now - self._last < self.interval_s:
+            return
+        self._last = now
+        of = f"/{self.total:,}" if self.total else ""
+        pct = f" ({100 * done / self.total:.0f} %)" if self.total and done is not None else ""
+        count = f"{done:,}{of} {self.unit}{pct}, " if done is not None else ""
+        text = f"{self.what}: {count}{now - self.t0:.0f} s" + (f", {note}" if note else "")
+        self.stream.write("\r" + text + "\x1b[K")
+        self.stream.flush()
+        self._shown = True
+
+    def close(self) -> None:
+        if self._shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self._shown = False
+
+    def ticking(self, after_s: float = 1.0) -> "_Ticker":
+        """A context in which a thread shows the time spent from ``after_s`` on (a query has no count)."""
+        return _Ticker(self, after_s)
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Ticker:
+    def __init__(self, progress: Progress, after_s: float) -> None:
+        import threading
+
+        self.progress, self.after_s = progress, after_s
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="trainscope-progress", daemon=True)
+
+    def _run(self) -> None:
+        if self.stop.wait(self.after_s):
+            return  # finished quickly: nothing shown
+        while not self.stop.wait(self.progress.interval_s):
+            self.progress.update()
+
+    def __enter__(self) -> "_Ticker":
+        if self.progress.on:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join()
+        self.progress.close()
+
+
+class SimProgress:
+    """A simulator sink (``collector.sim.emit.SimSink``) that only moves a :class:`Progress` line."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+
+    def write(self, chunk) -> None:
+        if len(chunk.iterations):
+            self.progress.update(int(chunk.iterations[-1]) + 1)
+
+    def close(self) -> None:
+        self.progress.close()

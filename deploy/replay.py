@@ -91,13 +91,14 @@ def run_replay(
     analyze: bool = True,
     analyzer_config: Any = None,
     replace_store: bool = False,
+    progress: Any = None,
 ) -> ReplayResult:
     """Replay every rank of ``directory`` and close all windows.
 
     Windows are cut by iterations (the traces' clocks are unrelated, so only
     iteration numbers line ranks up); the default of 5 iterations gives a
     30-step trace six windows, so a late onset is not averaged away and the
-    verdict can say since when.
+    verdict can say since when. ``progress`` (a ``deploy.render.Progress``) is told the ranks fed.
     """
     t0 = time.perf_counter()
     job = scan_replay_dir(directory)
@@ -113,10 +114,17 @@ def run_replay(
     verdicts: list = []
     try:
         with Processor(cfg) as proc:
-            for rank in sorted(job.files):
+            if progress is not None:
+                progress.total = len(job.files)
+            for i, rank in enumerate(sorted(job.files)):
+                if progress is not None:
+                    progress.update(i, note=f"rank {rank}")
                 trace = job.load(rank)
                 skipped[rank] = dict(trace.skipped)
                 sent[rank], drops[rank] = feed_rank(trace, resource_for(trace, job), proc.address)
+            if progress is not None:
+                progress.interval_s = 0.0  # the last step's line is always shown
+                progress.update(len(job.files), note="draining the processor and analysing")
             final_drain(proc, 300.0)
             metrics = proc.metrics.snapshot()
             if analyze:
