@@ -276,8 +276,11 @@ class StackSidecar:
                 self.stats["errors"] += 1
                 if not self._warned:
                     self._warned = True
+                    # one line: py-spy's "Error: ..." line, not the Rust backtrace that follows it
+                    lines = [ln.strip() for ln in err.splitlines() if ln.strip()]
+                    why = next((ln for ln in lines if ln.lower().startswith("error")), lines[0] if lines else "")
                     log.warning("trainscope stacks: py-spy failed on pid %d (rc %s): %s",
-                                w.pid, p.returncode, err.strip()[-300:])
+                                w.pid, p.returncode, why[:200])
         res = self._ranks.get(w.pid)
         if res is None or texts[0] is None:
             return
