@@ -15,7 +15,9 @@ member, clock-free:
    the others minus its own. No cross-host clock is compared.
 2. The transfer time of the collective is the last entrant's wait (it found
    everyone there): ``transfer = min wait``.
-3. Over the collectives judged in a window, per group: a rank that entered last
+3. Judged per analysed window: the collectives of its iterations (the hooks
+   number iterations as the marks do; time windows: by enqueue time), in seq
+   order without holes. Over them, per group: a rank that entered last
    in at least ``min_share`` of them, late by at least ``late_factor`` transfer
    times and ``min_late_ms`` on average, is a culprit (late start: compute or
    host side); its impact is its total lateness per iteration, and the members
@@ -93,6 +95,16 @@ class _Group:
         self.reported_hang: set[int] = set()
 
 
+def _in_window(row: Mapping[int, tuple], window: records_pb2.Window) -> bool:
+    """The collective belongs to this window or an earlier one: by iteration for iteration windows
+    (the hooks number iterations as the marks do), else by its members' enqueue times."""
+    if window.kind == records_pb2.WINDOW_KIND_ITERATIONS and window.last_iteration >= window.first_iteration:
+        return max(v[4] for v in row.values()) <= window.last_iteration
+    if window.end_ns:
+        return max(v[2] for v in row.values()) <= window.end_ns
+    return True
+
+
 class CollectiveState:
     """One job's collectives joined by (group, seq); bounded (``CollectivesConfig``)."""
 
@@ -138,6 +150,8 @@ class CollectiveState:
                 row = grp.seqs[s]
                 if not (members <= set(row) and all(row[m][3] for m in members)):
                     break   # judge a prefix without holes: later records may still be on their way
+                if not _in_window(row, window):
+                    break   # a later window's (records arrive ahead of the windows; a replay has them all)
                 done.append(s)
             if not done:
                 continue

@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
+
+from trainscope.proto import env
 
 log = logging.getLogger(__name__)
-
-#: Environment switch: ``0`` leaves DDP modules alone (no records for their all-reduces).
-DDP_COMM_HOOK = "TRAINSCOPE_DDP_COMM_HOOK"
 
 
 class _Relay:
@@ -50,8 +48,8 @@ def _relay_hook(relay: _Relay, bucket):
 
 def install_ddp(hooks) -> None:
     """Patch ``DistributedDataParallel`` (construction and hook registration); undone by ``uninstall``."""
-    if os.environ.get(DDP_COMM_HOOK, "1").strip().lower() in ("0", "false", "no", "off"):
-        return
+    if not env.switch(env.DDP_COMM_HOOK, True):
+        return   # no records for DDP's all-reduces
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     init, register, builtin = DDP.__init__, DDP.register_comm_hook, DDP._register_builtin_comm_hook
@@ -97,4 +95,4 @@ def _builtin(comm_hook_type):
             dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}.get(comm_hook_type)
 
 
-__all__ = ["DDP_COMM_HOOK", "install_ddp"]
+__all__ = ["install_ddp"]

@@ -60,6 +60,7 @@ CUPTI = "TRAINSCOPE_CUPTI"                # "0" never try CUPTI
 HOOKS = "TRAINSCOPE_HOOKS"                # "0" off, or a subset "dataloader,optimizer,module,collectives"
 SHUTDOWN_TIMEOUT_S = "TRAINSCOPE_SHUTDOWN_TIMEOUT_S"
 SHIP_INTERVAL_S = "TRAINSCOPE_SHIP_INTERVAL_S"  # phases/iterations handed to the exporter at most this often
+DDP_COMM_HOOK = "TRAINSCOPE_DDP_COMM_HOOK"  # "0": leave DDP modules alone (collector/torch_ddp.py)
 # Network security (proto/security.py; issue #11 item 8). Secrets come from a file
 # (the *_FILE variables, preferred) or the variable itself, never from argv.
 TLS_CA = "TRAINSCOPE_TLS_CA"                  # exporter: CA bundle that signed the processor's certificate
