@@ -1,41 +1,57 @@
 """CPU fallback kernel source: PyTorch operators in short, periodic windows.
 
 On a CPU-only job there are no GPU kernels; the closest equivalent is the
-ATen operators that do the work. This source samples them with the PyTorch
-profiler's CPU activity, in bounded windows, and feeds them to the same kernel
-pipeline as CUPTI (``KernelColumns``: name = operator, stream = thread):
+ATen operators that do the work. This source records them in bounded windows
+and feeds them to the same kernel pipeline as CUPTI (``KernelColumns``: name =
+operator, stream = thread):
 
-1. A daemon thread waits for ``gate`` (``launch`` passes the torch hooks'
-   first optimizer step, so start-up and rendezvous are not sampled; bounded
-   by ``gate_timeout_s``) and ``first_after_s``, then every ``period_s`` opens a
-   window of ``window_s`` seconds: the Kineto profiler with CPU activity only,
-   on all threads (``profile_all_threads``), no shapes, stacks or memory.
-   Windows are skipped while someone else's profiler is on (one profiler per
-   process) and never opened from the training thread.
-2. Closing the window hands back every operator event, nested (``aten::linear``
-   calls ``aten::addmm``, which calls ``aten::resolve_conj``...). Each keeps
-   its *exclusive* time, its duration minus that of the operators it called
-   directly (a stack walk per thread over events sorted by start): like GPU
-   kernels, these records say where the time went, and no time is counted
-   twice (``mode="top"``: only outermost operators, inclusive).
-3. The records become one ``KernelColumns`` batch (wall-clock ns, the same
-   clock as phases and iterations; stream = thread) handed to ``emit``.
-4. Bounds: closing a window costs the process a few microseconds of GIL time
-   per event (torch builds its result, we read it; measured 10-40 us per event
-   of lost training time on a busy 2-core host), so a window that yielded
-   more than ``max_events`` events is truncated, counted, and the next window
-   is halved (down to ``min_window_s``); quiet windows grow back to
-   ``window_s``.
+1. Windows open and close only on the training thread, at optimizer-step
+   boundaries (a global ``torch.optim`` step post hook; frameworks without
+   ``torch.optim`` call :meth:`CpuOpSource.safe_point` once per step). The
+   first step starts the clock (start-up and rendezvous are not sampled);
+   ``first_after_s`` later, then every ``period_s``, a window opens at a step
+   boundary and closes at the first boundary ``window_s`` after it (so it
+   spans whole steps: forward, backward, collectives, optimizer).
+2. The recorder is torch's thread-local RecordFunction profiler in its
+   push/pop form (``_enable_profiler_legacy``, CPU state; no shapes, stacks
+   or memory): every operator entered on the training thread while the
+   window is open is a (push, pop) pair matched by handle. Why not Kineto:
+   measured with ``tests/benchmarks/bench_job_crashes.py`` and a stress
+   loop, Kineto with ``profile_all_threads`` started and stopped from a side
+   thread corrupts the heap (its global callbacks keep raw pointers to the
+   profiler state that the stop frees; SIGABRT "malloc(): unsorted double
+   linked list corrupted", SIGSEGV), and thread-local Kineto still writes
+   into freed memory when an operator opened in one window ends in the next
+   (each entry keeps a pointer into its window's event buffer). A push/pop
+   event holds no pointer: an unmatched pop is simply ignored. Windows are
+   skipped while another profiler is on, and a ``torch.profiler`` the job
+   starts on the training thread closes an open window first (one profiler
+   per thread).
+3. Closing a window hands its events to a worker thread, which pairs them
+   and keeps each operator's *exclusive* time, its duration minus that of the
+   operators it called directly (a stack walk per thread): like GPU kernels,
+   these records say where the time went, and no time is counted twice
+   (``mode="top"``: only outermost operators, inclusive). The records become
+   one ``KernelColumns`` batch (wall-clock ns, the clock of phases and
+   iterations) handed to ``emit``.
+4. Bounds: an open window costs each operator a push and a pop (~1 us), and
+   reading costs ~2 us per event on the worker thread; a window that yielded
+   more than ``max_events`` operators is truncated, counted, and the next
+   window is halved (down to ``min_window_s``, never below one step); quiet
+   windows grow back to ``window_s``.
 
-Fidelity: operator names and exclusive host durations of every operator inside the
-windows (a ``window_s / period_s`` duty cycle, 1/600 by default), from all
-threads of the process; nothing between windows; no GPU time.
+Fidelity: operator names and exclusive host durations of every operator the
+training thread runs inside the windows (a ``window_s / period_s`` duty cycle,
+1/600 by default; at least one step per window); nothing between windows; no
+operators of other threads (on CPU, autograd runs backward on the calling
+thread); no GPU time.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from typing import Sequence
@@ -56,9 +72,9 @@ class CpuOpConfig:
     period_s: float = 30.0
     """Time between the starts of two windows."""
     window_s: float = 0.05
-    """Length of a window (the duty cycle is window_s / period_s)."""
+    """Shortest length of a window; it closes at the first optimizer step after it (whole steps)."""
     first_after_s: float = 5.0
-    """Delay before the first window, after the gate opened (warm-up steps are not typical)."""
+    """Delay before the first window, after the first optimizer step (warm-up steps are not typical)."""
     max_events: int = 20_000
     """Events kept from one window; beyond it the window is truncated and the next one halved."""
     min_window_s: float = 0.02
@@ -152,134 +168,231 @@ def _nesting(start: list, dur: list, tid: list) -> tuple[list, list]:
     return excl, top
 
 
+def pair_events(lists, limit: int) -> tuple[list, list, list, list, int]:
+    """Push/pop profiler events (one list per thread) -> parallel lists of operators, and how many there were.
+
+    A push opens an operator (name, start, thread) under its RecordFunction
+    handle; the pop with that handle closes it. A pop whose push came before
+    the window opened, and a push still open when it closed, are left out.
+    Only the first ``limit`` closed operators are kept (in closing order).
+    """
+    names: list[str] = []
+    start: list[int] = []
+    dur: list[int] = []
+    tid: list[int] = []
+    total = 0
+    for events in lists:
+        opened: dict[int, tuple] = {}
+        for e in events:
+            kind = e.kind()
+            if kind == "push":
+                opened[e.handle()] = (e.name(), e.start_us(), e.thread_id())
+            elif kind == "pop":
+                got = opened.pop(e.handle(), None)
+                if got is None:
+                    continue
+                total += 1
+                if total <= limit:
+                    names.append(got[0])
+                    start.append(round(got[1] * 1000))  # the profiler's clock is the wall clock, in us
+                    dur.append(round((e.start_us() - got[1]) * 1000))
+                    tid.append(got[2])
+    return names, start, dur, tid, total
+
+
 class CpuOpSource:
-    """A :class:`~trainscope.collector.sources.KernelSource` of operators sampled in windows."""
+    """A :class:`~trainscope.collector.sources.KernelSource` of operators recorded in windows at step boundaries."""
 
     name = "cpu-ops"
 
-    def __init__(self, config: CpuOpConfig = CpuOpConfig(), *, gate: threading.Event | None = None,
-                 gate_timeout_s: float = 300.0) -> None:
+    def __init__(self, config: CpuOpConfig = CpuOpConfig(), *, clock=time.monotonic) -> None:
         self.config = config
-        self._gate, self._gate_timeout_s = gate, gate_timeout_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._clock = clock
         self._window_s = config.window_s
+        self._lock = threading.Lock()
+        self._next_at: float | None = None
+        self._owner: int | None = None
+        """Ident of the thread whose window is open (the profiler is thread-local: only it may close it)."""
+        self._opened: tuple[float, int] = (0.0, 0)
+        self._stopping = False
+        self._hook = None
+        self._patched = None
+        self._pending: queue.Queue = queue.Queue(maxsize=2)
+        self._worker: threading.Thread | None = None
+        self._emit: Emit | None = None
         self.stats: collections.Counter[str] = collections.Counter()
-        """windows, skipped_busy, events, kept, truncated, errors."""
+        """windows, skipped_busy, yielded, events, kept, truncated, windows_dropped, errors."""
         self.last_window: tuple[int, int] | None = None
         """(start_ns, end_ns) of the last window closed."""
         self.available, self.reason = _probe()
 
+    # ------------------------------------------------------------ lifecycle
     def start(self, emit: Emit) -> None:
-        """Starts the window thread and returns at once (the source is endless)."""
+        """Hooks the optimizer step and starts the reader thread; returns at once (the source is endless)."""
         if not self.available:
             log.info("trainscope: CPU operator source off: %s", self.reason)
             return
-        if self._thread is None:
-            self._warm_up()
-            self._thread = threading.Thread(target=self._run, args=(emit,), name="trainscope-cpu-ops",
-                                            daemon=True)
-            self._thread.start()
+        if self._worker is not None:
+            return
+        from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    def _warm_up(self) -> None:
-        """One empty enable/disable on the calling (training) thread: Kineto wants its first
-        initialisation on the thread that imported torch, or it logs an error (~7 ms, once)."""
-        try:
-            from torch import autograd
-            if not autograd._profiler_enabled():
-                cfg, acts = _profiler_config()
-                autograd._prepare_profiler(cfg, acts)
-                autograd._enable_profiler(cfg, acts)
-                autograd._disable_profiler()
-        except Exception:
-            log.debug("profiler warm-up failed", exc_info=True)
+        self._emit = emit
+        self._worker = threading.Thread(target=self._drain, name="trainscope-cpu-ops", daemon=True)
+        self._worker.start()
+        self._hook = register_optimizer_step_post_hook(lambda _opt, _args, _kwargs: self.safe_point())
+        self._patch_profiler_start()
 
     def stop(self) -> None:
-        self._stop.set()
-        t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout=5.0)
-
-    def _run(self, emit: Emit) -> None:
-        cfg = self.config
-        if self._gate is not None:  # e.g. the first optimizer step: start-up is not sampled
-            deadline = time.monotonic() + self._gate_timeout_s
-            while not self._gate.wait(0.1):
-                if self._stop.is_set() or time.monotonic() > deadline:
-                    break
-        next_at = time.monotonic() + cfg.first_after_s
-        while not self._stop.wait(max(0.0, next_at - time.monotonic())):
-            next_at += cfg.period_s
+        """Unhooks, closes a window open on this thread, hands the last events to ``emit`` (bounded)."""
+        self._stopping = True
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._unpatch_profiler_start()
+        if self._owner == threading.get_ident():
+            self.safe_point()  # stopping: closes it
+        # a window open on another thread closes at that thread's next step (nobody else may close it)
+        w = self._worker
+        if w is not None and w is not threading.current_thread():
             try:
-                cols = self.window()
-                if cols is not None and len(cols):
-                    emit(cols)
-            except Exception:
-                self.stats["errors"] += 1
-                log.debug("CPU operator window failed", exc_info=True)
-            now = time.monotonic()
-            if next_at < now:  # a slow window: skip ahead, never catch up in a burst
-                next_at = now + cfg.period_s
+                self._pending.put(None, timeout=1.0)
+            except queue.Full:
+                pass
+            w.join(timeout=5.0)
 
-    def window(self) -> KernelColumns | None:
-        """Profile one window now (on the calling thread's schedule) and return its leaves."""
+    # ------------------------------------------------------ training thread
+    def safe_point(self) -> None:
+        """A step boundary of the calling (training) thread: opens or closes a window when due; never raises.
+
+        Costs a clock read and a comparison when nothing is due.
+        """
+        if not self._lock.acquire(blocking=False):
+            return  # another thread's step is in here: this boundary is skipped
+        try:
+            now = self._clock()
+            if self._owner is not None:
+                if self._owner == threading.get_ident() and (
+                        self._stopping or now - self._opened[0] >= self._window_s):
+                    self._close()
+                return
+            if self._stopping:
+                return
+            if self._next_at is None:  # the first step: start-up and rendezvous are behind us
+                self._next_at = now + self.config.first_after_s
+            if now < self._next_at:
+                return
+            self._next_at += self.config.period_s
+            if self._next_at <= now:  # slow steps: skip ahead, never catch up in a burst
+                self._next_at = now + self.config.period_s
+            self._open(now)
+        except Exception:
+            self.stats["errors"] += 1
+            log.debug("CPU operator window failed", exc_info=True)
+        finally:
+            self._lock.release()
+
+    def _open(self, now: float) -> None:
         from torch import autograd
 
-        if autograd._profiler_enabled():
+        if autograd._profiler_enabled():  # the job's own profiler (one per thread)
             self.stats["skipped_busy"] += 1
-            return None
-        cfg, acts = _profiler_config()
-        autograd._prepare_profiler(cfg, acts)
-        t0 = time.time_ns()
-        autograd._enable_profiler(cfg, acts)
-        try:
-            self._stop.wait(self._window_s)
-        finally:
-            result = autograd._disable_profiler()
-        t1 = time.time_ns()
-        self.last_window = (t0, t1)
-        events = result.events()
+            return
+        autograd._enable_profiler_legacy(_profiler_config())
+        self._owner, self._opened = threading.get_ident(), (now, time.time_ns())
+
+    def _close(self) -> None:
+        from torch import autograd
+
+        self._owner = None
+        lists = autograd._disable_profiler_legacy()
+        self.last_window = (self._opened[1], time.time_ns())
         self.stats["windows"] += 1
-        self.stats["events"] += len(events)
+        try:
+            self._pending.put_nowait(lists)
+        except queue.Full:  # the reader is behind: this window is not read (bounded memory)
+            self.stats["windows_dropped"] += 1
+
+    def _patch_profiler_start(self) -> None:
+        """A ``torch.profiler`` started on the thread of an open window closes the window first.
+
+        Every torch profiler context (``torch.profiler.profile``, ``autograd.profiler.profile``,
+        ``emit_nvtx``, ``emit_itt``) calls ``torch.autograd.profiler._run_on_profiler_start`` just
+        before enabling; without this the job's profiler would fail with "already enabled".
+        """
+        from torch.autograd import profiler as tap
+
+        orig = getattr(tap, "_run_on_profiler_start", None)
+        if orig is None:
+            return
+
+        def before_profiler_start(*a, **kw):
+            if self._owner == threading.get_ident():
+                with self._lock:
+                    if self._owner == threading.get_ident():
+                        self.stats["yielded"] += 1
+                        self._close()
+            return orig(*a, **kw)
+
+        tap._run_on_profiler_start = before_profiler_start
+        self._patched = (tap, orig, before_profiler_start)
+
+    def _unpatch_profiler_start(self) -> None:
+        if self._patched is not None:
+            tap, orig, mine = self._patched
+            if getattr(tap, "_run_on_profiler_start", None) is mine:  # nobody wrapped it after us
+                tap._run_on_profiler_start = orig
+            self._patched = None
+
+    # --------------------------------------------------------- reader thread
+    def _drain(self) -> None:
+        while True:
+            lists = self._pending.get()
+            if lists is None:
+                return
+            try:
+                cols = self.read(lists)
+                if len(cols) and self._emit is not None:
+                    self._emit(cols)
+            except Exception:
+                self.stats["errors"] += 1
+                log.debug("reading a CPU operator window failed", exc_info=True)
+
+    def read(self, lists) -> KernelColumns:
+        """One closed window's events -> ``KernelColumns``; adapts the next window's length."""
         limit = self.config.max_events
-        if len(events) > limit:
-            self.stats["truncated"] += len(events) - limit
-            events = events[:limit]
+        names, start, dur, tid, total = pair_events(lists, limit)
+        self.stats["events"] += total
+        if total > limit:
+            self.stats["truncated"] += total - limit
             self._window_s = max(self.config.min_window_s, self._window_s / 2)
-        elif len(events) < limit // 4:
+        elif total < limit // 4:
             self._window_s = min(self.config.window_s, self._window_s * 2)
-        names, start, dur, tid = [], [], [], []
-        for e in events:
-            names.append(e.name())
-            start.append(e.start_ns())
-            dur.append(e.duration_ns())
-            tid.append(e.start_thread_id())
         cols = events_to_columns(names, start, dur, tid, mode=self.config.mode)
         self.stats["kept"] += len(cols)
         return cols
 
 
 def _profiler_config():
-    """Kineto, CPU activity only, all threads; no shapes, memory, stacks, flops or modules."""
+    """torch's push/pop RecordFunction profiler, CPU only; no shapes, memory, stacks, flops or modules."""
     from torch import autograd
     from torch._C import _profiler as P
 
-    cfg = autograd.ProfilerConfig(autograd.ProfilerState.KINETO, False, False, False, False, False,
-                                  P._ExperimentalConfig(profile_all_threads=True))
-    return cfg, {autograd.ProfilerActivity.CPU}
+    return autograd.ProfilerConfig(autograd.ProfilerState.CPU, False, False, False, False, False,
+                                   P._ExperimentalConfig())
 
 
 def _probe() -> tuple[bool, str]:
     try:
         from torch import autograd
-        from torch._C import _profiler as P
-        P._ExperimentalConfig(profile_all_threads=True)
-        autograd._enable_profiler  # noqa: B018
+        from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: F401
+        autograd._enable_profiler_legacy  # noqa: B018
+        autograd._disable_profiler_legacy  # noqa: B018
+        _profiler_config()
         return True, ""
     except ImportError:
         return False, "torch is not installed"
-    except Exception as e:  # an older torch without all-thread CPU profiling
-        return False, f"this torch cannot profile all threads: {e}"
+    except Exception as e:  # a torch without the push/pop profiler or global optimizer hooks
+        return False, f"this torch has no thread-local operator profiler: {e}"
 
 
-__all__ = ["CpuOpConfig", "CpuOpSource", "events_to_columns"]
+__all__ = ["CpuOpConfig", "CpuOpSource", "events_to_columns", "pair_events"]

@@ -203,8 +203,7 @@ def _kernel_source(state: InProcess, environ):
     if spec.lower() in _OFF:
         return None
     from trainscope.collector.cpu_source import CpuOpConfig, CpuOpSource
-    gate = state.hooks.first_step if state.hooks is not None and state.hooks.config.optimizer else None
-    src = CpuOpSource(CpuOpConfig.parse(spec, CPU_OPS), gate=gate)
+    src = CpuOpSource(CpuOpConfig.parse(spec, CPU_OPS))  # windows at optimizer steps, on the training thread
     if not src.available:
         state.notes.append(f"CPU operator source off: {src.reason}")
         return None

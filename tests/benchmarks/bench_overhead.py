@@ -39,7 +39,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -135,37 +134,35 @@ def ci(xs: list[float], n: int = 2000) -> tuple[float, float, float]:
 
 
 def window_cost(job: Job, col, n_windows: int) -> tuple[float, int]:
-    """Extra training seconds per CPU-operator window (profiling + reading it), events per window."""
-    src = CpuOpSource(CpuOpConfig(period_s=1000, first_after_s=0))
-    src._warm_up()
-    spans, done = [], threading.Event()
+    """Extra training seconds per CPU-operator window (recording + reading it), events per window.
 
-    def windows():
-        for _ in range(n_windows):
-            time.sleep(1.0)
-            t0 = time.perf_counter()
-            cols = src.window()
-            spans.append((t0, time.perf_counter()))
-            if cols is not None:
-                col.record_kernels(cols)
-        time.sleep(0.5)
-        done.set()
+    The source runs as in a job: windows open and close at optimizer steps on
+    the training thread and a reader thread turns them into records; a window
+    counts from its opening until its records are handed on.
+    """
+    src = CpuOpSource(CpuOpConfig(period_s=1.0, first_after_s=1.0))
+    offset = time.time() - time.perf_counter()
+    spans = []
 
-    th = threading.Thread(target=windows)
-    th.start()
+    def emit(cols):
+        col.record_kernels(cols)
+        spans.append((src.last_window[0] / 1e9 - offset, time.time() - offset))
+
+    src.start(emit)
     ends = []
-    while not done.is_set():
+    deadline = time.monotonic() + 60 + 3 * n_windows
+    while len(spans) < n_windows and time.monotonic() < deadline:
         t = time.perf_counter()
         for d in job.block()[0]:
             ends.append((t, t + d))
             t += d
-    th.join()
+    src.stop()
     base = statistics.median(b - a for a, b in ends)
     extra = 0.0
     for w0, w1 in spans:
         hit = [b - a for a, b in ends if b > w0 and a < w1]
         extra += sum(hit) - base * len(hit)
-    return extra / len(spans), src.stats["events"] // max(1, src.stats["windows"])
+    return extra / max(1, len(spans)), src.stats["events"] // max(1, src.stats["windows"])
 
 
 def start_processor(home: str) -> tuple[subprocess.Popen, str]:
@@ -192,7 +189,7 @@ def rss_child(args) -> int:
     from trainscope.collector.stacks import write_rank_file
     write_rank_file(args.run_dir, col.resource)
     hooks = TorchHooks(col).install()
-    src = CpuOpSource(CpuOpConfig(period_s=5, first_after_s=1), gate=hooks.first_step)
+    src = CpuOpSource(CpuOpConfig(period_s=5, first_after_s=1))  # windows at optimizer steps
     col.add_kernel_source(src)
     t0, n = time.monotonic(), 0
     while time.monotonic() - t0 < args.long_s:

@@ -1,4 +1,4 @@
-"""CPU fallback kernel source: operators (exclusive time) from short profiler windows."""
+"""CPU fallback kernel source: operators (exclusive time) from windows opened at optimizer-step boundaries."""
 from __future__ import annotations
 
 import threading
@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from trainscope.collector.cpu_source import CpuOpConfig, CpuOpSource, events_to_columns
+from trainscope.collector.cpu_source import CpuOpConfig, CpuOpSource, events_to_columns, pair_events
 from trainscope.proto.columnar import KIND_KERNEL
 from trainscope.proto.errors import ConfigError
 
@@ -50,78 +50,175 @@ def test_config_parses_the_environment_form():
         CpuOpConfig(period_s=1, window_s=2)
 
 
+class Ev:
+    """A push/pop profiler event as torch's ``_disable_profiler_legacy`` returns them."""
+
+    def __init__(self, kind, handle, us, name="", thread=1):
+        self._k, self._h, self._us, self._n, self._t = kind, handle, us, name, thread
+
+    def kind(self):
+        return self._k
+
+    def handle(self):
+        return self._h
+
+    def start_us(self):
+        return self._us
+
+    def name(self):
+        return self._n
+
+    def thread_id(self):
+        return self._t
+
+
+def test_push_pop_pairs_become_operators_and_strays_are_left_out():
+    lists = [[Ev("mark", 0, 0.0, "__start_profile"),
+              Ev("pop", 7, 1.0),                          # opened before the window: no start
+              Ev("push", 1, 2.0, "aten::linear"), Ev("push", 2, 2.5, "aten::addmm"),
+              Ev("pop", 2, 3.25), Ev("pop", 1, 4.0),
+              Ev("push", 3, 5.0, "aten::relu")],          # still open when the window closed
+             [Ev("push", 9, 2.0, "aten::mul", thread=2), Ev("pop", 9, 2.001)]]
+    names, start, dur, tid, total = pair_events(lists, limit=10)
+    assert sorted(zip(names, start, dur, tid)) == [("aten::addmm", 2500, 750, 1), ("aten::linear", 2000, 2000, 1),
+                                                   ("aten::mul", 2000, 1, 2)]
+    assert total == 3
+    names, *_, total = pair_events(lists, limit=1)
+    assert len(names) == 1 and total == 3
+
+
 torch = pytest.importorskip("torch")
 
 
-def busy(stop: threading.Event):
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def model_and_step():
     m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
     x = torch.randn(4, 16)
-    while not stop.is_set():
+
+    def step():
+        opt.zero_grad()
         m(x).sum().backward()
+        opt.step()
+    return step
 
 
-def test_a_window_captures_another_threads_operators_on_the_wall_clock():
-    src = CpuOpSource(CpuOpConfig(period_s=10, window_s=0.1, first_after_s=0))
+def test_windows_open_and_close_at_optimizer_steps_on_the_training_thread():
+    clock, got = Clock(), []
+    src = CpuOpSource(CpuOpConfig(period_s=10, window_s=0.5, first_after_s=2), clock=clock)
     assert src.available, src.reason
-    stop = threading.Event()
-    t = threading.Thread(target=busy, args=(stop,))
-    t.start()
+    step = model_and_step()
+    before = time.time_ns()
+    src.start(got.append)
     try:
-        time.sleep(0.05)
-        before = time.time_ns()
-        cols = src.window()
-        after = time.time_ns()
+        step()                                   # the first step starts the clock
+        clock.t += 1.9
+        step()
+        assert not torch.autograd._profiler_enabled() and src.stats["windows"] == 0
+        clock.t += 0.2
+        step()                                   # first_after_s passed: a window opens at this step's end
+        assert torch.autograd._profiler_enabled()
+        step()                                   # < window_s later: still open, this step is recorded
+        clock.t += 0.5
+        step()                                   # window_s passed: closes at this step's end
+        assert not torch.autograd._profiler_enabled()
+        clock.t += 5
+        step()                                   # not due before period_s
+        assert not torch.autograd._profiler_enabled()
     finally:
-        stop.set()
-        t.join()
+        src.stop()
+    after = time.time_ns()
+    assert src.stats["windows"] == 1 and src.stats["errors"] == 0
+    assert len(got) == 1
+    cols = got[0]
     names = {cols.names[i] for i in cols.name_id}
-    assert {"aten::addmm", "aten::linear", "aten::relu"} <= names
-    assert before - 10**9 < int(cols.start_ns.min()) and int(cols.start_ns.max()) < after
-    assert src.stats["windows"] == 1 and src.stats["kept"] == len(cols)
+    assert {"aten::addmm", "aten::relu", "aten::sum"} <= names   # forward
+    assert any("Backward" in n for n in names)                    # backward, on the same thread
+    assert before < int(cols.start_ns.min()) and int(cols.start_ns.max()) < after   # wall clock ns
+    assert len(set(cols.stream.tolist())) == 1                    # one thread: the training thread
+    assert src.stats["kept"] == len(cols)
+    # unhooked: steps after stop open nothing
+    clock.t += 100
+    step()
+    assert not torch.autograd._profiler_enabled() and src.stats["windows"] == 1
+
+
+def test_a_window_only_its_own_thread_closes_and_stop_closes_it_there():
+    clock, got = Clock(), []
+    src = CpuOpSource(CpuOpConfig(period_s=10, window_s=0.1, first_after_s=0), clock=clock)
+    src.start(got.append)
+    src.safe_point()                              # opens on this thread
+    assert torch.autograd._profiler_enabled()
+    clock.t += 1
+    other = threading.Thread(target=src.safe_point)
+    other.start()
+    other.join()
+    assert torch.autograd._profiler_enabled()      # another thread's step may not close it
+    torch.randn(3).relu()
+    src.stop()                                     # on the owner thread: closed and read before it returns
+    assert not torch.autograd._profiler_enabled()
+    assert src.stats["windows"] == 1 and got and "aten::relu" in got[0].names
+
+
+def test_the_jobs_own_profiler_is_left_alone_and_closes_an_open_window_first():
+    clock, got = Clock(), []
+    src = CpuOpSource(CpuOpConfig(period_s=10, window_s=0.05, first_after_s=0), clock=clock)
+    src.start(got.append)
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            src.safe_point()
+        assert src.stats["skipped_busy"] == 1 and src.stats["windows"] == 0
+        clock.t += 10
+        src.safe_point()                           # a window is open on this thread ...
+        assert torch.autograd._profiler_enabled()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            torch.randn(3).relu()                  # ... and the job's profiler still starts
+        assert any(e.name == "aten::relu" for e in prof.events())
+        assert src.stats["yielded"] == 1 and src.stats["windows"] == 1
+    finally:
+        src.stop()
     assert not torch.autograd._profiler_enabled()
 
 
-def test_windows_run_in_the_background_after_the_gate_and_stop_promptly():
-    got = []
-    gate = threading.Event()
-    src = CpuOpSource(CpuOpConfig(period_s=0.3, window_s=0.05, first_after_s=0), gate=gate)
-    stop = threading.Event()
-    t = threading.Thread(target=busy, args=(stop,))
-    t.start()
+def test_an_operator_spanning_two_windows_is_harmless():
+    """The pattern that corrupts the heap under Kineto: an operator opened in one window ends in the next."""
+    clock, got = Clock(), []
+    src = CpuOpSource(CpuOpConfig(period_s=0.2, window_s=0.1, first_after_s=0), clock=clock)
+    src.start(got.append)
     try:
-        src.start(got.append)
-        time.sleep(0.4)
-        assert got == [] and src.stats["windows"] == 0  # training has not started
-        gate.set()
-        deadline = time.monotonic() + 10
-        while len(got) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        t0 = time.monotonic()
-        src.stop()
-        assert time.monotonic() - t0 < 2.0
+        for _ in range(200):
+            with torch.autograd.profiler.record_function("spans-windows"):
+                torch.randn(8, 8).relu()
+                clock.t += 0.1
+                src.safe_point()                   # closes or opens inside the open scope
     finally:
-        stop.set()
-        t.join()
-    assert len(got) >= 2 and all(len(c) for c in got)
-
-
-def test_a_busy_profiler_is_left_alone():
-    src = CpuOpSource(CpuOpConfig(period_s=10, window_s=0.05))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-        assert src.window() is None
-    assert src.stats["skipped_busy"] == 1
+        src.stop()
+    assert src.stats["windows"] >= 60 and src.stats["errors"] == 0
+    assert sum(len(c) for c in got) > 0
 
 
 def test_a_window_over_max_events_is_truncated_and_the_next_one_halved():
-    src = CpuOpSource(CpuOpConfig(period_s=10, window_s=0.1, min_window_s=0.01, max_events=50, first_after_s=0))
-    stop = threading.Event()
-    t = threading.Thread(target=busy, args=(stop,))
-    t.start()
+    clock, got = Clock(), []
+    src = CpuOpSource(CpuOpConfig(period_s=10, window_s=0.1, min_window_s=0.01, max_events=50, first_after_s=0),
+                      clock=clock)
+    step = model_and_step()
+    src.start(got.append)
     try:
-        cols = src.window()
+        src.safe_point()
+        for _ in range(10):
+            step()
+        clock.t += 0.2
+        src.safe_point()
     finally:
-        stop.set()
-        t.join()
+        src.stop()
     assert src.stats["truncated"] > 0 and src._window_s == pytest.approx(0.05)
+    cols = got[0]
     assert len(cols) <= 50
     assert np.all(np.diff(cols.start_ns.astype(np.int64)) >= 0)
