@@ -333,6 +333,8 @@ def cmd_run(args) -> int:
         print(f"wrote {install_autostart_pth(args.install_pth or None)}; "
               "set TRAINSCOPE_AUTOSTART=1 in the job's environment to enable collection")
         return 0
+    if not command and not args.print_env:
+        raise ConfigError("run", "", "no command: trainscope run [options] -- CMD ARGS...")
     cfg = launch.RunConfig(
         command=tuple(command) or ("<none>",) if args.print_env else tuple(command),
         processor=args.processor or "", start_processor=not args.no_processor, stacks=not args.no_stacks,
@@ -341,8 +343,6 @@ def cmd_run(args) -> int:
     if args.print_env:
         launch.print_env(cfg)
         return 0
-    if not command:
-        raise ConfigError("run", "", "no command: trainscope run [options] -- CMD ARGS...")
     import shutil
     if shutil.which(command[0]) is None:
         raise ConfigError("run", command[0], "command not found (not on PATH and not an executable path)")
