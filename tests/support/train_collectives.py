@@ -1,0 +1,89 @@
+"""A small real gloo job for the collective-record tests (PyTorch CPU): plain ``all_reduce`` or DDP.
+
+    torchrun --standalone --nproc-per-node 4 tests/support/train_collectives.py --mode plain --steps 60
+
+Each step: a data loader batch, forward of a small MLP, backward, the gradient
+all-reduce (``--mode plain``: one ``dist.all_reduce`` of the flattened
+gradients; ``--mode ddp``: DDP's bucket all-reduces during backward), an
+optimizer step. Faults, on one rank, from one step on:
+
+* ``--late-rank R --late-s S --late-from N``: rank R sleeps S seconds just
+  before its gradient all-reduce (plain: before the call; DDP: between forward
+  and backward), i.e. it enters the collective late (a host-side delay);
+* ``--hang-rank R --hang-from N``: rank R stops before the all-reduce of step N
+  and never enters it (it sleeps until killed); ``--hang-file F`` gets the wall
+  time (seconds) at which it stopped.
+
+Rank 0 writes a hash of the parameters to ``--out`` (runs with and without the
+collector compare bit for bit). Nothing here knows trainscope.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=("plain", "ddp"), default="plain")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--late-rank", type=int, default=-1)
+    ap.add_argument("--late-s", type=float, default=0.0)
+    ap.add_argument("--late-from", type=int, default=0)
+    ap.add_argument("--hang-rank", type=int, default=-1)
+    ap.add_argument("--hang-from", type=int, default=0)
+    ap.add_argument("--hang-file", default="")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
+    if a.mode == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(100 + rank)
+    data = TensorDataset(torch.randn(a.steps * 32, 64, generator=g), torch.randn(a.steps * 32, 8, generator=g))
+    loader = DataLoader(data, batch_size=32)
+    for step, (x, y) in enumerate(loader):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        time.sleep(0.02)  # a steady step (~30 ms) on a shared 2-core host
+        if rank == a.hang_rank and step >= a.hang_from:
+            if a.hang_file:
+                with open(a.hang_file, "w") as f:
+                    f.write(str(time.time()))
+            time.sleep(3600)
+        if rank == a.late_rank and step >= a.late_from:
+            time.sleep(a.late_s)
+        loss.backward()
+        if a.mode == "plain":
+            grads = [p.grad for p in model.parameters()]
+            flat = torch.cat([t.reshape(-1) for t in grads])
+            dist.all_reduce(flat)
+            flat /= world
+            off = 0
+            for t in grads:
+                t.copy_(flat[off:off + t.numel()].view_as(t))
+                off += t.numel()
+        opt.step()
+    if rank == 0 and a.out:
+        h = hashlib.sha256()
+        for p in model.parameters():
+            h.update(p.detach().contiguous().numpy().tobytes())
+        with open(a.out, "w") as f:
+            json.dump({"params": h.hexdigest(), "loss": loss.item()}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
