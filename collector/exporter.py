@@ -259,12 +259,17 @@ class BatchExporter:
                     self._held_bytes -= old.nbytes
                     self.stats.dropped["queue_full"] += 1
                     self.stats.confirmed -= old.confirmed  # a replayed batch: lost after all
+                if self._thread is None:
+                    try:
+                        self._start_worker()
+                    except RuntimeError:  # Python 3.12+ at interpreter shutdown: no new thread
+                        self._thread = None
+                        self.stats.dropped["interpreter_shutdown"] += 1
+                        return False
                 self._seq += 1
                 self._queue.append(_Pending(self._seq, payload, nbytes,
                                             resource=None if resource is None else resource.to_pb()))
                 self._held_bytes += nbytes
-                if self._thread is None:
-                    self._start_worker()
             self._wake.set()
             return True
         except Exception:  # never raise into user code
