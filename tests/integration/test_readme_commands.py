@@ -134,6 +134,7 @@ def test_quick_start_demo_then_every_query_and_report(tmp_path):
     out = ok(run_readme("trainscope demo", tmp_path, tmp_path))
     assert re.search(r"window \d+ \(iterations \d+-\d+\): job demo", out), out  # window ids a person reads
     assert "next: trainscope query verdict" in out
+    assert not os.listdir(tmp_path / "tmp"), "demo left temporary files behind"
 
     query = "trainscope query jobs|verdict|stragglers|kernels|iterations|ranks"
     verdict = json.loads(ok(run_readme(query, tmp_path, tmp_path, **{"jobs|verdict|stragglers|kernels|iterations|ranks":
@@ -193,6 +194,7 @@ def test_sim_and_replay(tmp_path):
     fresh.mkdir()
     out = ok(run_readme("trainscope replay DIR", fresh, tmp_path, DIR=str(traces)))
     assert "replayed job" in out and "kernel events in" in out and (fresh / ".trainscope" / "store.sqlite").exists()
+    assert not os.listdir(tmp_path / "tmp"), "sim or replay left temporary files behind"
 
 
 TRAIN = textwrap.dedent("""\
@@ -224,6 +226,8 @@ def test_run_a_torchrun_job(tmp_path):
     assert "next: trainscope analyzer" in res.stderr, res.stderr
     profiler = [ln for ln in res.stderr.splitlines() if ln.startswith(("USDT:", "STAGE:"))]
     assert not profiler, profiler
+    ours = [n for n in os.listdir(tmp_path / "tmp") if n.startswith(("trainscope-run-", "ts-"))]
+    assert not ours, f"run left its temporary directories: {ours}"  # torch's own (torchelastic_*) are torch's
 
 
 def test_kineto_is_silent_at_the_level_run_sets(tmp_path):
