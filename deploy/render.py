@@ -94,6 +94,8 @@ def _table(rows) -> str:
         if isinstance(v, float) and name.endswith("_s"):
             return next(f"{v * k:.3g} {u}" for k, u in ((1, "s"), (1e3, "ms"), (1e6, "us"), (1e9, "ns"))
                         if v * k >= 1 or u == "ns")
+        if isinstance(v, float) and (name == "ratio" or name.endswith("_ratio")):
+            return f"{v:.2f}x"  # a ratio to the peers: "x" says so (1.00x = like them)
         return f"{v:.2f}" if isinstance(v, float) else str(v)
 
     names = [f.name for f in dataclasses.fields(rows[0])]

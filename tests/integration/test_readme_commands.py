@@ -135,6 +135,10 @@ def test_quick_start_demo_then_every_query_and_report(tmp_path):
     assert re.search(r"window \d+ \(iterations \d+-\d+\): job demo", out), out  # window ids a person reads
     assert "next: trainscope query verdict" in out
     assert not os.listdir(tmp_path / "tmp"), "demo left temporary files behind"
+    store = tmp_path / ".trainscope" / "store.sqlite"
+    stored = store.stat().st_mtime_ns, store.stat().st_size
+    assert_one_line_exit_2(run_readme("trainscope demo", tmp_path, tmp_path), "--force")  # a second demo
+    assert (store.stat().st_mtime_ns, store.stat().st_size) == stored  # ...left the first one's store as it was
 
     query = "trainscope query jobs|verdict|stragglers|kernels|iterations|ranks"
     verdict = json.loads(ok(run_readme(query, tmp_path, tmp_path, **{"jobs|verdict|stragglers|kernels|iterations|ranks":
@@ -150,6 +154,8 @@ def test_quick_start_demo_then_every_query_and_report(tmp_path):
         if what in ("iterations", "stragglers", "kernels"):  # every duration column carries its unit
             first = text.splitlines()[1]
             assert re.search(r"\d (s|ms|us|ns)\b", first), (what, first)
+        if what == "kernels":  # ...and the ratio to the peers says it is one
+            assert re.search(r"\d\.\d\dx\b", text), text
 
     pytest.importorskip("plotly", reason="trainscope report needs the report extra (plotly)")
     ok(run_readme("trainscope report --job J -o report.html", tmp_path, tmp_path, timeout=120))

@@ -53,6 +53,16 @@ def test_every_option_help_shows_its_default(path, parser, action):
             f"{path} {action.option_strings[0]}: default {action.default!r} not in {help_text!r}"
 
 
+def test_version_prints_the_installed_version(capsys):
+    from importlib.metadata import version
+
+    from trainscope.deploy.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"trainscope {version('trainscope')}"
+
+
 def test_help_renders_for_every_parser():
     for path, parser in _parsers(build_parser()):
         text = parser.format_help()

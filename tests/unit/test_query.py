@@ -316,7 +316,7 @@ def test_cli_tables(store_path, capsys):
 
     rc, out, _ = cli(capsys, "kernels", "--store", store_path, "--job", "train-a", "--rank", "2")
     assert out.splitlines()[1].split() == ["gemm", "degraded_kernel", "1", "4", "ms", "600", "60", "us", "40", "us",
-                                           "1.50"]
+                                           "1.50x"]
     assert out.splitlines()[2].split()[:4] == ["nccl_allreduce", "-", "0", "-"]
 
     rc, out, _ = cli(capsys, "iterations", "--store", store_path, "--job", "train-a", "--last", "1")
