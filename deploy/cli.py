@@ -19,7 +19,7 @@ from typing import Sequence
 from trainscope.deploy import secure_flags
 from trainscope.proto import env
 from trainscope.deploy.render import (Progress, SimProgress, render_evaluation, render_query, render_sim,
-                                      render_verdicts)
+                                      render_verdicts, window_label)
 from trainscope.proto.errors import ConfigError, TrainscopeError
 
 
@@ -163,7 +163,7 @@ def cmd_analyzer(args) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         print(f"trainscope analyzer reading {daemon.where}; diagnoses to {store_path}", flush=True)
-        daemon.run(stop, lambda v: print(f"[{v.job_id} window {v.window.index}] {v.summary}", flush=True))
+        daemon.run(stop, lambda v: print(f"[{v.job_id} {window_label(v.window)}] {v.summary}", flush=True))
     finally:
         daemon.stop()
     return 0

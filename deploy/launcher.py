@@ -226,7 +226,7 @@ def summary_lines(result: RunResult) -> list[str]:
         c, h, k = s.get("collector", {}), s.get("hooks") or {}, s.get("kernel_source") or {}
         lines.append(
             f"  rank {s['resource']['rank']}: {c.get('confirmed', 0)}/{c.get('submitted', 0)} batches confirmed, "
-            f"{c.get('dropped_total', 0)} dropped {c.get('dropped', {}) or ''}; "
+            f"{c.get('dropped_total', 0)} dropped{_by_cause(c.get('dropped') or {})}; "
             f"{h.get('iterations', 0)} iterations (sequence {h.get('pattern')}); "
             f"kernels: {k.get('name', 'none')}" + "".join(f"; {n}" for n in s.get("notes", [])))
     if not result.ranks:
@@ -240,6 +240,12 @@ def summary_lines(result: RunResult) -> list[str]:
         lines.append(f"next: the analyzer beside processor {result.processor} diagnoses the job; "
                      f"trainscope query verdict --job {result.job_id} --home <that processor's home>")
     return lines
+
+
+def _by_cause(dropped: dict) -> str:
+    """`` (queue_full 3, unauthenticated 1)`` for a rank's drops by cause; "" when none."""
+    causes = [f"{k} {v:,}" for k, v in sorted(dropped.items()) if v]
+    return f" ({', '.join(causes)})" if causes else ""
 
 
 def print_env(config: RunConfig, out=None) -> None:

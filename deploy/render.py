@@ -12,16 +12,18 @@ from typing import Callable, TextIO
 
 def render_verdicts(verdicts) -> str:
     """One line per window that has findings; 'healthy' when none has."""
-    from trainscope.analyzer.query import window_span
-
-    def label(w) -> str:
-        span = window_span(w)
-        return f"window {w.index}" + (f" ({span})" if span else "")
-
-    lines = [f"  {label(v.window)}: {v.summary}" for v in verdicts if v.ranks or v.findings]
+    lines = [f"  {window_label(v.window)}: {v.summary}" for v in verdicts if v.ranks or v.findings]
     if not lines:
         return "verdict: healthy (no suspects)"
     return "verdict:\n" + "\n".join(lines)
+
+
+def window_label(w) -> str:
+    """``window 4 (iterations 40-49)``: the index with the span a person reads (``analyzer.query.window_span``)."""
+    from trainscope.analyzer.query import window_span
+
+    span = window_span(w)
+    return f"window {w.index}" + (f" ({span})" if span else "")
 
 
 def render_evaluation(ev) -> str:
