@@ -26,7 +26,7 @@ operator, stream = thread):
    event holds no pointer: an unmatched pop is simply ignored. Windows are
    skipped while another profiler is on, and a ``torch.profiler`` the job
    starts on the training thread closes an open window first (one profiler
-   per thread).
+   per thread), and so does a fork (a DataLoader worker would inherit it).
 3. Closing a window hands its events to a worker thread, which pairs them
    and keeps each operator's *exclusive* time, its duration minus that of the
    operators it called directly (a stack walk per thread): like GPU kernels,
@@ -51,6 +51,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -221,7 +222,7 @@ class CpuOpSource:
         self._worker: threading.Thread | None = None
         self._emit: Emit | None = None
         self.stats: collections.Counter[str] = collections.Counter()
-        """windows, skipped_busy, yielded, events, kept, truncated, windows_dropped, errors."""
+        """windows, skipped_busy, yielded, closed_for_fork, events, kept, truncated, windows_dropped, errors."""
         self.last_window: tuple[int, int] | None = None
         """(start_ns, end_ns) of the last window closed."""
         self.available, self.reason = _probe()
@@ -241,6 +242,8 @@ class CpuOpSource:
         self._worker.start()
         self._hook = register_optimizer_step_post_hook(lambda _opt, _args, _kwargs: self.safe_point())
         self._patch_profiler_start()
+        if hasattr(os, "register_at_fork"):  # a DataLoader worker forked mid-window would record forever
+            os.register_at_fork(before=self._before_fork)
 
     def stop(self) -> None:
         """Unhooks, closes a window open on this thread, hands the last events to ``emit`` (bounded)."""
@@ -311,6 +314,18 @@ class CpuOpSource:
             self._pending.put_nowait(lists)
         except queue.Full:  # the reader is behind: this window is not read (bounded memory)
             self.stats["windows_dropped"] += 1
+
+    def _before_fork(self) -> None:
+        """Close a window open on the forking thread: the child would inherit it with nobody to close it."""
+        if self._owner == threading.get_ident() and self._lock.acquire(blocking=False):
+            try:
+                if self._owner == threading.get_ident():
+                    self.stats["closed_for_fork"] += 1
+                    self._close()
+            except Exception:
+                self.stats["errors"] += 1
+            finally:
+                self._lock.release()
 
     def _patch_profiler_start(self) -> None:
         """A ``torch.profiler`` started on the thread of an open window closes the window first.

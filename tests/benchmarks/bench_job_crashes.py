@@ -194,11 +194,11 @@ def stress_child(mechanism: str, seconds: float) -> int:
     return 0
 
 
-def run_stress(runs: int, seconds: float, keep: Path) -> None:
-    counts: dict[str, collections.Counter] = {m: collections.Counter() for m in STRESS}
+def run_stress(runs: int, seconds: float, keep: Path, mechanisms: list[str]) -> None:
+    counts: dict[str, collections.Counter] = {m: collections.Counter() for m in mechanisms}
     for i in range(runs):
-        for j in range(len(STRESS)):
-            mech = STRESS[(i + j) % len(STRESS)]
+        for j in range(len(mechanisms)):
+            mech = mechanisms[(i + j) % len(mechanisms)]
             try:
                 p = subprocess.run([sys.executable, __file__, "--stress-child", mech, "--stress-s", str(seconds)],
                                    env=clean_env(), capture_output=True, text=True, timeout=seconds + 120)
@@ -214,7 +214,7 @@ def run_stress(runs: int, seconds: float, keep: Path) -> None:
             print(f"stress {i + 1:>3}/{runs}  {mech:<19} {kind}", flush=True)
     print(f"\nstress: windows of 10 ms every 30 ms, {seconds:.0f} s per run, {runs} runs per mechanism")
     print(f"{'mechanism':<19} {'runs':>5} {'ok':>5} {'crashed':>8}  by signature")
-    for mech in STRESS:
+    for mech in mechanisms:
         c = counts[mech]
         bad = sum(n for k, n in c.items() if k != "ok")
         detail = ", ".join(f"{k}: {n}" for k, n in c.most_common() if k != "ok") or "-"
@@ -230,19 +230,22 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout-s", type=float, default=180.0, help="per run")
     ap.add_argument("--stress-runs", type=int, default=0, help="stress runs per mechanism (part 2)")
     ap.add_argument("--stress-s", type=float, default=8.0, help="seconds per stress run")
+    ap.add_argument("--mechanisms", default=",".join(STRESS), help="comma-separated, of the stress mechanisms")
     ap.add_argument("--stress-child", choices=STRESS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.stress_child:
         return stress_child(args.stress_child, args.stress_s)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    mechanisms = [m.strip() for m in args.mechanisms.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES] + [m for m in mechanisms if m not in STRESS]
     if bad or not modes or args.runs < 0 or args.stress_runs < 0 or args.steps < 1 or args.world < 1:
-        print(f"bench_job_crashes: bad --modes/--runs/--steps/--world (modes: {', '.join(MODES)})", file=sys.stderr)
+        print(f"bench_job_crashes: bad --modes/--mechanisms/--runs/--steps/--world (modes: {', '.join(MODES)}; "
+              f"mechanisms: {', '.join(STRESS)})", file=sys.stderr)
         return 2
     keep = Path(tempfile.mkdtemp(prefix="trainscope-crashes-"))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the processor on the way out
     if args.stress_runs:
-        run_stress(args.stress_runs, args.stress_s, keep)
+        run_stress(args.stress_runs, args.stress_s, keep, mechanisms)
     if args.runs:
         run_jobs(args, modes, keep)
     return 0
