@@ -93,7 +93,8 @@ def count(want: dict) -> int:
 # -- reading back ----------------------------------------------------------
 MARKER = 2**63  # window index of the end-of-test marker records
 _TYPES = {"kernels": records_pb2.KernelWindow, "phases": records_pb2.PhaseWindow,
-          "iterations": records_pb2.IterationWindow, "stacks": records_pb2.StackWindow}
+          "iterations": records_pb2.IterationWindow, "stacks": records_pb2.StackWindow,
+          "collectives": records_pb2.CollectiveWindow}
 MARKERS = len(SIGNALS) * len(JOBS)
 
 
