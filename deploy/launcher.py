@@ -5,8 +5,7 @@
    process unless told not to, so it outlives the job and drains on SIGTERM.
 2. Build the job's environment (:func:`child_env`): the bootstrap directory
    first on ``PYTHONPATH``, the job id, the run directory, a ``MATCH`` regex
-   for the training script, ``TRAINSCOPE_STACKS=external``, Kineto quiet
-   (``KINETO_LOG_LEVEL=6`` unless set: no profiler lines in the job's stderr).
+   for the training script, ``TRAINSCOPE_STACKS=external``.
 3. Start the py-spy stack sidecar (``collector/stacks.py``), run ``CMD``,
    forward SIGINT/SIGTERM to it.
 4. Stop what it started and read each rank's collector counters from the
@@ -96,10 +95,6 @@ def _re_escape(s: str) -> str:
     return re.escape(s)
 
 
-KINETO_LOG_LEVEL = "KINETO_LOG_LEVEL"
-KINETO_QUIET = "6"  # above USDT (5), Kineto's highest level: nothing printed
-
-
 def child_env(config: RunConfig, *, job_id: str, processor: str, run_dir: str, base=None) -> dict:
     """The environment the job runs with (also what ``--print-env`` prints)."""
     e = dict(os.environ if base is None else base)
@@ -111,10 +106,6 @@ def child_env(config: RunConfig, *, job_id: str, processor: str, run_dir: str, b
     e[RUN_PID] = str(os.getpid())
     e[STACKS] = "external" if config.stacks else "0"
     e.setdefault(NCCL_TIMING, "1")
-    # The collector's CPU-ops windows (collector/torch_cpu_source.py) start torch's profiler every 30 s;
-    # Kineto then prints USDT/STAGE lines into the job's stderr at every level below 6 (torch 2.13),
-    # lines the user never asked for. Quiet unless the user chose a level (set it to 4 for Kineto's errors).
-    e.setdefault(KINETO_LOG_LEVEL, KINETO_QUIET)
     e.pop(RANK_PID, None)
     match = config.match if config.match is not None else default_match(config.command)
     if match:
