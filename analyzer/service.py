@@ -296,6 +296,7 @@ class Analyzer:
                 self.ingest(signal, rec)
         out = []
         for job in list(self._jobs.values()):
+            self._check_hang(job)   # a replay of a hung job: its collectives say who never entered
             keys = sorted(job.open)
             for i, key in enumerate(keys):
                 out.append(self._analyse(job, key, "finish", last=i == len(keys) - 1))

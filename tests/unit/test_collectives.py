@@ -154,3 +154,38 @@ def test_config_validation():
         CollectivesConfig(min_share=0)
     with pytest.raises(ConfigError):
         CollectiveWindowConfig(length_s=0)
+
+
+class _Source:
+    def __init__(self, items) -> None:
+        self.items = list(items)
+
+    def poll(self, timeout_s: float = 0.0):
+        out, self.items = self.items, []
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("hang", [True, False])
+def test_the_service_publishes_a_stalled_verdict_naming_the_first_stuck_rank(hang):
+    """Through the Analyzer service: records of the collectives topic, a step, the verdict."""
+    from trainscope.analyzer.service import Analyzer, AnalyzerConfig
+    from trainscope.proto.contracts import Signal
+
+    batches = job_batches(steps=30, hang_rank=2, hang_at=12) if hang else job_batches(steps=30)
+    ws = windows_of(batches)
+    for w in ws.values():
+        w.resource.job_id = "j"
+    a = Analyzer(AnalyzerConfig(), _Source((Signal.COLLECTIVES, w) for w in ws.values()), [])
+    a.step(0)
+    stalled = [v for v in a.verdicts if v.state == "stalled"]
+    if not hang:
+        assert stalled == [] and a._jobs["j"].collectives.records == 4 * 30
+        return
+    (v,) = stalled
+    assert [(s.rank, s.role) for s in v.ranks] == [(2, "culprit")]
+    (f,) = v.findings
+    assert f.level == "collectives" and f.evidence["seq"] == 13
+    assert a._jobs["j"].stalled
