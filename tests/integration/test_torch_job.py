@@ -26,19 +26,28 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.integration
 
 TRAIN = Path(__file__).resolve().parents[1] / "support" / "train_small.py"
-#: torch 2.13's gloo sometimes aborts a rank at exit (std::terminate, no Python frame; seen in
-#: about 1 of 15 plain torchrun runs of train_small.py on a loaded 2-core host, without
-#: trainscope too). A job that died of exactly that is run once more.
+#: Crash policy, measured with tests/benchmarks/bench_job_crashes.py (4 ranks x 20 steps of
+#: train_small.py, one job at a time on the shared 2-core host, 2026-11-24):
+#: * torch 2.13's gloo sometimes aborts a rank at exit ("terminate called without an active
+#:   exception", std::terminate, SIGABRT, no Python frame) in plain torchrun too: 2 of 23 plain
+#:   runs. A job that died of exactly that is run once more (TORCH_EXIT_ABORT).
+#: * No SIGSEGV and no heap corruption in those 23 plain runs. The SIGSEGV and the SIGABRT
+#:   "malloc(): unsorted double linked list corrupted" once seen here were the collector's: its
+#:   CPU-operator sampler started and stopped Kineto (profile_all_threads) from a daemon thread
+#:   while the training thread ran operators. In the bench's stress loop (windows of 10 ms every
+#:   30 ms) that mechanism crashed 8 of 11 runs (SIGSEGV; SIGABRT heap corruption in ad-hoc runs);
+#:   the fixed sampler (thread-local, opened and closed by the training thread at optimizer steps)
+#:   0 of 11 (one more run ended by SIGKILL with no output and no OOM record, cause unknown, not
+#:   seen in the 7 runs after it). Whole jobs are too short to show
+#:   it often: 0 of 10 with the old sampler, 0 of 12 with the fixed one, 0 of 22 hooks only.
+#:   These are not retried any more: a crash other than torch's exit abort fails the test.
 TORCH_EXIT_ABORT = "terminate called without an active exception"
-#: A rank killed by SIGSEGV (torchrun reports "exitcode: -11") was seen once in about eight runs
-#: of this file in one session; whether torch alone or the collector's in-process hooks cause it
-#: is not isolated yet (recorded in the issue note). Such a job is also run once more, so a
-#: repeatable crash still fails the test.
-TORCH_SEGFAULT = "(exitcode: -11)"
 
 
 def torch_crashed(out: str) -> bool:
-    return TORCH_EXIT_ABORT in out or TORCH_SEGFAULT in out
+    return TORCH_EXIT_ABORT in out
+
+
 WORLD, STEPS = 4, 30
 SLOW_RANK, SLOW_S = 2, 0.03
 CPU_OPS = "TRAINSCOPE_CPU_OPS=period_s=0.5,window_s=0.05,first_after_s=0"
