@@ -79,8 +79,8 @@ class Durability:
 
     # -- step 1: ingest threads
     def admitted(self, sender: str, seq: int, job: str, rank: int, end_ns: int) -> None:
-        if not sender or not seq:
-            return
+        if not self.enabled or not sender or not seq:
+            return  # no replay offered: nothing to track
         with self._lock:
             st = self._senders.get(sender)
             if st is None:
