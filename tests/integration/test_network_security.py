@@ -226,3 +226,47 @@ def test_kafka_sasl_settings_reach_the_broker_and_the_password_stays_secret(tmp_
     finally:
         broker.kill()
         broker.wait(10)
+
+
+def test_the_cli_wires_tls_tokens_and_the_exporter_environment(pki, tmp_path):
+    """`trainscope processor --tls-cert --tls-key --token-file --metrics-token-file` as a child
+    process; the exporter configured only from the TRAINSCOPE_TLS_CA / TRAINSCOPE_TOKEN_FILE
+    variables a rank would have."""
+    import re
+    import subprocess
+    import sys
+
+    from support.ports import free_port
+
+    tok, mtok = tmp_path / "token", tmp_path / "metrics-token"
+    tok.write_text(TOKEN + "\n")
+    mtok.write_text("m-" + TOKEN + "\n")
+    tok.chmod(0o600)
+    mtok.chmod(0o600)
+    port, mport = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainscope.deploy.cli", "processor", "--listen", f"127.0.0.1:{port}",
+         "--home", str(tmp_path / "home"), "--tls-cert", pki.server_cert, "--tls-key", pki.server_key,
+         "--token-file", str(tok), "--prometheus-port", str(mport), "--metrics-token-file", str(mtok)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    exp = None
+    try:
+        lines = [proc.stdout.readline() for _ in range(2)]
+        assert any(f"127.0.0.1:{port}" in ln for ln in lines), lines
+        assert any(re.search(rf"https://127\.0\.0\.1:{mport}/metrics", ln) for ln in lines), lines
+        exp = exporter(f"127.0.0.1:{port}", ClientSecurity.from_env(
+            {"TRAINSCOPE_TLS_CA": pki.ca, "TRAINSCOPE_TOKEN_FILE": str(tok)}))
+        for i in range(10):
+            exp.submit(kb(i), 2500)
+        assert exp.flush(20) and exp.stats.confirmed == 10
+        ctx = ssl.create_default_context(cafile=pki.ca)
+        url = f"https://127.0.0.1:{mport}/metrics"
+        assert _get(url, ctx, TOKEN)[0] == 401  # the ingest token is not the metrics token
+        status, body = _get(url, ctx, "m-" + TOKEN)
+        assert status == 200 and 'trainscope_processor_batches_in_total{signal="kernels"} 10.0' in body
+    finally:
+        if exp is not None:
+            exp.shutdown(0.5)
+        proc.terminate()
+        out = proc.communicate(timeout=60)[0]
+    assert TOKEN not in out
