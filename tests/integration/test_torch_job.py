@@ -35,10 +35,10 @@ TRAIN = Path(__file__).resolve().parents[1] / "support" / "train_small.py"
 #:   "malloc(): unsorted double linked list corrupted" once seen here were the collector's: its
 #:   CPU-operator sampler started and stopped Kineto (profile_all_threads) from a daemon thread
 #:   while the training thread ran operators. In the bench's stress loop (windows of 10 ms every
-#:   30 ms) that mechanism crashed 8 of 11 runs (SIGSEGV; SIGABRT heap corruption in ad-hoc runs);
-#:   the fixed sampler (thread-local, opened and closed by the training thread at optimizer steps)
-#:   crashed 0 of 11 (10 ran clean; one ended by SIGKILL with no output and no OOM record, cause
-#:   unknown, not seen in the 7 runs after it). Whole jobs are too short to show
+#:   30 ms) that mechanism crashed 14 of 19 runs (12 SIGSEGV, 2 SIGABRT with exactly that malloc
+#:   message); the fixed sampler (thread-local, opened and closed by the training thread at
+#:   optimizer steps) crashed 0 of 19 (18 ran clean; one ended by SIGKILL with no output and no
+#:   OOM record, cause unknown, not seen in the 14 runs after it). Whole jobs are too short to show
 #:   it often: 0 of 10 with the old sampler, 0 of 12 with the fixed one, 0 of 22 hooks only.
 #:   These are not retried any more: a crash other than torch's exit abort fails the test.
 TORCH_EXIT_ABORT = "terminate called without an active exception"
