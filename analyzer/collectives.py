@@ -17,9 +17,12 @@ member, clock-free:
    everyone there): ``transfer = min wait``.
 3. Judged per analysed window: the collectives of its iterations (the hooks
    number iterations as the marks do; time windows: by enqueue time), in seq
-   order without holes. Over them, per group: a rank that entered last
-   in at least ``min_share`` of them, late by at least ``late_factor`` transfer
-   times and ``min_late_ms`` on average, is a culprit (late start: compute or
+   order without holes; the share below is read on the window's own
+   collectives (a backlog judged late does not dilute it). A collective counts against its last entrant only when
+   it was clearly late (``late_factor`` times its transfer and ``min_late_ms``:
+   someone is always last, by scheduler noise). Per group, a rank clearly late
+   to at least ``min_share`` of them, by a median of ``late_factor`` transfer
+   times and ``min_late_ms``, is a culprit (late start: compute or
    host side); its impact is its total lateness per iteration, and the members
    that waited for it are waiters. The first collective it was late to (group,
    seq) is the evidence an engineer looks up.
@@ -105,6 +108,10 @@ def _in_window(row: Mapping[int, tuple], window: records_pb2.Window) -> bool:
     return True
 
 
+def _iteration(row: Mapping[int, tuple]) -> int:
+    return max(v[4] for v in row.values())
+
+
 class CollectiveState:
     """One job's collectives joined by (group, seq); bounded (``CollectivesConfig``)."""
 
@@ -158,35 +165,40 @@ class CollectiveState:
             grp.judged = done[-1]
             if len(members) < 2:
                 continue
-            last_of, late_ns, transfer, first_late = [], collections.defaultdict(float), [], {}
-            late_count: dict[int, int] = collections.Counter()
+            transfer, first_late = [], {}
+            late_of: dict[int, list[float]] = collections.defaultdict(list)   # significant latenesses
             waits_of: dict[int, list[float]] = collections.defaultdict(list)
+            ranks = sorted(members)
+            # the share is read on this window's own collectives when it has enough: a backlog judged at
+            # once (records that arrived after the previous window's analysis) must not dilute it
+            basis = [x for x in done if _iteration(grp.seqs[x]) >= window.first_iteration] \
+                if window.kind == records_pb2.WINDOW_KIND_ITERATIONS else done
+            if len(basis) < cfg.min_collectives:
+                basis = done
+            basis_set = set(basis)
             for s in done:
                 row = grp.seqs[s]
-                ranks = sorted(members)
                 waits = np.array([row[m][3] - row[m][2] for m in ranks], dtype=np.float64)
                 i = int(np.argmin(waits))                           # step 1: the last entrant
-                others = np.delete(waits, i)
-                lateness = float(np.median(others) - waits[i])
+                lateness = float(np.median(np.delete(waits, i)) - waits[i])
                 transfer.append((row[ranks[i]][0], row[ranks[i]][1], float(waits[i])))    # step 2
-                last_of.append(ranks[i])
-                late_count[ranks[i]] += 1
-                late_ns[ranks[i]] += lateness
-                if lateness >= max(cfg.min_late_ms * 1e6, cfg.late_factor * waits[i]):
-                    first_late.setdefault(ranks[i], (s, row[ranks[i]][0], lateness))
-                for j, m in enumerate(ranks):
-                    if m != ranks[i]:
-                        waits_of[m].append(float(waits[j] - waits[i]))
+                # one collective counts against its last entrant only when it was clearly late:
+                # some member is always last, by scheduler noise on a busy host
+                if s in basis_set and lateness >= max(cfg.min_late_ms * 1e6, cfg.late_factor * waits[i]):
+                    late_of[ranks[i]].append(lateness)
+                    first_late.setdefault(ranks[i], (s, row[ranks[i]][0]))
+                    for j, m in enumerate(ranks):
+                        if j != i:
+                            waits_of[m].append(float(waits[j] - waits[i]))
             med_transfer = float(np.median([t for _, _, t in transfer]))
             found = False
-            if len(done) >= cfg.min_collectives:
-                for r, n in late_count.items():
-                    mean_late = late_ns[r] / n
-                    if (r in first_late and n / len(done) >= cfg.min_share
-                            and mean_late >= cfg.late_factor * med_transfer
-                            and mean_late >= cfg.min_late_ms * 1e6):
-                        out += self._late_finding(job_id, window, gid, grp, r, n, len(done), late_ns[r],
-                                                  med_transfer, first_late[r], waits_of, iterations)
+            if len(basis) >= cfg.min_collectives:
+                for r, lates in late_of.items():
+                    typical = float(np.median(lates))   # robust to one start-up skew of seconds
+                    if (len(lates) / len(basis) >= cfg.min_share and typical >= cfg.late_factor * med_transfer
+                            and typical >= cfg.min_late_ms * 1e6):
+                        out += self._late_finding(job_id, window, gid, grp, r, lates, len(basis), med_transfer,
+                                                  first_late[r], waits_of, iterations)
                         found = True
             if not found:
                 slow = self._slow_transfer(job_id, window, gid, grp, transfer)
@@ -199,18 +211,19 @@ class CollectiveState:
                 del grp.seqs[s]
         return out
 
-    def _late_finding(self, job_id, window, gid, grp, rank, n, judged, late_total, transfer, first,
+    def _late_finding(self, job_id, window, gid, grp, rank, lates, judged, transfer, first,
                       waits_of, iterations) -> list[Finding]:
         it = max(float((iterations or {}).get(rank, 1.0)), 1.0)
-        seq, op, lateness = first
+        seq, op = first
+        n, late_total, typical = len(lates), float(sum(lates)), float(np.median(lates))
         ev = {"group": gid, "op": op, "seq": seq, "late_collectives": n, "judged": judged,
-              "mean_late_ms": round(late_total / n / 1e6, 3), "transfer_ms": round(transfer / 1e6, 3),
+              "median_late_ms": round(typical / 1e6, 3), "transfer_ms": round(transfer / 1e6, 3),
               "function": f"late start to {op} (group {gid}, seq {seq})", "late_start": True}
         culprit = Finding(
             level=LEVEL, kind="late_start", job_id=job_id, window=window, scope=Scope(group="collective"),
-            suspects=(SuspectRank(rank, late_total / n / max(transfer, 1.0), ev, impact_ns=late_total / it,
+            suspects=(SuspectRank(rank, typical / max(transfer, 1.0), ev, impact_ns=late_total / it,
                                   role=CULPRIT),),
-            severity=late_total / n / max(transfer, 1.0), comparison="peers",
+            severity=typical / max(transfer, 1.0), comparison="peers",
             evidence={"communication": False, "group": gid, "seq": seq, "op": op, "rule": "Mycroft §5 late start",
                       "members": list(grp.members)})
         waiters = tuple(
