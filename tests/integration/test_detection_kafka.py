@@ -33,7 +33,9 @@ SCENARIOS = {
     "pcie": (f"pcie_degrade:rank={CULPRIT},onset=30s,factor=4", {"top1", "kernel"}),
     "ecc": (f"ecc:rank={CULPRIT},onset=30s,prob=0.03,factor=8", {"top1", "kernel"}),
     "loader": (f"dataloader_stall:rank={CULPRIT},onset=30s,delay=1", {"top1", "phase"}),
-    "gc": (f"gc_pause:rank={CULPRIT},onset=30s,prob=0.1,delay=1", {"L1"}),
+    # 2 s pauses on 20 % of the steps: a job-level jitter no rank carries must cost 3 % of the step
+    # (impact.jitter_floor_pct); 1 s pauses on 10 % of the steps sit on that floor (2.7 % measured)
+    "gc": (f"gc_pause:rank={CULPRIT},onset=30s,prob=0.2,delay=2", {"L1"}),
     "hang": (f"hang:rank={CULPRIT},onset=30s", {"top1", "L1"}),
     "healthy": (None, set()),
     "skewed": (f"gpu_throttle:rank={CULPRIT},onset=30s,factor=1.5", {"top1", "phase", "kernel"}),
