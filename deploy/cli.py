@@ -81,6 +81,7 @@ def cmd_processor(args) -> int:
                             iterations=args.window_iterations),
         store_path=os.path.join(writable_home(_home(args)), "store.sqlite"),
         security=secure_flags.grpc_security(args),
+        embedded_bus=False,  # no analyzer in this process reads it: the store and Kafka carry the records
         **_sink_configs(args),
     )
     stop = threading.Event()

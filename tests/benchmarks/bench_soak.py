@@ -41,7 +41,8 @@ import sys, threading
 from trainscope.processor.daemon import Processor, ProcessorConfig
 from trainscope.processor.prom_exporter import PrometheusConfig
 from trainscope.processor.windows import WindowConfig
-p = Processor(ProcessorConfig(listen="127.0.0.1:0", prometheus=PrometheusConfig(port=0),
+# composed as `trainscope processor` composes it (deploy/cli.py): no in-process bus
+p = Processor(ProcessorConfig(listen="127.0.0.1:0", prometheus=PrometheusConfig(port=0), embedded_bus=False,
                               window=WindowConfig(mode="iterations", iterations=10))).start()
 print(p.address, p.metrics_server.url, flush=True)
 sys.stdin.read()
