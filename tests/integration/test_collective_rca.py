@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from support.pipeline import start_processor
+from support.torch_jobs import TORCH_EXIT_ABORT, retry_torch_abort
 from trainscope.analyzer.service import Analyzer, AnalyzerConfig
 from trainscope.analyzer.sources import BusSource
 from trainscope.processor.windows import WindowConfig
@@ -41,8 +42,6 @@ TRAIN = Path(__file__).resolve().parents[1] / "support" / "train_collectives.py"
 WORLD = 4
 LATE_RANK, LATE_S, LATE_FROM = 1, 0.15, 10
 HANG_RANK, HANG_FROM = 2, 25
-#: torch 2.13's gloo sometimes aborts a rank at exit (see test_torch_job.py): run once more.
-TORCH_EXIT_ABORT = "terminate called without an active exception"
 
 
 def clean_env() -> dict:
@@ -207,8 +206,9 @@ def test_a_healthy_ddp_job_names_nobody_and_the_comm_hook_changes_no_result(tmp_
     does without a hook: the parameters equal those of the same job without trainscope, bit for bit."""
     steps = 40
     ref = tmp_path / "ref.json"
-    plain = subprocess.run(torchrun("--mode", "ddp", "--steps", str(steps), "--out", str(ref)), env=clean_env(),
-                           capture_output=True, text=True, timeout=150)
+    plain = retry_torch_abort(lambda: subprocess.run(
+        torchrun("--mode", "ddp", "--steps", str(steps), "--out", str(ref)), env=clean_env(),
+        capture_output=True, text=True, timeout=150))
     assert plain.returncode == 0, plain.stderr[-2000:]
     got = tmp_path / "got.json"
     job, _ = run_to_end(tmp_path, "healthy", "--mode", "ddp", "--steps", str(steps), "--out", str(got))

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from support.pipeline import bus_records, start_processor
+from support.torch_jobs import retry_torch_abort, torch_crashed
 from trainscope.processor.windows import WindowConfig
 
 torch = pytest.importorskip("torch")
@@ -41,12 +42,6 @@ TRAIN = Path(__file__).resolve().parents[1] / "support" / "train_small.py"
 #:   OOM record, cause unknown, not seen in the 14 runs after it). Whole jobs are too short to show
 #:   it often: 0 of 10 with the old sampler, 0 of 12 with the fixed one, 0 of 22 hooks only.
 #:   These are not retried any more: a crash other than torch's exit abort fails the test.
-TORCH_EXIT_ABORT = "terminate called without an active exception"
-
-
-def torch_crashed(out: str) -> bool:
-    return TORCH_EXIT_ABORT in out
-
 
 WORLD, STEPS = 4, 30
 SLOW_RANK, SLOW_S = 2, 0.03
@@ -60,14 +55,6 @@ def torchrun(*args: str, world: int = WORLD) -> list[str]:
 
 def clean_env() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith("TRAINSCOPE_") and k != "PYTHONPATH"}
-
-
-def retry_torch_abort(run):
-    """``run()`` -> CompletedProcess; once more if a rank died of torch's exit-time abort."""
-    p = run()
-    if p.returncode != 0 and torch_crashed((p.stdout or "") + (p.stderr or "")):
-        p = run()
-    return p
 
 
 def trainscope_run(processor: str, run_dir: Path, *job_args: str, popen: bool = False, world: int = WORLD):
@@ -293,7 +280,10 @@ def test_the_verdict_names_the_rank_with_the_slow_data_loader(collected):
     assert job.state == "degraded", job.summary
     top = job.ranks[0]
     assert top.rank == SLOW_RANK and top.role == "culprit", job.summary
-    assert "dataloader" in list(top.evidence["where"]), job.summary
+    # the data loader, as the L2 phase ("dataloader") or as the L3 CPU operator the sampler caught
+    # ("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"): which one carries more
+    # impact depends on where the sampler's windows fell
+    assert any("dataloader" in w.lower() for w in top.evidence["where"]), job.summary
     assert all(s.role != "culprit" for s in job.ranks[1:]), job.summary   # the others only waited
     assert top.impact_s == pytest.approx(SLOW_S, rel=0.5) and top.impact_pct > 5
 
