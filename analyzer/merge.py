@@ -15,10 +15,11 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
    own slow work (not a collective it arrived late to) costs at least
    ``URGENT_SHARE`` of the step in a job of ``URGENT_MIN_RANKS`` or more:
    noise that large is not what persistence guards against there, and
-   waiting a window would only delay the page. A partial window (ranks
-   missing) never names the ranks present because others are absent: it
-   only feeds the persistence of ranks it flags on their own evidence. A
-   waiter is named only with the rank it waited for.
+   waiting a window would only delay the page. A partial window (any
+   expected rank missing, however few are present) names no suspect but a
+   stalled rank: its findings only feed the persistence of the ranks they
+   flag, which a later full window may confirm; those ranks are ``pending``.
+   A waiter is named only with the rank it waited for.
 4. Aggregation: when the suspects' impact sits mostly (≥ 2/3) on one host
    and at least two suspects share it, the verdict names the host first
    (a degraded NVLink, NIC or PCIe switch slows every GPU behind it).
@@ -110,6 +111,11 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
               and rv.score_ns >= URGENT_SHARE * step_ns
               and any(e.own and e.level != "L1" for e in rv.evidence)}   # jitter is transient by nature
     confirmed = (confirmed & set(flagged)) | ((stalled_ranks | urgent) & set(flagged))
+    if partial:
+        # ranks missing: the ranks present were compared among a subset of their peers (a window
+        # holding 3 of 8 ranks, a time window catching 8 of 256); their findings fed persistence
+        # above and wait for a full window to be named. A rank that stopped is named at once.
+        confirmed &= stalled_ranks
     smooth = (lambda r: persistence.smoothed_impact(r) or flagged[r].score_ns) if persistence else (
         lambda r: flagged[r].score_ns)
     order = {CULPRIT: 0, LINK: 1, WAITER: 2, MISSING: 3}
@@ -327,7 +333,9 @@ def summarize(job_id: str, v: records_pb2.Verdict, findings: Sequence[Finding],
         parts.append(f"watching {len(v.pending)} rank(s) not yet persistent: "
                      + ", ".join(map(str, list(v.pending)[:6])))
     if v.partial:
-        parts.append("partial window: ranks missing")
+        missing = next((len(f.suspects) for f in findings if f.kind == "missing_rank"), 0)
+        parts.append(f"partial window: {missing} rank(s) missing, nobody named from it" if missing
+                     else "ranks missing in some windows (partial: nobody named from those)")
     return " — ".join(parts)
 
 

@@ -358,23 +358,28 @@ class Analyzer:
         self.verdicts.append(verdict)
 
     def _missing_ranks(self, job: _Job, jw: JobWindow, reason: str) -> Finding | None:
-        """Ranks that reported before but not in this window: the window is partial.
+        """Ranks the job has (or that reported before) but not in this window: the window is partial.
 
-        They are named as missing (never as culprits of a slowdown), and the
-        ranks present are never suspects *because* others are absent.
+        Any missing rank makes it partial, however few ranks are present (a
+        time window holding 8 of 256 ranks compared those 8 among themselves
+        and named a wrong rank each window). The missing ranks are listed as
+        ``missing`` (never as culprits of a slowdown); ``merge`` names no
+        suspect among the ranks present (their findings only feed persistence).
         """
-        if reason not in ("timeout", "progress", "finish") or not job.world_size:
+        if reason == "complete" or not job.world_size:
             return None
         seen = set(jw.resources)
-        known = set(job.resources)
-        missing = sorted(known - seen)
-        if not missing or len(missing) * 2 >= len(known):
+        # expected: every rank the job has (world size) or that ever reported, but the ones that
+        # said they shut down; a window holding 3 of 8 ranks is as partial as one missing one rank
+        expected = (set(range(job.world_size)) | set(job.resources)) - job.ended
+        missing = sorted(expected - seen)
+        if not missing:
             return None
         return Finding(level="L2", kind="missing_rank", job_id=job.job_id, window=jw.window,
                        scope=Scope(group="job"), comparison="job",
                        suspects=tuple(SuspectRank(r, 1.0, {"reported_ranks": len(seen)}, role=MISSING)
                                       for r in missing),
-                       severity=len(missing) / max(len(known), 1),
+                       severity=len(missing) / max(len(expected), 1),
                        evidence={"missing": missing, "reason": reason})
 
     def _forget(self, job: _Job) -> None:

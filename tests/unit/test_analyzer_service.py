@@ -220,3 +220,62 @@ def test_hang_is_a_stall_on_the_ranks_own_clocks_naming_who_stopped_first(tmp_pa
     stall = [f for f in v.findings if f.kind == "stall"]
     assert stall and stall[0].level == "L1" and stall[0].suspects[0].rank == 6
     assert v.ranks[0].rank == 6
+
+
+def _windows_with(present: int, *, slow_rank=1, persist_k=1, tmp_path, full_after=False):
+    """Windows 0-3 of 8 ranks, rank ``slow_rank`` 1.4x slower in forward and gemm from window 1;
+    window 1 holds only ranks 0..present-1 (``partial_probe``: a time window catching some ranks)."""
+    a, bus, clock, _ = make(tmp_path, persist_k=persist_k)
+    for idx in range(4):
+        for r in range(8):
+            if idx == 1 and r >= present:
+                continue
+            publish(bus, r, idx, slow=1.4 if (r == slow_rank and idx >= 1) else 1.0)
+    vs = settle(a, clock) + a.finish()
+    return {v.window.index: v for v in vs}
+
+
+@pytest.mark.parametrize("present", [3, 6])
+def test_a_window_with_ranks_missing_is_partial_and_names_nobody_present(tmp_path, present):
+    """However few ranks a window holds (3 of 8 was not partial when half or more were missing),
+    it is partial: the slow rank among those present is watched (pending), not named, and the
+    missing ranks are listed as missing, never as culprits."""
+    by = _windows_with(present, tmp_path=tmp_path)
+    v = by[1]
+    assert v.partial and list(v.ranks) == [] and v.state == "healthy", v.summary
+    (missing,) = [f for f in v.findings if f.kind == "missing_rank"]
+    assert [s.rank for s in missing.suspects] == list(range(present, 8))
+    assert all(s.role == "missing" for s in missing.suspects)
+    assert 1 in v.pending                       # flagged on its own evidence: watched
+    assert "partial window" in v.summary and f"{8 - present} rank(s) missing" in v.summary
+    # the full windows around it: window 0 healthy and not partial, windows 2-3 name rank 1
+    assert not by[0].partial and not by[0].ranks
+    assert all(not by[i].partial and by[i].ranks[0].rank == 1 for i in (2, 3))
+
+
+def test_a_partial_windows_findings_feed_persistence_only(tmp_path):
+    """Default persistence (2 of 3): flagged in partial window 1 and full window 2, the slow rank is
+    named in window 2 (the partial window counted toward it) but never in window 1."""
+    by = _windows_with(6, persist_k=2, tmp_path=tmp_path)
+    assert by[1].partial and not by[1].ranks and 1 in by[1].pending
+    assert by[2].ranks and by[2].ranks[0].rank == 1 and by[2].state == "degraded"
+
+
+def test_a_full_window_names_the_slow_rank_and_a_healthy_full_job_is_not_partial(tmp_path):
+    by = _windows_with(8, tmp_path=tmp_path)
+    assert all(not v.partial for v in by.values())
+    assert by[1].ranks[0].rank == 1 and by[1].state == "degraded"
+    healthy = _windows_with(8, slow_rank=-1, tmp_path=tmp_path / "h")
+    assert all(not v.partial and not v.ranks and v.state == "healthy" for v in healthy.values())
+
+
+def test_ranks_that_shut_down_do_not_make_a_window_partial(tmp_path):
+    a, bus, clock, _ = make(tmp_path)
+    for r in range(8):
+        publish(bus, r, 0)
+    (v0,) = settle(a, clock)
+    a._jobs["j"].ended.update({6, 7})            # as Window.final would
+    for r in range(6):
+        publish(bus, r, 1)
+    vs = settle(a, clock) + a.finish()
+    assert vs and all(not v.partial for v in vs)
