@@ -279,3 +279,33 @@ def test_ranks_that_shut_down_do_not_make_a_window_partial(tmp_path):
         publish(bus, r, 1)
     vs = settle(a, clock) + a.finish()
     assert vs and all(not v.partial for v in vs)
+
+
+class _Raises:
+    """A detector with a bug: raises on every window."""
+    level, corroborating = "broken", False
+
+    def analyze(self, ctx):
+        raise ZeroDivisionError("a bug in one level")
+
+
+def test_a_raising_detector_is_counted_and_the_other_levels_still_name_the_rank(tmp_path):
+    """Failure isolation (issue 10 item 10): a level that raises is counted under its name
+    (trainscope_analyzer_detector_failures_total{level}) and the levels after it still run."""
+    a, bus, clock, _ = make(tmp_path)
+    levels = [d.level for d in a.detectors]
+    a.detectors.insert(0, _Raises())            # before every real level: nothing after it may be skipped
+    for r in range(8):
+        publish(bus, r, 0, slow=1.4 if r == 5 else 1.0)
+    (v,) = settle(a, clock)
+    assert a.metrics.detector_failures["broken"] == 1
+    assert sum(a.metrics.detector_failures.values()) == 1       # no real level failed
+    assert v.ranks[0].rank == 5 and {f.level for f in v.findings} >= {"L2", "L3"}, v.summary
+    assert "L2" in levels and "L3" in levels
+    fam = {m.name: m for m in a.metrics.collect()}["trainscope_analyzer_detector_failures"]
+    assert [(s.labels, s.value) for s in fam.samples if s.name.endswith("_total")] == [({"level": "broken"}, 1)]
+    # a healthy window: the broken level is counted again, nothing is named
+    for r in range(8):
+        publish(bus, r, 1)
+    (v1,) = settle(a, clock)
+    assert a.metrics.detector_failures["broken"] == 2 and not v1.ranks
