@@ -31,7 +31,6 @@ import logging
 import os
 import queue
 import random
-import socket
 import threading
 import time
 import uuid
@@ -39,8 +38,9 @@ from typing import Callable, Deque, Iterator
 
 import grpc
 
-from trainscope.collector.exporter_config import (  # noqa: F401  (re-exported: callers import them from here)
-    BOOT_METADATA, INGEST_METHOD, REPLAY_METADATA, RETRYABLE, SENDER_METADATA, ExporterConfig, ExporterStats)
+from trainscope.collector.exporter_config import RETRYABLE, ExporterConfig, ExporterStats
+from trainscope.collector.exporter_socket import check_socket_dir
+from trainscope.proto.contracts import BOOT_METADATA, INGEST_METHOD, REPLAY_METADATA, SENDER_METADATA
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import Resource
 from trainscope.proto.security import ClientSecurity
@@ -48,13 +48,9 @@ from trainscope.proto.v1 import telemetry_pb2
 
 log = logging.getLogger(__name__)
 
-_PAYLOAD_FIELD = {
-    telemetry_pb2.KernelBatch: "kernels",
-    telemetry_pb2.PhaseBatch: "phases",
-    telemetry_pb2.IterationBatch: "iterations",
-    telemetry_pb2.StackBatch: "stacks",
-    telemetry_pb2.CollectiveBatch: "collectives",
-}
+#: The ``payload`` field of ``TelemetryBatch`` that holds each batch message, by message name.
+_PAYLOAD_FIELD = {f.message_type.full_name: f.name
+                  for f in telemetry_pb2.TelemetryBatch.DESCRIPTOR.oneofs_by_name["payload"].fields}
 
 
 @dataclasses.dataclass(slots=True)
@@ -251,7 +247,11 @@ class BatchExporter:
         while not self._stop.is_set():
             try:
                 if channel is None:
-                    _check_socket_dir(self.config.target)
+                    try:
+                        check_socket_dir(self.config.target)
+                    except ConfigError as e:
+                        log.warning("trainscope exporter refuses to connect to %s: %s", self.config.target, e.why)
+                        raise _StreamBroken(f"refusing to connect: {e}") from None
                     try:
                         channel = self._channel_factory(self.config.target)
                     except ConfigError as e:  # e.g. the CA file is missing: it may appear later
@@ -371,7 +371,7 @@ class BatchExporter:
             b.final = True
         else:
             msg = p.payload() if callable(p.payload) else p.payload
-            getattr(b, _PAYLOAD_FIELD[type(msg)]).CopyFrom(msg)
+            getattr(b, _PAYLOAD_FIELD[msg.DESCRIPTOR.full_name]).CopyFrom(msg)
         p.payload = None  # the bytes are kept instead
         return b.SerializeToString()
 
@@ -497,35 +497,3 @@ class BatchExporter:
             self._unconfirmed.remove(big)
             self._held_bytes -= big.nbytes
             self.stats.dropped["rejected_oversize"] += 1
-
-
-def _check_socket_dir(target: str) -> None:
-    """Never send a rank's telemetry to a socket another user could have planted: the
-    directory of a ``unix:`` target must be ours or root's and closed to other users."""
-    if not target.startswith("unix:"):
-        return
-    from trainscope.proto.errors import ConfigError
-    from trainscope.proto.securefs import check_private_dir
-    path = target[len("unix://"):] if target.startswith("unix://") else target[len("unix:"):]
-    try:
-        check_private_dir(os.path.dirname(os.path.abspath(path)), "processor target")
-    except FileNotFoundError:
-        return  # nothing there yet: the connection fails and is retried
-    except ConfigError as e:
-        log.warning("trainscope exporter refuses to connect to %s: %s", target, e.why)
-        raise _StreamBroken(f"refusing to connect: {e}") from None
-
-
-def reachable(target: str, timeout_s: float = 0.5) -> bool:
-    """Whether something accepts connections at a gRPC target (``unix:///path`` or ``host:port``)."""
-    try:
-        if target.startswith("unix:"):
-            with socket.socket(socket.AF_UNIX) as s:
-                s.settimeout(timeout_s)
-                s.connect(target[len("unix://"):] if target.startswith("unix://") else target[5:])
-        else:
-            host, _, port = target.rpartition(":")
-            socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s).close()
-        return True
-    except (OSError, ValueError):
-        return False

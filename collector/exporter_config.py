@@ -1,10 +1,9 @@
-"""The exporter's settings, counters and the ingest stream's contract (split from ``exporter.py``).
+"""The exporter's settings, counters and retryable status codes (split from ``exporter.py``).
 
 ``ExporterConfig`` (validated at construction, STYLE.md point 4), ``ExporterStats``
-(what a rank reports about its own delivery) and the names both ends of the
-``trainscope.v1.Ingest/Stream`` call agree on: the method, the stream metadata of
-the restart contract (``processor/durability.py`` names the same keys) and the
-status codes worth retrying.
+(what a rank reports about its own delivery) and the status codes of the
+``trainscope.v1.Ingest/Stream`` call worth retrying. The method and the stream
+metadata of the restart contract are contracts of both ends: ``proto/contracts.py``.
 """
 from __future__ import annotations
 
@@ -17,11 +16,6 @@ from trainscope.proto import env
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.security import ClientSecurity
 
-INGEST_METHOD = "/trainscope.v1.Ingest/Stream"
-#: Stream metadata of the restart contract (processor/durability.py, which names the same keys).
-BOOT_METADATA = "trainscope-boot"
-SENDER_METADATA = "trainscope-sender"
-REPLAY_METADATA = "trainscope-replay"
 #: Codes after which sending the same batches again can help (otel-python's
 #: retryable set, plus RESOURCE_EXHAUSTED, which the processor uses for an
 #: oversize batch: that batch is dropped, the rest go on). After any other

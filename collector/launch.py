@@ -41,8 +41,8 @@ import sys
 import tempfile
 from typing import Any
 
-from trainscope.collector.bootstrap import AfterImport, install_autostart_pth  # noqa: F401 (API)
-from trainscope.collector.exporter import reachable
+from trainscope.collector.bootstrap import AfterImport
+from trainscope.collector.exporter_socket import reachable
 from trainscope.proto import env
 from trainscope.proto.env import (
     AUTOSTART, CPU_OPS, CUPTI, HOOKS, OFF as _OFF, RANK_PID, RUN_DIR, SHIP_INTERVAL_S, SHUTDOWN_TIMEOUT_S, STACKS,
@@ -148,7 +148,7 @@ def start_in_process(environ=None) -> InProcess | None:
 
 
 def _start(environ) -> InProcess:
-    from trainscope.collector.exporter import ExporterConfig
+    from trainscope.collector.exporter_config import ExporterConfig
     from trainscope.collector.sdk import Collector, CollectorConfig
     from trainscope.collector.stacks import write_rank_file
 
@@ -283,4 +283,4 @@ def declare_megatron(hooks=None):
 
 
 __all__ = ["InProcess", "current", "declare_device_mesh", "declare_groups", "declare_megatron",
-           "install_autostart_pth", "reachable", "spawn_sidecar", "start_in_process"]
+           "spawn_sidecar", "start_in_process"]

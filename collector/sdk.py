@@ -23,7 +23,8 @@ import threading
 import time
 from typing import Iterator
 
-from trainscope.collector.exporter import BatchExporter, ExporterConfig
+from trainscope.collector.exporter import BatchExporter
+from trainscope.collector.exporter_config import ExporterConfig
 from trainscope.collector.sources import KernelSource
 from trainscope.proto import env
 from trainscope.proto.columnar import KernelColumns

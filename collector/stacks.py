@@ -317,7 +317,9 @@ class StackSidecar:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m trainscope.collector.stacks``: run the sidecar for one run directory."""
-    from trainscope.collector.exporter import BatchExporter, ExporterConfig, reachable
+    from trainscope.collector.exporter import BatchExporter
+    from trainscope.collector.exporter_config import ExporterConfig
+    from trainscope.collector.exporter_socket import reachable
 
     ap = argparse.ArgumentParser(prog="trainscope-stacks", description=__doc__.split("\n\n")[0])
     ap.add_argument("--run-dir", required=True, help="directory where ranks announce themselves")

@@ -20,6 +20,7 @@ from trainscope.collector.sim import run_sim as _emit_sim
 from trainscope.collector.sim.emit import SimSink
 from trainscope.processor.daemon import Processor, ProcessorConfig
 from trainscope.processor.windows import WindowConfig
+from trainscope.proto import env
 from trainscope.proto.errors import ConfigError
 
 
@@ -160,7 +161,7 @@ def undelivered_kafka_bytes(processor_metrics: dict) -> int:
 
 def remove_socket_dir(cfg: ProcessorConfig) -> None:
     """Remove the private socket directory :func:`embedded_processor_config` made (after the processor stopped)."""
-    path = cfg.listen[len("unix://"):]
+    path = env.unix_path(cfg.listen)
     for p in (path, os.path.dirname(path)):
         try:
             os.unlink(p) if p == path else os.rmdir(p)

@@ -28,7 +28,7 @@ import uuid
 from typing import Sequence
 
 from trainscope.collector.bootstrap import DIR as BOOTSTRAP_DIR
-from trainscope.collector.exporter import reachable
+from trainscope.collector.exporter_socket import reachable
 from trainscope.collector.launch import spawn_sidecar
 from trainscope.proto import env
 from trainscope.proto.securefs import owned_by_me, private_dir

@@ -15,7 +15,8 @@ import tempfile
 import time
 from typing import Any
 
-from trainscope.collector.exporter import BatchExporter, ExporterConfig
+from trainscope.collector.exporter import BatchExporter
+from trainscope.collector.exporter_config import ExporterConfig
 from trainscope.collector.sources.replay_dir import resource_for, scan_replay_dir
 from trainscope.deploy.embedded import EmbeddedAnalysis, embedded_processor_config, final_drain, remove_socket_dir
 from trainscope.processor.daemon import Processor

@@ -162,7 +162,7 @@ class Processor:
         cfg = self.config
         listen = cfg.listen
         if listen.startswith("unix://"):
-            path = listen[len("unix://"):]
+            path = env.unix_path(listen)
             try:
                 # the socket's directory must be ours and closed to others: whoever can write
                 # it can replace the socket and receive every rank's telemetry
@@ -198,7 +198,7 @@ class Processor:
                 port = self._server.add_insecure_port(listen)
         except RuntimeError:  # grpc's answer to an address it cannot bind (taken, malformed, no permission)
             port = 0
-        if port == 0 or (listen.startswith("unix:") and not os.path.exists(listen[len("unix://"):])):
+        if port == 0 or (listen.startswith("unix:") and not os.path.exists(env.unix_path(listen))):
             raise ConfigError("processor.listen", listen, "could not bind (taken, malformed or not permitted)")
         if listen.startswith("unix:"):
             self.address = listen

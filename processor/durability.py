@@ -3,7 +3,7 @@
 A batch the processor confirmed is only in memory (an open window) until its
 window closes and the sinks have it. A processor killed with SIGKILL loses
 those windows, while the exporter had counted their batches as delivered.
-So the ingest contract has two more parts:
+So the ingest contract has two more parts (their metadata keys: ``proto/contracts.py``):
 
 1. **Boot id.** Every ingest stream starts with initial metadata
    ``trainscope-boot: <random id of this processor process>``. An exporter that
@@ -41,11 +41,7 @@ import uuid
 from typing import Callable
 
 from trainscope.processor.model import WindowOutput
-
-#: gRPC metadata keys of the contract above.
-BOOT_METADATA = "trainscope-boot"
-SENDER_METADATA = "trainscope-sender"
-REPLAY_METADATA = "trainscope-replay"
+from trainscope.proto.contracts import Signal
 
 
 class _Sender:
@@ -127,8 +123,8 @@ class Durability:
 def stored_until(store) -> dict[tuple[str, int], int]:
     """Per (job, rank), the end of the latest window the store holds (read once at start)."""
     try:
-        rows = store._db.execute("SELECT job, rank, MAX(window_end) FROM records"
-                            " WHERE signal != 'collectives' GROUP BY job, rank").fetchall()
+        rows = store._db.execute("SELECT job, rank, MAX(window_end) FROM records WHERE signal != ?"
+                                 " GROUP BY job, rank", (Signal.COLLECTIVES.value,)).fetchall()
     except Exception:  # an unreadable store is the store sink's to report; replays are then not filtered
         return {}
     return {(job, int(rank)): int(end) for job, rank, end in rows}
@@ -142,7 +138,7 @@ def drop_stored(d, until: int):
     import numpy as np
 
     p = d.payload
-    if d.signal == "kernels":
+    if d.signal == Signal.KERNELS:
         keep = p.start_ns >= np.uint64(until)
         n = int((~keep).sum())
         if not n:
@@ -150,8 +146,8 @@ def drop_stored(d, until: int):
         if not keep.any():
             return None, n
         return dataclasses.replace(d, payload=p.take(keep), records=int(keep.sum())), n
-    if d.signal in ("phases", "iterations", "stacks"):
-        start = (lambda r: r.window_start_ns) if d.signal == "stacks" else (lambda r: r.start_ns)
+    if d.signal in (Signal.PHASES, Signal.ITERATIONS, Signal.STACKS):
+        start = (lambda r: r.window_start_ns) if d.signal == Signal.STACKS else (lambda r: r.start_ns)
         kept = tuple(r for r in p if start(r) >= until)
         n = len(p) - len(kept)
         if not n:

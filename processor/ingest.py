@@ -34,13 +34,12 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from trainscope.processor.durability import (BOOT_METADATA, REPLAY_METADATA, SENDER_METADATA, Durability,
-                                             drop_stored)
+from trainscope.processor.durability import Durability, drop_stored
 from trainscope.processor.limits import IngestLimits, RateLimitedLog
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.proto.columnar import KernelColumns
 from trainscope.processor import collectives
-from trainscope.proto.contracts import Signal
+from trainscope.proto.contracts import BOOT_METADATA, INGEST_SERVICE, REPLAY_METADATA, SENDER_METADATA, Signal
 from trainscope.proto.errors import BadInput
 from trainscope.proto.model import Resource
 from trainscope.proto.security import AUTH_METADATA, ServerSecurity
@@ -48,7 +47,6 @@ from trainscope.proto.v1 import telemetry_pb2
 
 log = logging.getLogger(__name__)
 
-SERVICE = "trainscope.v1.Ingest"
 #: Longest plausible single record: a kernel or phase longer than this is a
 #: corrupt timestamp (e.g. a negative value cast to unsigned), not a slowdown.
 MAX_RECORD_NS = 24 * 3600 * 10**9
@@ -431,7 +429,7 @@ class IngestServicer:
         return s
 
     def handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(SERVICE, {
+        return grpc.method_handlers_generic_handler(INGEST_SERVICE, {
             "Stream": grpc.stream_unary_rpc_method_handler(
                 self.Stream,
                 request_deserializer=None,  # raw bytes: parsed in Validator.decode

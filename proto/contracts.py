@@ -67,3 +67,18 @@ class AnalyzerOutput(_StrEnum):
 
     DIAGNOSES = "diagnoses"
     VERDICTS = "verdicts"
+
+
+# --- The ingest stream (collector/exporter.py → processor/ingest.py) -------------------
+# One client-streaming RPC of ``v1/telemetry.proto``, registered by hand on both ends
+# (generic handler, raw bytes), so its name is spelled here once.
+
+#: The gRPC service of ``v1/telemetry.proto``.
+INGEST_SERVICE = "trainscope.v1.Ingest"
+#: Its one method, as a channel names it.
+INGEST_METHOD = f"/{INGEST_SERVICE}/Stream"
+#: Stream metadata of the restart contract (``processor/durability.py``): the processor's
+#: boot id in its initial metadata; the exporter's name for itself; ``"1"`` on a replay stream.
+BOOT_METADATA = "trainscope-boot"
+SENDER_METADATA = "trainscope-sender"
+REPLAY_METADATA = "trainscope-replay"

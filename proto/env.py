@@ -61,6 +61,7 @@ HOOKS = "TRAINSCOPE_HOOKS"                # "0" off, or a subset "dataloader,opt
 SHUTDOWN_TIMEOUT_S = "TRAINSCOPE_SHUTDOWN_TIMEOUT_S"
 SHIP_INTERVAL_S = "TRAINSCOPE_SHIP_INTERVAL_S"  # phases/iterations handed to the exporter at most this often
 DDP_COMM_HOOK = "TRAINSCOPE_DDP_COMM_HOOK"  # "0": leave DDP modules alone (collector/torch_ddp.py)
+REPLAY_MAX_BYTES = "TRAINSCOPE_REPLAY_MAX_BYTES"  # cap on a trace file and its gzip content (sources/replay.py)
 # Network security (proto/security.py; issue #11 item 8). Secrets come from a file
 # (the *_FILE variables, preferred) or the variable itself, never from argv.
 TLS_CA = "TRAINSCOPE_TLS_CA"                  # exporter: CA bundle that signed the processor's certificate
@@ -106,6 +107,14 @@ def identity(environ) -> tuple[int, int, int] | None:
             except ValueError:
                 return None
     return None
+
+
+def unix_path(target: str) -> str | None:
+    """The socket path of a ``unix:`` gRPC target (``unix:///abs/path`` or ``unix:rel/path``);
+    None for ``host:port``."""
+    if not target.startswith("unix:"):
+        return None
+    return target[len("unix://"):] if target.startswith("unix://") else target[len("unix:"):]
 
 
 def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:

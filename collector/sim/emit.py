@@ -27,7 +27,8 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from trainscope.collector.exporter import BatchExporter, ExporterConfig
+from trainscope.collector.exporter import BatchExporter
+from trainscope.collector.exporter_config import ExporterConfig
 from trainscope.collector.sim.topology import Topology
 from trainscope.collector.sim.workload import PhaseDef
 from trainscope.proto.columnar import KernelColumns

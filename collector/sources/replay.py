@@ -43,7 +43,8 @@ from pathlib import Path
 import numpy as np
 
 from trainscope.proto.columnar import KIND_KERNEL, KIND_MEMCPY, KIND_MEMSET, KernelColumns
-from trainscope.proto.errors import TraceFileError
+from trainscope.proto import env
+from trainscope.proto.errors import ConfigError, TraceFileError
 from trainscope.proto.v1.telemetry_pb2 import (
     PHASE_CLOCK_CPU,
     PHASE_CLOCK_CUDA_EVENT,
@@ -129,17 +130,10 @@ def load_rank_trace(path: str | os.PathLike, rank: int | None = None, *, job_id:
 
 def max_trace_bytes() -> int:
     """``MAX_TRACE_BYTES`` unless ``TRAINSCOPE_REPLAY_MAX_BYTES`` says otherwise."""
-    v = os.environ.get("TRAINSCOPE_REPLAY_MAX_BYTES", "").strip()
-    if not v:
-        return MAX_TRACE_BYTES
-    try:
-        n = int(v)
-        if n > 0:
-            return n
-    except ValueError:
-        pass
-    from trainscope.proto.errors import ConfigError
-    raise ConfigError("TRAINSCOPE_REPLAY_MAX_BYTES", v, "must be a positive integer (bytes)")
+    n = env.integer(env.REPLAY_MAX_BYTES, MAX_TRACE_BYTES)
+    if n <= 0:
+        raise ConfigError(env.REPLAY_MAX_BYTES, n, "must be a positive integer (bytes)")
+    return n
 
 
 def _read_json(path: str, cap: int | None = None):

@@ -43,7 +43,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from support.kafka_broker import TansuBroker, tansu_binary  # noqa: E402
 from support.ports import free_port  # noqa: E402
-from trainscope.collector.exporter import BatchExporter, ExporterConfig, reachable  # noqa: E402
+from trainscope.collector.exporter import BatchExporter  # noqa: E402
+from trainscope.collector.exporter_config import ExporterConfig  # noqa: E402
+from trainscope.collector.exporter_socket import reachable  # noqa: E402
 from trainscope.proto.columnar import KernelColumns  # noqa: E402
 from trainscope.proto.model import Resource  # noqa: E402
 from trainscope.proto.v1 import records_pb2  # noqa: E402

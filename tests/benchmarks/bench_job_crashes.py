@@ -115,7 +115,7 @@ def start_processor(home: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "trainscope.deploy.cli", "processor", "--listen", addr,
                              "--home", str(home)], env=clean_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    from trainscope.collector.launch import reachable
+    from trainscope.collector.exporter_socket import reachable
     deadline = time.monotonic() + 30
     while not reachable(addr):
         if proc.poll() is not None or time.monotonic() > deadline:

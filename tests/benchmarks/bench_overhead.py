@@ -49,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 from train_small import TinyLM, Tokens  # noqa: E402
 
 from trainscope.collector.cpu_source import CpuOpConfig, CpuOpSource  # noqa: E402
-from trainscope.collector.exporter import ExporterConfig  # noqa: E402
-from trainscope.collector.launch import reachable  # noqa: E402
+from trainscope.collector.exporter_config import ExporterConfig  # noqa: E402
+from trainscope.collector.exporter_socket import reachable  # noqa: E402
 from trainscope.collector.sdk import Collector, CollectorConfig  # noqa: E402
 from trainscope.collector.torch_hooks import TorchHooks  # noqa: E402
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trainscope.collector.exporter import BatchExporter, ExporterConfig
+from trainscope.collector.exporter import BatchExporter
+from trainscope.collector.exporter_config import ExporterConfig
 from trainscope.collector.sources.replay import load_rank_trace
 from trainscope.processor.daemon import Processor, ProcessorConfig
 from trainscope.processor.ingest import Validator

@@ -30,7 +30,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from trainscope.collector.exporter import BatchExporter, ExporterConfig  # noqa: E402
+from trainscope.collector.exporter import BatchExporter  # noqa: E402
+from trainscope.collector.exporter_config import ExporterConfig  # noqa: E402
 from trainscope.collector.sources.replay import load_rank_trace  # noqa: E402
 from trainscope.proto.columnar import KernelColumns  # noqa: E402
 from trainscope.proto.model import Resource  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 
 from support.ports import free_port
 from trainscope.analyzer.store import DiagnosisStore
-from trainscope.collector.exporter import ExporterConfig
+from trainscope.collector.exporter_config import ExporterConfig
 from trainscope.collector.sdk import Collector, CollectorConfig
 
 pytestmark = pytest.mark.integration

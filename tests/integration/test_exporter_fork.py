@@ -4,7 +4,8 @@ import multiprocessing
 import numpy as np
 
 from support.pipeline import kernel_count, start_processor
-from trainscope.collector.exporter import BatchExporter, ExporterConfig
+from trainscope.collector.exporter import BatchExporter
+from trainscope.collector.exporter_config import ExporterConfig
 from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.model import Resource
 

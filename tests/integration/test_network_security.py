@@ -20,7 +20,8 @@ import pytest
 
 from support.certs import make_pki
 from support.pipeline import kernel_count, start_processor, wait_for
-from trainscope.collector.exporter import BatchExporter, ExporterConfig
+from trainscope.collector.exporter import BatchExporter
+from trainscope.collector.exporter_config import ExporterConfig
 from trainscope.processor.prom_exporter import PrometheusConfig
 from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.model import Resource

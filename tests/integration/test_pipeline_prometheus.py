@@ -5,7 +5,7 @@ import time
 import pytest
 
 from support.pipeline import start_processor
-from trainscope.collector.exporter import ExporterConfig
+from trainscope.collector.exporter_config import ExporterConfig
 from trainscope.collector.sdk import Collector, CollectorConfig
 from trainscope.processor.prom_exporter import PrometheusConfig
 from trainscope.processor.windows import WindowConfig

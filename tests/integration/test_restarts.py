@@ -17,7 +17,9 @@ import numpy as np
 
 from support.pipeline import wait_for
 from support.ports import free_port
-from trainscope.collector.exporter import BatchExporter, ExporterConfig, reachable
+from trainscope.collector.exporter import BatchExporter
+from trainscope.collector.exporter_config import ExporterConfig
+from trainscope.collector.exporter_socket import reachable
 from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.model import Resource
 from trainscope.proto.v1 import records_pb2

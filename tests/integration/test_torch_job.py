@@ -186,7 +186,7 @@ def _kill_processor_mid_run(tmp_path: Path) -> None:
                              "--home", str(tmp_path / "home")], env=clean_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        from trainscope.collector.launch import reachable
+        from trainscope.collector.exporter_socket import reachable
         deadline = time.monotonic() + 30
         while not reachable(addr):
             assert time.monotonic() < deadline and proc.poll() is None

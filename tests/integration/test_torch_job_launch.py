@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from trainscope.collector.bootstrap import DIR as BOOTSTRAP_DIR
-from trainscope.collector.launch import reachable
+from trainscope.collector.exporter_socket import reachable
 
 pytestmark = pytest.mark.integration
 

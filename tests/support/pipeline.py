@@ -5,7 +5,7 @@ import time
 
 import grpc
 
-from trainscope.collector.exporter import INGEST_METHOD
+from trainscope.proto.contracts import INGEST_METHOD
 from trainscope.processor.daemon import Processor, ProcessorConfig
 from trainscope.proto.contracts import RECORD_TYPES, topic_for
 from trainscope.processor.windows import WindowConfig

@@ -126,7 +126,8 @@ def test_a_full_queue_refuses_the_stream_with_resource_exhausted_and_reports_its
 def test_an_overloaded_processor_slows_a_real_exporter_down_and_loses_nothing():
     """The exporter resends a refused stream's batches; those the processor already took come
     back as duplicates and are dropped once, the refused one is taken on the resend."""
-    from trainscope.collector.exporter import BatchExporter, ExporterConfig
+    from trainscope.collector.exporter import BatchExporter
+    from trainscope.collector.exporter_config import ExporterConfig
     from support.pipeline import kernel_count
 
     proc = start_processor(queue_max_batches=2)

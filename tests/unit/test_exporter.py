@@ -6,7 +6,8 @@ import pytest
 
 from support.pipeline import kernel_count, start_processor, wait_for
 from support.ports import free_port
-from trainscope.collector.exporter import BatchExporter, ExporterConfig
+from trainscope.collector.exporter import BatchExporter
+from trainscope.collector.exporter_config import ExporterConfig
 from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import Resource
@@ -176,7 +177,7 @@ def test_a_non_retryable_refusal_drops_the_batches_in_flight_instead_of_resendin
 
     import grpc
 
-    from trainscope.collector.exporter import RETRYABLE
+    from trainscope.collector.exporter_config import RETRYABLE
 
     assert grpc.StatusCode.UNIMPLEMENTED not in RETRYABLE and grpc.StatusCode.UNAVAILABLE in RETRYABLE
     server = grpc.server(ThreadPoolExecutor(2))

@@ -128,7 +128,8 @@ def test_spool_is_private_and_never_follows_a_planted_link(tmp_path):
 
 def test_the_exporter_never_sends_to_a_socket_in_another_users_directory(tmp_path, caplog):
     from support.pipeline import kernel_count
-    from trainscope.collector.exporter import BatchExporter, ExporterConfig
+    from trainscope.collector.exporter import BatchExporter
+    from trainscope.collector.exporter_config import ExporterConfig
     from trainscope.proto.columnar import KernelColumns
 
     d = tmp_path / "sock"

@@ -111,7 +111,8 @@ def test_the_exporter_side_comes_from_the_environment(tmp_path):
 
 
 def test_a_bad_exporter_setting_never_raises_into_the_training_job(monkeypatch, caplog):
-    from trainscope.collector.exporter import BatchExporter, ExporterConfig
+    from trainscope.collector.exporter import BatchExporter
+    from trainscope.collector.exporter_config import ExporterConfig
     from trainscope.proto.model import Resource
     monkeypatch.setenv("TRAINSCOPE_TOKEN_FILE", "/nonexistent/token")
     with caplog.at_level(logging.WARNING, logger="trainscope.collector.exporter"):

@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from trainscope.collector import launch
+from trainscope.collector.exporter_socket import reachable
 from trainscope.deploy import launcher
-from trainscope.collector.bootstrap import DIR as BOOTSTRAP_DIR
+from trainscope.collector.bootstrap import DIR as BOOTSTRAP_DIR, AfterImport, install_autostart_pth
 from trainscope.collector.bootstrap._trainscope_boot import identity, select
 from trainscope.proto.errors import ConfigError
 
@@ -104,7 +105,7 @@ def test_after_import_hook_fires_once_after_the_module_ran(tmp_path, monkeypatch
     (tmp_path / "ts_fake_torch.py").write_text("VALUE = 42\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     seen = []
-    finder = launch.AfterImport("ts_fake_torch", lambda m: seen.append(m.VALUE))
+    finder = AfterImport("ts_fake_torch", lambda m: seen.append(m.VALUE))
     sys.meta_path.insert(0, finder)
     try:
         import ts_fake_torch  # noqa: F401
@@ -119,17 +120,17 @@ def test_reachable_for_tcp_and_unix_targets(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        assert launch.reachable(f"127.0.0.1:{s.getsockname()[1]}")
+        assert reachable(f"127.0.0.1:{s.getsockname()[1]}")
     path = str(tmp_path / "p.sock")
     with socket.socket(socket.AF_UNIX) as u:
         u.bind(path)
         u.listen()
-        assert launch.reachable(f"unix://{path}")
-    assert not launch.reachable(f"unix://{tmp_path}/none.sock") and not launch.reachable("bad-target")
+        assert reachable(f"unix://{path}")
+    assert not reachable(f"unix://{tmp_path}/none.sock") and not reachable("bad-target")
 
 
 def test_autostart_pth_runs_the_hook_only_when_asked(tmp_path, monkeypatch, capsys):
-    path = launch.install_autostart_pth(str(tmp_path))
+    path = install_autostart_pth(str(tmp_path))
     line = open(path).read()
     assert line.startswith("import ") and line.count("\n") == 1  # site runs one-line "import" entries
     monkeypatch.setenv("TRAINSCOPE_AUTOSTART", "0")
