@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Sequence
 
-from trainscope.deploy import secure_flags
+from trainscope.deploy import cli_parser, secure_flags
 from trainscope.proto import env
 from trainscope.deploy.render import (Progress, SimProgress, render_evaluation, render_query, render_sim,
                                       render_verdicts, window_label)
@@ -59,16 +59,6 @@ def _sink_configs(args) -> dict:
         from trainscope.processor.perfetto_sink import PerfettoConfig
         out["perfetto"] = PerfettoConfig(url=args.perfetto_url)
     return out
-
-
-def _add_sink_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kafka-bootstrap", help=f"Kafka bootstrap servers (env {env.KAFKA_BOOTSTRAP}); "
-                   "default: the embedded bus")
-    p.add_argument("--prometheus-port", type=int, help="serve /metrics on 127.0.0.1:PORT (0 = any)")
-    p.add_argument("--remote-write-url", help="Prometheus remote-write endpoint")
-    p.add_argument("--perfetto-url", help="directory or fsspec URL for per-window Perfetto traces")
-    p.add_argument("--home", help=f"state directory (env {env.HOME}; default ./.trainscope)")
-    secure_flags.add_kafka_flags(p)
 
 
 def cmd_processor(args) -> int:
@@ -178,7 +168,7 @@ def cmd_demo(args) -> int:
 
 def cmd_sim(args) -> int:
     from trainscope.collector.sim import FAULT_TYPES, sim_config
-    from trainscope.deploy.embedded import run_sim
+    from trainscope.deploy.embedded import run_sim_embedded
 
     if args.list_faults:
         for k in FAULT_TYPES.values():
@@ -201,7 +191,7 @@ def cmd_sim(args) -> int:
         analysis = SimAnalysis()
     progress = Progress(f"trainscope sim (job {cfg.job_id})", cfg.iterations, "iterations")
     try:
-        res = run_sim(cfg, args.processor, processor_options=options, sinks=[SimProgress(progress)],
+        res = run_sim_embedded(cfg, args.processor, processor_options=options, sinks=[SimProgress(progress)],
                       **(analysis.hooks() if analysis else {}))
     finally:
         progress.close()
@@ -290,35 +280,6 @@ def parse_since(text: str | None, now_s: float) -> int:
                                            "like 2024-05-01T12:00:00Z") from None
 
 
-def _add_query_parser(sub) -> None:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--store", help="the SQLite store (default HOME/store.sqlite)")
-    common.add_argument("--home", help=f"state directory (env {env.HOME}; default ./.trainscope)")
-    common.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    job = argparse.ArgumentParser(add_help=False)
-    job.add_argument("--job", help="job id (default: the store's only job)")
-    prom = argparse.ArgumentParser(add_help=False)
-    prom.add_argument("--since", help="only findings since then: 90s, 30m, 2h, 1d or an ISO time")
-    prom.add_argument("--prometheus", metavar="URL",
-                      help="ask Prometheus (flagged now / over --since, default 1h) instead of the store")
-    q = sub.add_parser("query", help="ask the store (or Prometheus) about a job's verdict, stragglers, kernels...")
-    qs = q.add_subparsers(dest="what", required=True, metavar="WHAT")
-    qs.add_parser("jobs", parents=[common], help="jobs in the store with their latest verdict")
-    v = qs.add_parser("verdict", parents=[common, job], help="the latest verdict of a job: suspects, phases, kernels")
-    v.add_argument("--window", type=int, help="this window's verdict (default: the job's verdict over all its windows)")
-    qs.add_parser("stragglers", parents=[common, job, prom], help="ranks flagged as stragglers (L2) since a time")
-    k = qs.add_parser("kernels", parents=[common, job, prom], help="a rank's degraded kernels (L3) against its peers")
-    k.add_argument("--rank", type=int, required=True)
-    k.add_argument("--top", type=int, default=10, help="show this many kernels (default 10)")
-    i = qs.add_parser("iterations", parents=[common, job], help="iteration time per window (job, or one --rank)")
-    i.add_argument("--rank", type=int, help="one rank's windows instead of the job's")
-    i.add_argument("--last", type=int, default=20, help="the last N windows (default 20; 0 = all)")
-    r = qs.add_parser("ranks", parents=[common, job], help="rank -> host, device, parallel coordinates")
-    r.add_argument("--rank", type=int)
-    r.add_argument("--host")
-    q.set_defaults(func=cmd_query)
-
-
 def cmd_run(args) -> int:
     from trainscope.collector.bootstrap import install_autostart_pth
     from trainscope.deploy import launcher as launch
@@ -353,144 +314,11 @@ def cmd_run(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="trainscope", description=__doc__.split("\n\n")[0])
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    d = sub.add_parser("demo", help="run a small multi-rank job through the whole pipeline")
-    d.add_argument("--ranks", type=int, default=32, help="simulated ranks (a multiple of 4)")
-    d.add_argument("--home", help="state directory (default ./.trainscope)")
-    d.add_argument("--force", action="store_true", help="replace HOME/store.sqlite when an earlier run left one")
-    d.set_defaults(func=cmd_demo)
-
-    an = sub.add_parser("analyzer", help="run the analyzer service (Kafka consumer group or local store)")
-    an.add_argument("--kafka-bootstrap", help=f"consume from Kafka (env {env.KAFKA_BOOTSTRAP})")
-    an.add_argument("--group-id", default="trainscope-analyzer", help="Kafka consumer group")
-    an.add_argument("--group-instance-id", help="static group member id, unique per analyzer: a restart resumes "
-                    "at once (default: host name + hash of --home)")
-    an.add_argument("--session-timeout-s", type=float, default=10.0,
-                    help="Kafka session timeout: how long a vanished analyzer holds its partitions")
-    an.add_argument("--store", help="processor store to tail when there is no broker (default HOME/store.sqlite)")
-    an.add_argument("--prometheus-port", type=int, help="serve flagged-suspect series on 127.0.0.1:PORT")
-    an.add_argument("--window-timeout-s", type=float, default=60.0,
-                    help="analyse a window this long after its first record even if ranks are missing")
-    an.add_argument("--home", help=f"state directory (env {env.HOME}; default ./.trainscope)")
-    secure_flags.add_kafka_flags(an)
-    secure_flags.add_tls_flags(an, grpc=False)
-    an.set_defaults(func=cmd_analyzer)
-
-    pr = sub.add_parser("processor", help="run the per-host processor daemon")
-    pr.add_argument("--listen", help=f"gRPC address (env {env.PROCESSOR}; default unix socket)")
-    pr.add_argument("--window-mode", choices=("auto", "time", "iterations"), default="auto",
-                    help="auto: iterations when the ranks send iteration marks, else time (default: auto)")
-    pr.add_argument("--window-length-s", type=float, default=10.0)
-    pr.add_argument("--window-iterations", type=int, default=10)
-    _add_sink_flags(pr)
-    secure_flags.add_tls_flags(pr, grpc=True)
-    pr.set_defaults(func=cmd_processor)
-
-    r = sub.add_parser("replay", help="feed PyTorch profiler traces through the pipeline")
-    r.add_argument("dir", help="directory of rank-<N>.json[.gz] (+ optional topology.json)")
-    r.add_argument("--stats-out", help="write the kernel cluster stats here (JSON)")
-    r.add_argument("--json", help="write the diagnoses here (JSON, the replay contract's format)")
-    r.add_argument("--no-analyze", action="store_true", help="only summarise; run no detectors")
-    r.add_argument("--window-iterations", type=int, default=5)
-    r.add_argument("--force", action="store_true", help="replace HOME/store.sqlite when an earlier run left one")
-    _add_sink_flags(r)
-    r.set_defaults(func=cmd_replay)
-
-    s = sub.add_parser("sim", help="simulate a hybrid-parallel job with injected faults through the pipeline")
-    s.add_argument("--ranks", type=int, help="world size (default 64)")
-    for dim in ("tp", "pp", "ep", "cp"):
-        s.add_argument(f"--{dim}", type=int, help=f"{dim.upper()} degree (default 1)")
-    s.add_argument("--order", help="Megatron rank order (default tp-cp-ep-dp-pp)")
-    s.add_argument("--gpus-per-host", type=int)
-    s.add_argument("--nics-per-host", type=int)
-    s.add_argument("--micro-batches", type=int, help="micro-batches per iteration (default 4)")
-    s.add_argument("--layers", type=int, help="layers per pipeline stage (default 2; kernels scale with it)")
-    s.add_argument("--iteration-time", help="healthy iteration time, e.g. 3s (default)")
-    s.add_argument("--duration", help="simulated time to run, e.g. 300s")
-    s.add_argument("--iterations", type=int, help="iterations to run (default 20 without --duration)")
-    s.add_argument("--fault", action="append", default=[], metavar="TYPE:KEY=VALUE,...",
-                   help="inject a fault (repeatable); --list-faults shows the types")
-    s.add_argument("--scenario", help="JSON file with a list of faults")
-    s.add_argument("--list-faults", action="store_true", help="print the fault catalogue and exit")
-    s.add_argument("--seed", type=int)
-    s.add_argument("--job-id")
-    s.add_argument("--exporters", type=int, help="collector exporters (gRPC streams) to spread hosts over")
-    s.add_argument("--processor", help="send to this processor (ADDR) instead of starting an embedded one")
-    s.add_argument("--traces-out", help="also write PyTorch-profiler traces here (for trainscope replay)")
-    s.add_argument("--no-analyze", action="store_true", help="embedded processor only; run no detectors")
-    s.add_argument("--ground-truth", help="ground-truth JSON path (default HOME/sim-ground-truth.json)")
-    s.add_argument("--json", dest="json_out", help="write the run summary here (JSON)")
-    s.add_argument("--window-mode", choices=("iterations", "time"), help="embedded processor windows")
-    s.add_argument("--window-iterations", type=int)
-    s.add_argument("--window-length-s", type=float)
-    s.add_argument("--force", action="store_true",
-                   help="replace HOME/store.sqlite when an earlier run left one (embedded processor)")
-    _add_sink_flags(s)
-    s.set_defaults(func=cmd_sim)
-    _add_query_parser(sub)
-    _add_run_parser(sub)
-    _defaults_in_help(p)
-    return p
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("trainscope")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
-
-
-class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends ``(default: X)`` unless the help already says its default; switches are off by default."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default" in text.lower() or action.default is argparse.SUPPRESS or action.nargs == 0:
-            return text
-        if not action.option_strings:
-            return text  # positionals are required: no default to show
-        shown = "none" if action.default is None or action.default == [] else "%(default)s"
-        return f"{text} (default: {shown})".strip()
-
-
-def _defaults_in_help(parser: argparse.ArgumentParser) -> None:
-    """Every parser and sub-parser shows each flag's default in ``--help``."""
-    parser.formatter_class = _DefaultsFormatter
-    for action in parser._actions:
-        if action.option_strings and not action.help and action.nargs != 0:
-            action.help = "(default: none)" if action.default is None else "(default: %(default)s)"
-        if isinstance(action, argparse._SubParsersAction):
-            for child in action.choices.values():
-                _defaults_in_help(child)
-
-
-def _add_run_parser(sub) -> None:
-    ru = sub.add_parser("run", help="run a training command with the collector in every rank process",
-                        description="trainscope run [options] -- torchrun --nproc-per-node 8 train.py ...")
-    ru.add_argument("--processor", help=f"processor address (env {env.PROCESSOR}; default the host's socket)")
-    ru.add_argument("--no-processor", action="store_true", help="do not start a processor when none answers")
-    ru.add_argument("--no-stacks", action="store_true", help="no py-spy stack sidecar")
-    ru.add_argument("--stacks-window-s", type=float, default=env.DEFAULT_STACKS_WINDOW_S,
-                    help="stack sampling window (whole seconds)")
-    ru.add_argument("--job-id", help=f"job id (env {env.JOB_ID}; default generated)")
-    ru.add_argument("--match", help="regex rank command lines must match (default: the script or -m module)")
-    ru.add_argument("--run-dir", help="rank registry and counters (default a temporary directory)")
-    ru.add_argument("--home", help="state directory of a processor started here (default ./.trainscope)")
-    ru.add_argument("--set", action="append", metavar="NAME=VALUE", help="extra environment for the job")
-    ru.add_argument("--print-env", action="store_true",
-                    help="print the environment that enables collection (for launchers that cannot be wrapped)")
-    ru.add_argument("--install-pth", nargs="?", const="", metavar="SITE_DIR",
-                    help="install a .pth hook so TRAINSCOPE_AUTOSTART=1 alone enables collection")
-    ru.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
-    ru.set_defaults(func=cmd_run)
-
-    from trainscope.deploy import report_cmd
-    report_cmd.add_parser(sub)
+    """The parser (``cli_parser.py``) with each subcommand bound to its ``cmd_*`` above."""
+    return cli_parser.build_parser(
+        {"demo": cmd_demo, "analyzer": cmd_analyzer, "processor": cmd_processor, "replay": cmd_replay,
+         "sim": cmd_sim, "query": cmd_query, "run": cmd_run},
+        description=__doc__.split("\n\n")[0])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

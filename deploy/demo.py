@@ -13,7 +13,7 @@ from typing import TextIO
 
 from trainscope.analyzer.evaluate import evaluate, load_truth
 from trainscope.collector.sim import sim_config
-from trainscope.deploy.embedded import SimAnalysis, run_sim
+from trainscope.deploy.embedded import SimAnalysis, run_sim_embedded
 from trainscope.deploy.render import render_evaluation, render_verdicts
 
 FAULT = "gpu_throttle:rank=13,onset=30s,factor=1.4"
@@ -33,7 +33,7 @@ def run_demo(home: str, ranks: int = 32, out: TextIO | None = None, fault: str =
     say(f"demo: writing to {home} (store.sqlite, perfetto/, sim-ground-truth.json)")
     say(f"demo: simulating job 'demo' ({ranks} ranks, tp=2 pp=2, 40 iterations) with {fault}")
     analysis = SimAnalysis()
-    res = run_sim(cfg, processor_options={"perfetto": PerfettoConfig(url=traces, max_pending_windows=1024),
+    res = run_sim_embedded(cfg, processor_options={"perfetto": PerfettoConfig(url=traces, max_pending_windows=1024),
                                           "replace_store": replace_store},
                   **analysis.hooks())
     say(f"streamed {res.kernel_events:,} kernel events, {res.phase_events:,} phases, "

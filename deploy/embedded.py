@@ -3,7 +3,7 @@
 Used by ``trainscope replay``, ``trainscope sim`` and ``trainscope demo``: the
 analyzer consumes the processor's embedded bus continuously on its own thread
 (the same code path as the Kafka service) and writes diagnoses and verdicts
-to the local store next to the processor's records. :func:`run_sim` is the
+to the local store next to the processor's records. :func:`run_sim_embedded` is the
 simulator on that default (the simulator itself only emits to an address).
 """
 from __future__ import annotations
@@ -51,10 +51,10 @@ class EmbeddedAnalysis:
 
 
 class SimAnalysis:
-    """Attaches an ``EmbeddedAnalysis`` to ``run_sim``'s embedded processor.
+    """Attaches an ``EmbeddedAnalysis`` to ``run_sim_embedded``'s embedded processor.
 
         a = SimAnalysis()
-        res = run_sim(cfg, **a.hooks())
+        res = run_sim_embedded(cfg, **a.hooks())
         a.verdicts  # every verdict of the run
     """
 
@@ -74,7 +74,7 @@ class SimAnalysis:
         return {"on_start": self.on_start, "on_processor": self.on_processor}
 
 
-def run_sim(
+def run_sim_embedded(
     config: SimConfig,
     processor_address: str | None = None,
     *,

@@ -40,7 +40,7 @@ import numpy as np
 from trainscope.processor.model import ClosedWindow
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.proto.columnar import KernelColumns
-from trainscope.proto.contracts import WINDOW_MODES, WindowMode
+from trainscope.proto.contracts import WINDOW_MODES, WindowMode, one_of
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import Resource
 from trainscope.proto.v1 import records_pb2, telemetry_pb2
@@ -77,7 +77,7 @@ class WindowConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in WINDOW_MODES:
-            raise ConfigError("window.mode", self.mode, "must be 'auto', 'time' or 'iterations'")
+            raise ConfigError("window.mode", self.mode, f"must be {one_of(WINDOW_MODES)}")
         if not self.auto_wait_s > 0:
             raise ConfigError("window.auto_wait_s", self.auto_wait_s, "must be > 0")
         if not self.length_s > 0:

@@ -60,6 +60,14 @@ class WindowMode(_StrEnum):
 
 
 WINDOW_MODES: tuple[WindowMode, ...] = tuple(WindowMode)
+#: The modes that are one rule for every rank (not ``auto``): what a simulated run may ask for.
+FIXED_WINDOW_MODES: tuple[WindowMode, ...] = (WindowMode.ITERATIONS, WindowMode.TIME)
+
+
+def one_of(members) -> str:
+    """``'a', 'b' or 'c'``: the allowed values in a ``ConfigError``'s reason."""
+    quoted = [f"'{m}'" for m in members]
+    return f"{', '.join(quoted[:-1])} or {quoted[-1]}" if len(quoted) > 1 else "".join(quoted)
 
 
 class AnalyzerOutput(_StrEnum):

@@ -15,7 +15,7 @@ recorded in a ground-truth JSON file.
 
 The simulator only emits, to an address or to the sinks it is given; the
 embedded default (an in-process processor and analyzer) is
-``trainscope.deploy.embedded.run_sim``, what ``trainscope sim`` and ``demo`` use.
+``trainscope.deploy.embedded.run_sim_embedded``, what ``trainscope sim`` and ``demo`` use.
 
 Modules by role: ``topology`` (groups, hosts, NICs, clocks), ``workload``
 (kernel/phase template), ``faults`` (catalogue, parser, activity),

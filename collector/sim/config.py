@@ -15,6 +15,7 @@ from typing import Iterable
 from trainscope.collector.sim.faults import FaultSpec, fault_from_obj, load_scenario, parse_seconds, resolve_ranks
 from trainscope.collector.sim.topology import Topology
 from trainscope.collector.sim.noise import NoiseModel
+from trainscope.proto.contracts import FIXED_WINDOW_MODES, WindowMode, one_of
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import DEFAULT_ORDER
 
@@ -80,7 +81,7 @@ class SimConfig:
     """Where the ground-truth JSON goes (default ``<home>/sim-ground-truth.json``)."""
     traces_out: str | None = None
     """Also write PyTorch-profiler traces (``rank-<N>.json.gz`` + ``topology.json``) here."""
-    window_mode: str = "iterations"
+    window_mode: str = WindowMode.ITERATIONS
     """Embedded processor windows: ``iterations`` (clock-free) or ``time``."""
     window_iterations: int = 10
     """Iterations per window of the embedded processor (``iterations`` mode)."""
@@ -116,8 +117,8 @@ class SimConfig:
             raise ConfigError("sim.iterations", self.iterations, "must be an integer >= 1")
         if self.duration_s is not None and not (math.isfinite(self.duration_s) and self.duration_s > 0):
             raise ConfigError("sim.duration_s", self.duration_s, "must be a number of seconds > 0")
-        if self.window_mode not in ("iterations", "time"):
-            raise ConfigError("sim.window_mode", self.window_mode, "must be 'iterations' or 'time'")
+        if self.window_mode not in FIXED_WINDOW_MODES:
+            raise ConfigError("sim.window_mode", self.window_mode, f"must be {one_of(FIXED_WINDOW_MODES)}")
         if not self.job_id:
             raise ConfigError("sim.job_id", self.job_id, "must not be empty")
         if self.noise is not None and not isinstance(self.noise, NoiseModel):

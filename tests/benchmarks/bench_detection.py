@@ -28,7 +28,7 @@ import time
 
 from trainscope.analyzer.evaluate import evaluate, load_truth
 from trainscope.collector.sim import sim_config
-from trainscope.deploy.embedded import run_sim
+from trainscope.deploy.embedded import run_sim_embedded
 from trainscope.deploy.embedded import SimAnalysis
 
 # Faults that L1-L3 are expected to catch (ARGUS Table 6), with a scope and a
@@ -59,7 +59,7 @@ def run_one(ranks: int, fault: str | None, seed: int, iterations: int, home: str
                      faults=faults if faults is not None else ([fault] if fault else []), job_id=f"bench{seed}",
                      home=home, window_iterations=10, iteration_s=iteration_s, **extra)
     analysis = SimAnalysis()
-    res = run_sim(cfg, **analysis.hooks())
+    res = run_sim_embedded(cfg, **analysis.hooks())
     return cfg, res, analysis.verdicts
 
 
@@ -76,7 +76,7 @@ def latency_at_scale(ranks: int = 1024, iterations: int = 60) -> None:
                          home=home, window_iterations=10)
         t0 = time.perf_counter()
         analysis = SimAnalysis()
-        res = run_sim(cfg, **analysis.hooks())
+        res = run_sim_embedded(cfg, **analysis.hooks())
         wall = time.perf_counter() - t0
         truth = load_truth(res.ground_truth_path)
         onset_it = truth["faults"][0]["onset_iteration"]

@@ -26,7 +26,7 @@ import tempfile
 import time
 
 from trainscope.collector.sim import SimConfig, parse_fault, run_sim
-from trainscope.deploy.embedded import run_sim as run_sim_embedded
+from trainscope.deploy.embedded import run_sim_embedded
 from trainscope.collector.sim.emit import MemorySink
 from trainscope.collector.sim.simulate import Simulation
 from trainscope.proto.v1.telemetry_pb2 import IterationBatch, PhaseBatch

@@ -17,7 +17,7 @@ import pytest
 
 from support.pipeline import wait_for
 from trainscope.collector.sim import sim_config
-from trainscope.deploy.embedded import run_sim
+from trainscope.deploy.embedded import run_sim_embedded
 from trainscope.processor.kafka_config import KafkaSinkConfig
 
 pytestmark = pytest.mark.integration
@@ -31,7 +31,7 @@ def produce(job, bootstrap, home):
     cfg = sim_config(ranks=RANKS, iterations=ITERATIONS, seed=5, job_id=job, home=str(home / job),
                      window_iterations=PER_WINDOW)
     kafka = KafkaSinkConfig(bootstrap=bootstrap, spool_dir=str(home / job / "spool"), linger_ms=5)
-    res = run_sim(cfg, processor_options={"kafka": kafka})
+    res = run_sim_embedded(cfg, processor_options={"kafka": kafka})
     assert res.dropped == 0
 
 

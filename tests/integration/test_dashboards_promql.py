@@ -20,7 +20,7 @@ import pytest
 
 from support.prometheus_server import PrometheusServer, find_prometheus
 from trainscope.collector.sim import SimConfig, parse_fault
-from trainscope.deploy.embedded import EmbeddedAnalysis, run_sim
+from trainscope.deploy.embedded import EmbeddedAnalysis, run_sim_embedded
 from trainscope.processor.prom_exporter import PrometheusConfig
 
 pytestmark = pytest.mark.integration
@@ -98,7 +98,7 @@ def test_every_panel_expression_returns_the_labels_it_shows(tmp_path):
     cfg = SimConfig(ranks=16, tp=2, pp=2, gpus_per_host=4, iterations=60, iteration_s=1.0, job_id=JOB,
                     faults=(parse_fault(f"gpu_throttle:rank={SUSPECT},onset=10s,factor=1.6"),),
                     home=str(tmp_path / "home"))
-    run_sim(cfg, processor_options={"prometheus": PrometheusConfig(port=0)},
+    run_sim_embedded(cfg, processor_options={"prometheus": PrometheusConfig(port=0)},
             on_start=on_start, on_processor=on_processor)
     assert not failures, "\n".join(failures)
     # the panels show the injected fault, not just any data

@@ -19,7 +19,7 @@ from trainscope.analyzer.diagnosis_sinks import StoreDiagnosisSink
 from trainscope.analyzer.sources import KafkaSource
 from trainscope.analyzer.store import DiagnosisStore
 from trainscope.collector.sim import sim_config
-from trainscope.deploy.embedded import run_sim
+from trainscope.deploy.embedded import run_sim_embedded
 from trainscope.processor.kafka_config import KafkaSinkConfig
 
 pytestmark = pytest.mark.integration
@@ -54,7 +54,7 @@ def detected(kafka_bootstrap, tmp_path_factory):
                          window_iterations=PER_WINDOW, **extra)
         kafka = KafkaSinkConfig(bootstrap=kafka_bootstrap, topic_prefix=prefix,
                                 spool_dir=str(home / job / "spool"), linger_ms=5)
-        res = run_sim(cfg, processor_options={"kafka": kafka})
+        res = run_sim_embedded(cfg, processor_options={"kafka": kafka})
         assert res.dropped == 0 and res.hung == (job == "hang")
         truths[job] = load_truth(res.ground_truth_path)
 

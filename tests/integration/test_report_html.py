@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from trainscope.collector.sim import SimConfig, parse_fault
-from trainscope.deploy.embedded import SimAnalysis, run_sim
+from trainscope.deploy.embedded import SimAnalysis, run_sim_embedded
 
 pytestmark = pytest.mark.integration
 SUSPECT = 5
@@ -69,7 +69,7 @@ def store(tmp_path_factory) -> pathlib.Path:
     cfg = SimConfig(ranks=16, tp=2, pp=2, gpus_per_host=4, iterations=60, iteration_s=1.0, job_id=JOB,
                     faults=(parse_fault(f"gpu_throttle:rank={SUSPECT},onset=10s,factor=1.6"),), home=str(home))
     a = SimAnalysis()
-    res = run_sim(cfg, **a.hooks())
+    res = run_sim_embedded(cfg, **a.hooks())
     return pathlib.Path(res.store_path)
 
 
@@ -128,7 +128,7 @@ def test_an_existing_output_is_replaced_only_with_force(store, tmp_path):
 def test_a_healthy_job_is_reported_healthy_with_no_suspect(tmp_path):
     cfg = SimConfig(ranks=8, tp=2, gpus_per_host=4, iterations=40, iteration_s=1.0, job_id="healthy",
                     home=str(tmp_path / "home"))
-    res = run_sim(cfg, **SimAnalysis().hooks())
+    res = run_sim_embedded(cfg, **SimAnalysis().hooks())
     out = tmp_path / "r.html"
     r = cli("report", "--store", res.store_path, "-o", str(out), cwd=tmp_path)
     assert r.returncode == 0, r.stderr

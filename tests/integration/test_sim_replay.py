@@ -9,7 +9,7 @@ import pytest
 
 from support.pipeline import bus_records, start_processor
 from trainscope.collector.sim import MemorySink, SimConfig, parse_fault, run_sim
-from trainscope.deploy.embedded import run_sim as run_sim_embedded
+from trainscope.deploy.embedded import run_sim_embedded
 from trainscope.deploy.cli import main
 from trainscope.deploy.replay import kernel_stats_json
 from trainscope.processor.windows import WindowConfig
