@@ -22,7 +22,7 @@ from trainscope.deploy.embedded import EmbeddedAnalysis, embedded_processor_conf
 from trainscope.processor.daemon import Processor
 from trainscope.processor.store import SqliteStore
 from trainscope.processor.windows import WindowConfig
-from trainscope.proto.contracts import WindowMode
+from trainscope.proto.contracts import Signal, WindowMode
 from trainscope.proto.v1 import telemetry_pb2
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ def kernel_stats_json(store_path: str, job_id: str | None = None) -> dict:
     store = SqliteStore(store_path)
     try:
         rows = []
-        for kw in store.records("kernels", job_id):
+        for kw in store.records(Signal.KERNELS, job_id):
             w = kw.window
             for ks in kw.kernels:
                 rows.append({
