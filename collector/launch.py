@@ -45,7 +45,7 @@ from trainscope.collector.bootstrap import AfterImport
 from trainscope.collector.exporter_socket import reachable
 from trainscope.proto import env
 from trainscope.proto.env import (
-    AUTOSTART, CPU_OPS, CUPTI, HOOKS, OFF as _OFF, RANK_PID, RUN_DIR, SHIP_INTERVAL_S, SHUTDOWN_TIMEOUT_S, STACKS,
+    AUTOSTART, CPU_OPS, CUPTI, HOOKS, RANK_PID, RUN_DIR, SHIP_INTERVAL_S, SHUTDOWN_TIMEOUT_S, STACKS,
     STACKS_WINDOW_S, identity, runtime_dir)
 from trainscope.proto.errors import ConfigError
 
@@ -83,7 +83,7 @@ class InProcess:
         if os.getpid() != self.pid:
             return  # a forked child inherited the atexit hook: it is not the rank
         try:
-            timeout = _float_env(SHUTDOWN_TIMEOUT_S, 3.0)
+            timeout = env.number(SHUTDOWN_TIMEOUT_S, 3.0)
         except ConfigError:
             timeout = 3.0
         target = getattr(getattr(self.collector, "exporter", None), "config", None)
@@ -154,15 +154,15 @@ def _start(environ) -> InProcess:
 
     rank, world, local = identity(environ) or (0, 1, 0)
     exporter = ExporterConfig(target=environ.get(env.PROCESSOR) or ExporterConfig().target,
-                              shutdown_timeout_s=_float_env(SHUTDOWN_TIMEOUT_S, 3.0, environ))
+                              shutdown_timeout_s=env.number(SHUTDOWN_TIMEOUT_S, 3.0, environ))
     cfg = CollectorConfig.from_env(environ, rank=rank, world_size=world, local_rank=local, exporter=exporter,
-                                   ship_interval_s=_float_env(SHIP_INTERVAL_S, 1.0, environ))
+                                   ship_interval_s=env.number(SHIP_INTERVAL_S, 1.0, environ))
     state = InProcess(Collector(cfg), run_dir=environ.get(RUN_DIR) or os.path.join(
         runtime_dir(environ), "ranks"))  # per user: another user's rank files are never read
     environ[RANK_PID] = str(os.getpid())  # children (workers, tools) are not ranks
     write_rank_file(state.run_dir, state.collector.resource)
-    mode = environ.get(STACKS, "1").lower()
-    if mode not in _OFF and mode != "external" and local == 0:
+    stacks_here = env.text(STACKS, environ=environ).lower() != "external"  # else someone else runs the sidecar
+    if env.switch(STACKS, environ=environ) and stacks_here and local == 0:
         state.sidecar = spawn_sidecar(state.run_dir, environ)
     _at_exit(state.shutdown)
     if "torch" in sys.modules:
@@ -178,7 +178,7 @@ def _on_torch(state: InProcess, environ) -> None:
     from trainscope.collector.torch_hooks import TorchHooks, TorchHooksConfig
 
     spec = environ.get(HOOKS, "all").lower()
-    if spec not in _OFF:
+    if env.switch(HOOKS, environ=environ):
         parts = {p.strip() for p in spec.split(",")}
         kinds = ("dataloader", "optimizer", "module", "collectives")
         cfg = TorchHooksConfig(**{k: ("all" in parts or k in parts) for k in kinds})
@@ -192,7 +192,7 @@ def _on_torch(state: InProcess, environ) -> None:
 def _kernel_source(state: InProcess, environ):
     import torch
 
-    if environ.get(CUPTI, "1").lower() not in _OFF and torch.version.cuda and _has_cuda_driver():
+    if env.switch(CUPTI, environ=environ) and torch.version.cuda and _has_cuda_driver():
         from trainscope.collector.cupti_source import CuptiKernelSource
         src = CuptiKernelSource()
         src.start(state.collector.record_kernels)  # add_kernel_source's start is then a no-op
@@ -200,7 +200,7 @@ def _kernel_source(state: InProcess, environ):
             return src
         state.notes.append(f"CUPTI off: {src.reason}")
     spec = environ.get(CPU_OPS, "")
-    if spec.lower() in _OFF:
+    if not env.switch(CPU_OPS, environ=environ):
         return None
     from trainscope.collector.cpu_source import CpuOpConfig, CpuOpSource
     src = CpuOpSource(CpuOpConfig.parse(spec, CPU_OPS))  # windows at optimizer steps, on the training thread
@@ -228,7 +228,7 @@ def spawn_sidecar(run_dir: str, environ, window_s: float | None = None) -> subpr
         lock.close()
         return None  # another process of this host runs it
     cmd = [sys.executable, "-m", "trainscope.collector.stacks", "--run-dir", run_dir,
-           "--window-s", str(window_s or _float_env(STACKS_WINDOW_S, env.DEFAULT_STACKS_WINDOW_S, environ))]
+           "--window-s", str(window_s or env.number(STACKS_WINDOW_S, env.DEFAULT_STACKS_WINDOW_S, environ))]
     child_env = {k: v for k, v in environ.items() if k != RANK_PID}
     child_env[AUTOSTART] = "0"
     try:
@@ -236,10 +236,6 @@ def spawn_sidecar(run_dir: str, environ, window_s: float | None = None) -> subpr
                                 pass_fds=(lock.fileno(),))  # the sidecar inherits the lock
     finally:
         lock.close()
-
-
-def _float_env(name: str, default: float, environ=None) -> float:
-    return env.number(name, default, environ)
 
 
 # ============================================= parallel groups, by convention

@@ -29,7 +29,7 @@ import re
 import sys
 
 from trainscope.proto.env import (  # stdlib-only module: the names are a contract with launch
-    AUTOSTART, DEBUG_BOOT as DEBUG, ENABLED, MATCH, OFF as _OFF, RANK_PID, RUN_PID, identity)
+    AUTOSTART, DEBUG_BOOT as DEBUG, ENABLED, MATCH, RANK_PID, RUN_PID, identity, switch)
 
 #: Launcher modules / console scripts: they start ranks, they are not ranks.
 LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch", "torchrun", "deepspeed.launcher.runner",
@@ -69,7 +69,7 @@ def select(environ=None, argv: list[str] | None = None, pid: int | None = None,
     argv = list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv)
     pid = os.getpid() if pid is None else pid
     ppid = os.getppid() if ppid is None else ppid
-    if environ.get(AUTOSTART, "1").lower() in _OFF or environ.get(ENABLED, "1").lower() in _OFF:
+    if not switch(AUTOSTART, environ=environ) or not switch(ENABLED, environ=environ):
         return False, "disabled by environment"
     owner = environ.get(RANK_PID)
     if owner and owner != str(pid):
