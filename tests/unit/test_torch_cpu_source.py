@@ -187,26 +187,6 @@ def test_the_jobs_own_profiler_is_left_alone_and_closes_an_open_window_first():
     assert not torch.autograd._profiler_enabled()
 
 
-def test_a_fork_mid_window_closes_it_first_so_the_child_records_nothing():
-    import os
-
-    clock, got = Clock(), []
-    src = CpuOpSource(CpuOpConfig(period_s=10, window_s=0.1, first_after_s=0), clock=clock)
-    src.start(got.append)
-    try:
-        src.safe_point()
-        assert torch.autograd._profiler_enabled()
-        pid = os.fork()
-        if pid == 0:  # the child (a DataLoader worker would be one): no profiler left on
-            os._exit(3 if torch.autograd._profiler_enabled() else 0)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-        assert not torch.autograd._profiler_enabled() and src.stats["closed_for_fork"] == 1
-    finally:
-        src.stop()
-    assert src.stats["windows"] == 1
-
-
 def test_an_operator_spanning_two_windows_is_harmless():
     """The pattern that corrupts the heap under Kineto: an operator opened in one window ends in the next."""
     clock, got = Clock(), []
