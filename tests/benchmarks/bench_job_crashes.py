@@ -48,7 +48,6 @@ import collections
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,7 +56,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
 TRAIN = ROOT / "tests" / "support" / "train_small.py"
+
+from support.ports import free_port  # noqa: E402
+
 AGGRESSIVE = "period_s=0.5,window_s=0.05,first_after_s=0"
 MODES = ("plain", "hooks", "sampler", "sampler-only")
 
@@ -74,12 +77,6 @@ SIGNATURES = (
 
 def clean_env() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith("TRAINSCOPE_") and k != "PYTHONPATH"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(steps: int, world: int, out: Path) -> list[str]:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from support.pipeline import bus_records, start_processor
+from support.ports import free_port
 from support.torch_jobs import retry_torch_abort, torch_crashed
 from trainscope.processor.windows import WindowConfig
 
@@ -180,7 +181,7 @@ class _TorchAbort(Exception):
 
 def _kill_processor_mid_run(tmp_path: Path) -> None:
     tmp_path.mkdir()
-    port = _free_port()
+    port = free_port()
     addr = f"127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "trainscope.deploy.cli", "processor", "--listen", addr,
                              "--home", str(tmp_path / "home")], env=clean_env(), stdout=subprocess.DEVNULL,
@@ -241,13 +242,6 @@ def _steps_done(progress: Path) -> int:
 def _median(xs):
     xs = sorted(xs)
     return xs[len(xs) // 2]
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- verdicts on real jobs

@@ -20,7 +20,6 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -30,6 +29,7 @@ from typing import Callable, Sequence
 
 import pytest
 
+from support.ports import free_port
 from trainscope.processor.model import ClosedWindow, WindowOutput
 from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.model import Resource, coords_for_rank
@@ -109,12 +109,6 @@ def find_prometheus() -> str | None:
     return "/usr/bin/prometheus" if os.access("/usr/bin/prometheus", os.X_OK) else None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class PrometheusServer:
     """One Prometheus process; use as a context manager or call start()/stop()."""
 
@@ -167,7 +161,7 @@ class PrometheusServer:
         config = self._write_config()
         # A free port can be taken between probe and bind; try a few.
         for _ in range(3):
-            self.port = _free_port()
+            self.port = free_port()
             log = open(self.log_path, "ab")
             try:
                 self.proc = subprocess.Popen(
