@@ -61,6 +61,7 @@ class _Pending:
     data: bytes | None = None
     resource: object = None  # a Resource message overriding the exporter's own
     sent: bool = False       # written to a stream at least once
+    resent: bool = False     # written again (after a broken stream): a "duplicate" answer is delivery
     confirmed: bool = False  # counted in stats.confirmed (a replay is not counted again)
     replay: bool = False     # to be re-sent to a restarted processor on a replay stream
 
@@ -336,6 +337,7 @@ class BatchExporter:
             self._unconfirmed.append(p)
         if p.data is None:
             p.data = self._serialise(p)
+        p.resent = p.sent
         p.sent = True
         return p
 
@@ -456,8 +458,12 @@ class BatchExporter:
                 self._held_bytes -= p.nbytes
             # the summary answers for every batch of the stream: those it refused are
             # rejected, not confirmed (a rejected batch is gone, and the user must see it)
-            # A duplicate is a re-sent batch the processor already holds: delivered.
+            # A duplicate is a re-sent batch the processor already holds: delivered. Only re-sent
+            # ones can be: a "duplicate" of a batch sent once was not taken, so it is rejected.
             reasons = {k: v for k, v in summary.rejected_by_reason.items() if k != "duplicate"}
+            unknown = summary.rejected_by_reason.get("duplicate", 0) - sum(p.resent for p in self._unconfirmed)
+            if unknown > 0:
+                reasons["duplicate"] = unknown
             rejected = min(n - again, sum(reasons.values()))
             self.stats.confirmed += n - again - rejected
             # kept until durable (re-sent if the processor restarts first); rejected ones are

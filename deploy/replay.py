@@ -20,6 +20,7 @@ from trainscope.collector.exporter_config import ExporterConfig
 from trainscope.collector.sources.replay_dir import resource_for, scan_replay_dir
 from trainscope.deploy.embedded import EmbeddedAnalysis, embedded_processor_config, final_drain, remove_socket_dir
 from trainscope.processor.daemon import Processor
+from trainscope.processor.limits import IngestLimits
 from trainscope.processor.store import SqliteStore
 from trainscope.processor.windows import WindowConfig
 from trainscope.proto.contracts import Signal, WindowMode
@@ -107,7 +108,8 @@ def run_replay(
     os.makedirs(home, exist_ok=True)
     cfg = embedded_processor_config(
         home, WindowConfig(mode=WindowMode.ITERATIONS, iterations=window_iterations, idle_close_s=3600),
-        kafka=kafka, perfetto=perfetto, prometheus=prometheus, replace_store=replace_store)
+        kafka=kafka, perfetto=perfetto, prometheus=prometheus, replace_store=replace_store,
+        limits=IngestLimits(live_clock=False))  # trace time, not this host's clock
     store_path = cfg.store_path
     sent: dict[int, int] = {}
     skipped: dict[int, dict[str, int]] = {}

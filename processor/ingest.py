@@ -64,17 +64,25 @@ class Decoded:
     sent_unix_ns: int
     dropped_total: int
     seq: int = 0
-    prev_seq: int = 0  # the stream's last seq before this one (to release it when refused)
+    digest: int = 0    # the batch's identity for de-duplication (to forget it when refused)
     end_ns: int = 0    # latest record end (rank clock): when its window closes, the batch is durable
 
 
 class _StreamState:
-    """What the validator remembers of one sender: last seq, and per signal the clock."""
+    """What the validator remembers of one sender (job, rank, pid): its highest seq."""
 
-    __slots__ = ("last_seq", "clock", "jumps")
+    __slots__ = ("max_seq",)
 
     def __init__(self) -> None:
-        self.last_seq = 0
+        self.max_seq = 0
+
+
+class _RankClock:
+    """Per (job, rank), whichever process sends (windows are per (job, rank)): per signal the clock."""
+
+    __slots__ = ("clock", "jumps")
+
+    def __init__(self) -> None:
         self.clock: dict[str, tuple[int, float]] = {}     # signal -> (latest end, monotonic when)
         self.jumps: dict[str, list[int]] = {}              # signal -> ends of consecutive clock jumps
 
@@ -88,18 +96,29 @@ class Validator:
     1. parse the bytes; 2. resource: job id, ``0 <= rank < world <= max_world_size``;
     3. payload: shape, then per record (durations, timestamps, iterations, sample
        counts); over-long names and stacks are truncated and counted;
-    4. clock: the batch may not reach further ahead of its rank's clock (per signal)
-       than ``max_clock_jump_s`` plus the wall time since that rank's last batch;
-    5. sequence: duplicates of a recent seq are dropped; a seq too far ahead is refused,
-       one far behind starts a new sequence (a restarted sender).
+    4. clock: the batch may not reach further ahead of its rank's clock (per signal, per
+       (job, rank) whichever pid sends) than ``max_clock_jump_s`` plus the wall time since
+       that rank's last batch. A rank's first batch of a signal is held to the processor's
+       wall clock (live collectors stamp ``time.time_ns``); with ``live_clock=False``
+       (``replay``'s private processor: each trace has its own clock) it sets the clock;
+    5. sequence: a batch is a duplicate only when these exact bytes (seq included) were
+       received from its sender (a re-sent batch is byte-identical: the exporter keeps
+       the bytes it wrote), so no forged, corrupt or far-jumped seq can make a real
+       batch look like one; a seq more than ``max_seq_gap`` past the sender's highest is
+       refused, and nothing moves that highest down, so no bad batch makes the real
+       sender's next seq look far ahead either.
     """
 
     def __init__(self, metrics: SelfMetrics, limits: IngestLimits | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_ns: Callable[[], int] = time.time_ns) -> None:
         self.metrics = metrics
         self.limits = limits or IngestLimits()
         self._streams: dict[tuple[str, int, int], _StreamState] = {}
+        self._clocks: dict[tuple[str, int], _RankClock] = {}
+        self._seen: dict[int, None] = {}  # digests of recent batches with a seq, oldest first
         self._clock = clock
+        self._wall_ns = wall_ns
         self._lock = threading.Lock()
 
     def decode(self, raw: bytes) -> Decoded:
@@ -131,9 +150,9 @@ class Validator:
                 raise BadInput("empty", str(e), raw) from None
         else:
             payload, n, end = self._stacks(b.stacks.snapshots)
-        prev = self._admit(res, signal, end, b.seq, raw)
+        digest = self._admit(res, signal, end, b.seq, raw)
         return Decoded(res, signal or "final", payload, n, len(raw), b.sent_unix_ns,
-                       min(b.dropped_total, 2**53), b.seq, prev, end)
+                       min(b.dropped_total, 2**53), b.seq, digest, end)
 
     def _resource(self, b: telemetry_pb2.TelemetryBatch) -> Resource:
         if not b.HasField("resource") or not b.resource.job_id:
@@ -149,38 +168,42 @@ class Validator:
         return Resource.from_pb(r)
 
     def release(self, d: Decoded) -> None:
-        """Forget that ``d``'s seq was received (it was refused after validation: it will come again)."""
+        """Forget that ``d`` was received (it was refused after validation: it will come again)."""
         if not d.seq:
             return
         with self._lock:
-            st = self._streams.get((d.resource.job_id, d.resource.rank, d.resource.pid))
-            if st is not None and st.last_seq == d.seq:
-                st.last_seq = d.prev_seq
+            self._seen.pop(d.digest, None)
 
-    def _stream(self, key: tuple[str, int, int]) -> _StreamState:
-        st = self._streams.get(key)
+    def _bounded(self, table: dict, key, make):
+        st = table.get(key)
         if st is None:
-            if len(self._streams) >= self.limits.max_streams_tracked:
-                self._streams.pop(next(iter(self._streams)))  # oldest first: dicts keep order
-            st = self._streams[key] = _StreamState()
+            if len(table) >= self.limits.max_streams_tracked:
+                table.pop(next(iter(table)))  # oldest first: dicts keep order
+            st = table[key] = make()
         return st
 
+    def _reference(self, now: float) -> tuple[int, float] | None:
+        """What a rank's first batch of a signal is held to: the processor's wall clock for live
+        senders; nothing for replayed traces, whose clocks are their own."""
+        return (self._wall_ns(), now) if self.limits.live_clock else None
+
     def _admit(self, res: Resource, signal: str | None, end: int, seq: int, raw: bytes) -> int:
-        """Steps 4 and 5: check clock and seq against the stream, then commit both (or neither);
-        returns the stream's previous seq."""
+        """Steps 4 and 5: check clock and seq against the rank and the sender, then commit both
+        (or neither); returns the batch's digest (0 without a seq)."""
         lim = self.limits
         key = (res.job_id, res.rank, res.pid)
         now = self._clock()
+        digest = hash(raw) if seq else 0  # raw holds resource and seq: equal bytes, same sender and seq
         with self._lock:
-            st = self._stream(key)
-            prev_seq = st.last_seq
+            st = self._bounded(self._streams, key, _StreamState)
+            ck = self._bounded(self._clocks, (res.job_id, res.rank), _RankClock)
             rebase = False
             if signal is not None and end:
-                prev = st.clock.get(signal)
+                prev = ck.clock.get(signal) or self._reference(now)
                 if prev is not None:
                     allowed = prev[0] + lim.max_clock_jump_ns + int(max(0.0, now - prev[1]) * 1e9)
                     if end > allowed:
-                        run = st.jumps.setdefault(signal, [])
+                        run = ck.jumps.setdefault(signal, [])
                         if run and abs(end - run[-1]) > lim.max_clock_jump_ns:
                             run.clear()  # jumps that disagree with each other are not a new clock
                         run.append(end)
@@ -190,20 +213,23 @@ class Validator:
                                            f"ahead of its clock (limit {lim.max_clock_jump_s:g} s)", raw)
                         rebase = True
             if seq:
-                last = st.last_seq
-                if last and seq > last + lim.max_seq_gap:
-                    raise BadInput("seq_jump", f"seq {seq} is more than {lim.max_seq_gap} past {last}", raw)
-                if last - lim.max_seq_gap < seq <= last:
+                if digest in self._seen:
                     raise BadInput("duplicate", f"seq {seq} already received from {key}", raw)
-                st.last_seq = seq  # also when far behind: the sender restarted its sequence
+                top = st.max_seq
+                if top and seq > top + lim.max_seq_gap:
+                    raise BadInput("seq_jump", f"seq {seq} is more than {lim.max_seq_gap} past {top}", raw)
+                st.max_seq = max(top, seq)  # one far behind is a restarted sender: accepted, max kept
+                self._seen[digest] = None
+                if len(self._seen) > lim.max_batches_remembered:
+                    del self._seen[next(iter(self._seen))]
             if signal is not None and end:
                 if rebase:
                     self.metrics.inc("clock_rebased")
-                    st.clock[signal] = (end, now)
+                    ck.clock[signal] = (end, now)
                 else:
-                    st.clock[signal] = (max(end, st.clock.get(signal, (0, 0.0))[0]), now)
-                st.jumps.pop(signal, None)
-            return prev_seq
+                    ck.clock[signal] = (max(end, ck.clock.get(signal, (0, 0.0))[0]), now)
+                ck.jumps.pop(signal, None)
+            return digest
 
     def _name(self, name: str, what: str) -> str:
         if len(name) > self.limits.max_name_chars:

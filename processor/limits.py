@@ -15,7 +15,11 @@ limit                       default          why
                                              (``clock_jump``), so one bad batch cannot make
                                              every later window "late"; after
                                              ``clock_reset_after`` such batches in a row
-                                             that agree, the rank's clock is re-based
+                                             that agree, the rank's clock is re-based.
+                                             Per (job, rank), whichever pid sends; a rank's
+                                             first batch is held to the processor's wall
+                                             clock (``live_clock``; not in ``replay``,
+                                             whose traces keep their own clocks)
 ``max_world_size``          131,072          larger than any job; rank < world is checked too
 ``max_iteration``           2**40            one step per microsecond for 12 days
 ``max_name_chars``          4,096            kernel/phase names are truncated beyond it
@@ -23,9 +27,12 @@ limit                       default          why
 ``max_stack_chars``         65,536           a folded stack is truncated beyond it
                                              (keeping the leaf end, which names the wait)
 ``max_stack_samples``       10,000,000       a snapshot's sample count and each stack's
-``max_seq_gap``             1,000,000        a seq further ahead of its stream's last is
+``max_seq_gap``             1,000,000        a seq further ahead of its sender's highest is
                                              refused (``seq_jump``); one further behind is
                                              a restarted sender, not a duplicate
+``max_batches_remembered``  262,144          digests of recent batches kept to recognise
+                                             re-sent ones: only the same bytes are a
+                                             ``duplicate``, so no bad seq hides a real batch
 ==========================  ===============  =============================================
 """
 from __future__ import annotations
@@ -62,10 +69,19 @@ class IngestLimits:
     """Largest step forward of a stream's sequence number."""
     max_streams_tracked: int = 100_000
     """Bound on the per-stream state kept for de-duplication and clocks (oldest evicted)."""
+    max_batches_remembered: int = 262_144
+    """Bound on the digests of received batches kept to drop re-sent ones (oldest forgotten;
+    a resend comes within seconds: ~26 s of a 10,000 batches/s host)."""
+    live_clock: bool = True
+    """Senders stamp records with this host's wall clock (live collectors): a rank's first batch
+    may not reach more than ``max_clock_jump_s`` past the processor's wall clock. False for
+    replayed traces (``trainscope replay``'s private processor), whose clocks are their own."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if isinstance(v, bool):
+                continue
             if not v > 0:
                 raise ConfigError(f"ingest.{f.name}", v, "must be > 0")
         if self.max_timestamp_ns > 2**63 - 1:

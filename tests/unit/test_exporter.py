@@ -217,3 +217,39 @@ def test_batches_the_processor_rejects_are_counted_as_rejected_not_confirmed(cap
     finally:
         exp.shutdown(1)
         proc.stop()
+
+
+def test_a_duplicate_answer_for_a_batch_sent_once_is_a_rejection_not_a_delivery():
+    """Only a re-sent batch can be a duplicate the processor holds; a "duplicate" answer for batches
+    written once (a poisoned processor, a forged sender) means they were not taken: rejected."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from trainscope.proto.contracts import INGEST_SERVICE
+    from trainscope.proto.v1 import telemetry_pb2
+
+    def stream(requests, context):
+        context.send_initial_metadata(())  # the exporter waits for it before it writes
+        n = sum(1 for _ in requests)
+        s = telemetry_pb2.IngestSummary(batches_rejected=n)
+        s.rejected_by_reason["duplicate"] = n
+        return s
+
+    server = grpc.server(ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(INGEST_SERVICE, {
+        "Stream": grpc.stream_unary_rpc_method_handler(
+            stream, response_serializer=telemetry_pb2.IngestSummary.SerializeToString)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    exp = BatchExporter(RES, fast_config(f"127.0.0.1:{port}"))
+    try:
+        for i in range(5):
+            assert exp.submit(kb(i), 2500)
+        assert exp.flush(10)
+        snap = exp.stats.snapshot()
+        assert snap["confirmed"] == 0 and snap["rejected_by_processor"] == 5
+        assert snap["rejected_by_reason"] == {"duplicate": 5}
+    finally:
+        exp.shutdown(0.5)
+        server.stop(0)

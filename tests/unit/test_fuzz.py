@@ -8,8 +8,10 @@ replay either raises ``TraceFileError`` or returns a trace whose columns hold.
 import json
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from trainscope.collector.sources.replay import load_rank_trace
 from trainscope.processor.ingest import MAX_RECORD_NS, Validator
@@ -104,3 +106,56 @@ def test_any_trace_events_load_or_fail_with_one_clear_error(tmp_path_factory, ev
     if len(k):
         assert int(k.name_id.max()) < len(k.names) and int(k.duration_ns.min()) > 0
     assert all(m.end_ns >= m.start_ns for m in t.iterations)
+
+
+def _sender_batch(seq: int, start_s: int, name: str = "gemm", pid: int = 42) -> bytes:
+    k = KernelColumns.build([name], [start_s * 10**9], [500], [0], [7])
+    return telemetry_pb2.TelemetryBatch(resource=Resource(job_id="j", rank=1, world_size=4, pid=pid).to_pb(),
+                                        seq=seq, kernels=k.to_pb()).SerializeToString()
+
+
+class SeqPoisoning(RuleBasedStateMachine):
+    """A real sender (seq 1, 2, ... and resends of what it sent) interleaved with bad batches under
+    its identity: any seq (past, its next, far ahead, 2**64-1) or a real batch with bits flipped.
+    Invariant: every real batch is taken the first time, and every resend is a duplicate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = Validator(SelfMetrics())
+        self.sent: list[bytes] = []
+
+    @rule()
+    def real(self) -> None:
+        raw = _sender_batch(len(self.sent) + 1, 100 + len(self.sent))
+        self.v.decode(raw)  # must not raise
+        self.sent.append(raw)
+
+    @precondition(lambda self: self.sent)
+    @rule(data=st.data())
+    def resend(self, data) -> None:
+        raw = data.draw(st.sampled_from(self.sent))
+        with pytest.raises(BadInput) as e:
+            self.v.decode(raw)
+        assert e.value.reason == "duplicate"
+
+    @rule(seq=st.one_of(st.integers(1, 200), U64), start_s=st.integers(0, 200))
+    def forged(self, seq, start_s) -> None:
+        try:
+            self.v.decode(_sender_batch(seq, start_s, name="forged"))
+        except BadInput:
+            pass
+
+    @precondition(lambda self: self.sent)
+    @rule(data=st.data())
+    def flipped(self, data) -> None:
+        raw = bytearray(data.draw(st.sampled_from(self.sent)))
+        bit = data.draw(st.integers(0, len(raw) * 8 - 1))
+        raw[bit // 8] ^= 1 << (bit % 8)
+        try:
+            self.v.decode(bytes(raw))
+        except BadInput:
+            pass
+
+
+SeqPoisoning.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=2000, database=None)
+test_no_bad_batch_hides_a_real_one = SeqPoisoning.TestCase

@@ -103,6 +103,30 @@ def test_a_poisoned_seq_does_not_swallow_the_real_senders_batches(proc):
     assert dict(s.rejected_by_reason) == {"duplicate": 1}
 
 
+def test_bad_seqs_interleaved_with_good_batches_hide_none_of_them(proc):
+    """Audit: one batch with seq 1000 after seq 1 made 49 of 49 real batches "duplicates". Now only
+    the same bytes are a duplicate: a forged seq (within the gap, or the real sender's very next
+    one, or a bit-flipped copy's) takes nothing from the real sender, whose resends still drop once."""
+    good = [batch(RES, i, cols(10, start=i * S)) for i in range(1, 51)]
+
+    def bad(seq):  # valid, and in the past: it moves no clock and stores no kernel
+        ph = telemetry_pb2.PhaseBatch(phases=[telemetry_pb2.PhaseTiming(name="x", start_ns=S // 2, duration_ns=1)])
+        return batch(RES, seq, phases=ph)
+
+    msgs, bads = [good[0]], []
+    for i, g in enumerate(good[1:], start=2):
+        bads += [bad(1000), bad(i), bad(i ^ (1 << (i % 7)))]
+        msgs += bads[-3:] + [g]
+    s = raw_stream(proc.address, msgs)
+    # the bad batches' own repeats (bad(1000) each time...) are the only duplicates
+    assert dict(s.rejected_by_reason) == {"duplicate": len(bads) - len(set(bads))}
+    assert s.batches_accepted == 50 + len(set(bads))
+    assert proc.drain(10)
+    assert kernel_count(proc) == 500
+    again = raw_stream(proc.address, good)
+    assert dict(again.rejected_by_reason) == {"duplicate": 50}
+
+
 def test_one_batch_an_hour_ahead_is_refused_and_later_events_are_not_late(proc):
     msgs = [batch(RES, i, cols(10, start=i * S)) for i in range(1, 21)]
     msgs.insert(5, batch(RES, 100, cols(10, start=3600 * S)))
@@ -112,6 +136,51 @@ def test_one_batch_an_hour_ahead_is_refused_and_later_events_are_not_late(proc):
     assert proc.drain(10)
     assert kernel_count(proc) == 200
     assert proc.metrics.get("drops", where="late") == 0
+
+
+def test_a_ranks_first_batch_an_hour_ahead_of_the_wall_clock_is_refused():
+    """Audit: a rank's *first* batch dated an hour ahead (nothing to compare with yet) made 160 of 190
+    later events late. A live rank's first batch is held to the processor's wall clock."""
+    import time
+    now = time.time_ns() // S * S
+    p = start_processor()
+    try:
+        msgs = [batch(RES, 1, cols(10, start=now + 3600 * S))]
+        msgs += [batch(RES, i, cols(10, start=now + i * S)) for i in range(2, 21)]
+        s = raw_stream(p.address, msgs)
+        assert dict(s.rejected_by_reason) == {"clock_jump": 1} and s.batches_accepted == 19
+        assert p.drain(10)
+        assert kernel_count(p) == 190 and p.metrics.get("drops", where="late") == 0
+    finally:
+        p.stop()
+
+
+def test_replayed_traces_keep_their_own_clocks():
+    """``replay``'s processor (``live_clock=False``): trace time is not this host's clock."""
+    import time
+    p = start_processor(limits=IngestLimits(live_clock=False))
+    try:
+        s = raw_stream(p.address, [batch(RES, 1, cols(10, start=time.time_ns() + 10 * 86400 * S))])
+        assert s.batches_accepted == 1
+    finally:
+        p.stop()
+
+
+def test_a_new_pid_of_a_rank_is_held_to_that_ranks_clock(proc):
+    """Audit: the clock was kept per (job, rank, pid) while windows are per (job, rank): a new pid's
+    batch an hour ahead made 130 of 150 later events late."""
+    s = raw_stream(proc.address, [batch(RES, i, cols(10, start=i * S)) for i in range(1, 6)])
+    assert s.batches_accepted == 5
+    other_pid = Resource(job_id="job", rank=1, world_size=4, pid=9999)
+    s = raw_stream(proc.address, [batch(other_pid, 1, cols(10, start=3600 * S))])
+    assert dict(s.rejected_by_reason) == {"clock_jump": 1}
+    s = raw_stream(proc.address, [batch(RES, i, cols(10, start=i * S)) for i in range(6, 21)])
+    assert s.batches_accepted == 15
+    assert proc.drain(10)
+    assert kernel_count(proc) == 200 and proc.metrics.get("drops", where="late") == 0
+    # the same rank restarted under a new pid, on time, is taken
+    s = raw_stream(proc.address, [batch(other_pid, 1, cols(10, start=30 * S))])
+    assert s.batches_accepted == 1
 
 
 def test_a_clock_that_really_jumped_is_rebased_after_consecutive_batches(proc):
