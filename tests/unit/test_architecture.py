@@ -11,6 +11,10 @@ call-time import is still a dependency) becomes an edge. The rules:
    module imports a stage to its right, except ``deploy`` (the composition root)
    which may import all of them.
 4. No import cycle among trainscope modules.
+5. Contracts are spelled once, in ``proto/``: the ingest stream's method and
+   metadata keys, environment variable names, signal and window-mode names
+   (compared, passed or offered as ``choices`` as enum members, not literals),
+   ``unix:`` targets (``env.unix_path``); and no re-export shims.
 """
 from __future__ import annotations
 
@@ -183,3 +187,85 @@ def test_environment_values_are_parsed_one_way():
     with pytest.raises(ConfigError, match=env.SHIP_INTERVAL_S):
         env.number(env.SHIP_INTERVAL_S, 1.0, {env.SHIP_INTERVAL_S: "1s"})
     assert env.identity({"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}) == (3, 8, 1)
+
+
+# ------------------------------------------------ contracts spelled once, in proto/
+def _sources(*, tests: bool = False):
+    """(path, tree) of every module outside ``proto/`` (and of tests/, without this file)."""
+    paths = [p for name, p in MODULES.items() if _stage(name) != "proto"]
+    if tests:
+        paths += [p for p in (ROOT / "tests").rglob("*.py") if p.resolve() != pathlib.Path(__file__).resolve()]
+    for p in paths:
+        yield p.relative_to(ROOT), ast.parse(p.read_text(), str(p))
+
+
+def _strings(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node
+
+
+def test_the_ingest_stream_names_are_spelled_only_in_proto():
+    """The method, service and restart-metadata keys of the ingest stream: ``proto/contracts.py``."""
+    from trainscope.proto import contracts
+
+    names = {contracts.INGEST_METHOD, contracts.INGEST_SERVICE, contracts.BOOT_METADATA,
+             contracts.SENDER_METADATA, contracts.REPLAY_METADATA}
+    bad = [f"{path}:{n.lineno} {n.value!r}" for path, tree in _sources(tests=True)
+           for n in _strings(tree) if n.value in names]
+    assert not bad, "import these from trainscope.proto.contracts:\n" + "\n".join(bad)
+
+
+def test_environment_variable_names_are_spelled_only_in_proto_env():
+    import re
+
+    bad = [f"{path}:{n.lineno} {n.value!r}" for path, tree in _sources()
+           for n in _strings(tree) if re.fullmatch(r"(TRAINSCOPE|KAFKA)_[A-Z0-9_]+", n.value)]
+    assert not bad, "name the variable in trainscope/proto/env.py and use it from there:\n" + "\n".join(bad)
+
+
+def test_signal_and_window_mode_names_are_enum_members_not_literals():
+    """``x.signal == "kernels"``, ``mode in ("time", ...)``, ``store.records("kernels")``: use
+    ``Signal`` / ``WindowMode`` (a str enum member equals its value, so nothing else changes)."""
+    from trainscope.proto.contracts import SIGNALS, WINDOW_MODES
+
+    names = {s.value for s in SIGNALS} | {m.value for m in WINDOW_MODES}
+
+    def literals(node):
+        if isinstance(node, ast.Constant):
+            return [node.value]
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return [e.value for e in node.elts if isinstance(e, ast.Constant)]
+        return []
+
+    bad = []
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(v in names for s in sides for v in literals(s)) and any(
+                        w in ast.unparse(s).lower() for s in sides if not literals(s) for w in ("signal", "mode")):
+                    bad.append(f"{path}:{node.lineno} {ast.unparse(node)}")
+            elif isinstance(node, ast.Call):
+                func = ast.unparse(node.func)
+                if any(w in func for w in ("records", "topic_for")) and any(
+                        v in names for a in node.args for v in literals(a)):
+                    bad.append(f"{path}:{node.lineno} {ast.unparse(node)}")
+                bad += [f"{path}:{node.lineno} {k.arg}={k.value.value!r}" for k in node.keywords
+                        if k.arg in ("signal", "mode", "window_mode") and isinstance(k.value, ast.Constant)
+                        and k.value.value in names]
+                bad += [f"{path}:{node.lineno} choices={ast.unparse(k.value)}" for k in node.keywords
+                        if k.arg == "choices" and len(literals(k.value)) > 1 and set(literals(k.value)) <= names]
+    assert not bad, "use trainscope.proto.contracts.Signal / WindowMode:\n" + "\n".join(bad)
+
+
+def test_no_hand_stripping_of_unix_targets():
+    bad = [f"{path}" for path, tree in _sources()
+           if 'len("unix:' in (ROOT / path).read_text() or "len('unix:" in (ROOT / path).read_text()]
+    assert not bad, "use trainscope.proto.env.unix_path:\n" + "\n".join(bad)
+
+
+def test_no_re_export_shims():
+    """A 0.1.0 tree has no importers to keep happy: import a name from the module that defines it."""
+    bad = [f"{path}" for path, _ in _sources(tests=True) if "re-export" in (ROOT / path).read_text().lower()]
+    assert not bad, "re-export shims:\n" + "\n".join(bad)
