@@ -44,7 +44,12 @@ class ProcessorConfig:
     grpc_workers: int = 64
     """gRPC handler threads; each open collector stream holds one while it is open."""
     stream_idle_s: float = 10.0
-    """An ingest stream that sends nothing for this long is closed (collectors' streams last ~2 s)."""
+    """An ingest stream with no batch accepted for this long is closed (collectors' streams last ~2 s)."""
+    stream_max_s: float = 300.0
+    """An ingest stream open longer than this is closed (a collector's stream ends within its
+    ``confirm_interval_s`` + max(5 s, it) + 5 s: 12 s by default; it then reconnects)."""
+    stream_max_malformed: int = 32
+    """An ingest stream that sends this many unparsable messages in a row is closed (INVALID_ARGUMENT)."""
     queue_max_batches: int = 10_000
     """Bound on validated batches waiting for the processing thread."""
     window: WindowConfig = dataclasses.field(default_factory=WindowConfig)
@@ -76,6 +81,10 @@ class ProcessorConfig:
             raise ConfigError("processor.grpc_workers", self.grpc_workers, "must be >= 1")
         if not self.stream_idle_s > 0:
             raise ConfigError("processor.stream_idle_s", self.stream_idle_s, "must be > 0")
+        if not self.stream_max_s > 0:
+            raise ConfigError("processor.stream_max_s", self.stream_max_s, "must be > 0")
+        if self.stream_max_malformed < 1:
+            raise ConfigError("processor.stream_max_malformed", self.stream_max_malformed, "must be >= 1")
         if self.queue_max_batches < 1:
             raise ConfigError("processor.queue_max_batches", self.queue_max_batches, "must be >= 1")
 
@@ -121,7 +130,9 @@ class Processor:
             queue_max=config.queue_max_batches,
         )
         self.servicer = IngestServicer(self.pipeline.accept, self.metrics, config.limits,
-                                       stream_idle_s=config.stream_idle_s, security=config.security,
+                                       stream_idle_s=config.stream_idle_s, stream_max_s=config.stream_max_s,
+                                       stream_max_malformed=config.stream_max_malformed,
+                                       security=config.security,
                                        durability=self.durability)
         self._server: grpc.Server | None = None
         self.address = ""

@@ -336,6 +336,7 @@ class IngestServicer:
 
     def __init__(self, accept: Callable[[Decoded], bool], metrics: SelfMetrics,
                  limits: IngestLimits | None = None, *, stream_idle_s: float = 10.0,
+                 stream_max_s: float = 300.0, stream_max_malformed: int = 32,
                  security: ServerSecurity | None = None, durability: Durability | None = None) -> None:
         self._accept = accept
         self.security = security or ServerSecurity()
@@ -343,10 +344,14 @@ class IngestServicer:
         self.metrics = metrics
         self.validator = Validator(metrics, limits)
         self._warn = RateLimitedLog(log)
-        # Each open stream holds a handler thread: one that sends nothing for stream_idle_s is
-        # cancelled, so idle or stalled senders cannot starve the real collectors.
+        # Each open stream holds a handler thread: one that has no batch accepted for stream_idle_s
+        # (idle, stalled, or trickling garbage), or that is open longer than stream_max_s (a
+        # collector's stream ends within its confirm interval + max(5 s, it) + 5 s: 12 s by
+        # default), is cancelled, so such senders cannot starve the real collectors.
         self.stream_idle_s = stream_idle_s
-        self._open: dict[int, list] = {}   # id -> [context, last message (monotonic)]
+        self.stream_max_s = stream_max_s
+        self.stream_max_malformed = stream_max_malformed
+        self._open: dict[int, list] = {}   # id -> [context, last accepted batch, opened (monotonic)]
         self._open_lock = threading.Lock()
         self._reaper: threading.Thread | None = None
         self._closed = threading.Event()
@@ -355,11 +360,18 @@ class IngestServicer:
         while not self._closed.wait(min(1.0, self.stream_idle_s / 4)):
             now = time.monotonic()
             with self._open_lock:
-                idle = [c for c, last in self._open.values() if now - last > self.stream_idle_s]
+                idle = [c for c, last, _ in self._open.values() if now - last > self.stream_idle_s]
+                old = [c for c, last, t0 in self._open.values()
+                       if now - t0 > self.stream_max_s and now - last <= self.stream_idle_s]
             for ctx in idle:
                 self.metrics.inc("streams_idle_closed")
-                self._warn.warning("idle_stream", "closed an ingest stream from %s idle for %.0f s",
+                self._warn.warning("idle_stream", "closed an ingest stream from %s: no batch accepted for %.0f s",
                                    _peer(ctx), self.stream_idle_s)
+                ctx.cancel()
+            for ctx in old:
+                self.metrics.inc("streams_cut", reason="lifetime")
+                self._warn.warning("old_stream", "closed an ingest stream from %s open for over %.0f s",
+                                   _peer(ctx), self.stream_max_s)
                 ctx.cancel()
 
     def close(self) -> None:
@@ -368,7 +380,8 @@ class IngestServicer:
     def _track(self, context) -> int:
         key = id(context)
         with self._open_lock:
-            self._open[key] = [context, time.monotonic()]
+            now = time.monotonic()
+            self._open[key] = [context, now, now]
             if self._reaper is None:
                 self._reaper = threading.Thread(target=self._reap, name="ingest-reaper", daemon=True)
                 self._reaper.start()
@@ -405,10 +418,9 @@ class IngestServicer:
                 replay: bool = False) -> telemetry_pb2.IngestSummary:
         s = telemetry_pb2.IngestSummary()
         dur = self.durability
+        entry = self._open.get(key)
+        malformed = 0
         for raw in request_iterator:
-            entry = self._open.get(key)
-            if entry is not None:
-                entry[1] = time.monotonic()
             try:
                 d = self.validator.decode(raw)
             except BadInput as e:
@@ -416,7 +428,15 @@ class IngestServicer:
                 s.rejected_by_reason[e.reason] += 1
                 self.metrics.inc("batches_rejected", reason=e.reason)
                 self._warn.warning(e.reason, "rejected batch from %s: %s", _peer(context), e)
+                malformed = malformed + 1 if e.reason == "malformed" else 0
+                if malformed >= self.stream_max_malformed:  # no collector writes such bytes
+                    self.metrics.inc("streams_cut", reason="malformed")
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"{malformed} messages in a row are not TelemetryBatch messages")
                 continue
+            malformed = 0
+            if entry is not None:  # only an accepted batch is activity: trickled garbage is not
+                entry[1] = time.monotonic()
             if replay and d.seq:
                 until = dur.stored_until.get((d.resource.job_id, d.resource.rank))
                 if until is not None:

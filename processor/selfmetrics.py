@@ -33,7 +33,9 @@ COUNTERS = {
     "streams": ("Ingest streams opened", ()),
     "names_evicted": ("Interned kernel names dropped when a rank's table passed its cap", ()),
     "ranks_expired": ("Ranks forgotten after rank_expire_s without data", ()),
-    "streams_idle_closed": ("Ingest streams closed for sending nothing for stream_idle_s", ()),
+    "streams_idle_closed": ("Ingest streams closed for having no batch accepted for stream_idle_s", ()),
+    "streams_cut": ("Ingest streams closed by the processor, by reason (lifetime: open past stream_max_s; "
+                    "malformed: stream_max_malformed unparsable messages in a row)", ("reason",)),
     "store_errors": ("Failed store writes, by kind (locked, full, io: retried; invalid: dropped)", ("kind",)),
     "auth_rejected": ("Requests refused for a missing or wrong bearer token, by endpoint", ("endpoint",)),
     "thread_restarts": ("Daemon threads restarted after an unexpected error, by thread", ("thread",)),

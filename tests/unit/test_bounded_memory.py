@@ -105,6 +105,81 @@ def test_idle_streams_are_closed_and_a_real_sender_gets_through():
         proc.stop()
 
 
+def _trickle(proc, n, message, every_s, stop):
+    """n streams that each write ``message`` every ``every_s`` until ``stop``; their channels."""
+    def gen():
+        while not stop.wait(every_s):
+            yield message(gen)
+    channels = []
+    for _ in range(n):
+        ch = grpc.insecure_channel(proc.address)
+        ch.call = ch.stream_unary(INGEST_METHOD, request_serializer=None).future(gen(), timeout=60)  # kept alive
+        channels.append(ch)
+    return channels
+
+
+def _real_sender_gets_through(proc, seq, within_s):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within_s:
+        try:
+            s = raw_stream(proc.address, [batch(RES, seq, unique_names_batch(seq, 10, seq * S))], timeout=3)
+            return s.batches_accepted == 1, time.monotonic() - t0
+        except grpc.RpcError as e:
+            assert e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+            time.sleep(0.05)  # a collector backs off too
+    return False, time.monotonic() - t0
+
+
+def test_streams_trickling_garbage_do_not_keep_a_real_sender_out():
+    """Audit: 8 streams writing one malformed byte every 0.4 s held all 8 handler threads, since any
+    message refreshed the idle timer. Only an accepted batch does now."""
+    proc = start_processor(grpc_workers=8, stream_idle_s=1.0)
+    stop = threading.Event()
+    channels = _trickle(proc, 8, lambda g: b"\xff", 0.4, stop)
+    try:
+        assert wait_for(lambda: proc.metrics.get("open_streams") >= 8, 5)
+        ok, took = _real_sender_gets_through(proc, 1, 10)
+        assert ok and took < 5, took
+        assert wait_for(lambda: proc.metrics.get("streams_idle_closed") >= 8, 5)
+        assert proc.metrics.get("batches_rejected", reason="malformed") > 0
+    finally:
+        stop.set()
+        for ch in channels:
+            ch.close()
+        proc.stop()
+
+
+def test_streams_trickling_good_batches_forever_are_cut_at_stream_max_s():
+    proc = start_processor(grpc_workers=4, stream_idle_s=5.0, stream_max_s=1.0)
+    stop, seqs = threading.Event(), iter(range(100, 10**6))
+    channels = _trickle(proc, 4, lambda g: batch(RES, next(seqs), unique_names_batch(0, 1, S)), 0.2, stop)
+    try:
+        assert wait_for(lambda: proc.metrics.get("open_streams") >= 4, 5)
+        ok, took = _real_sender_gets_through(proc, 1, 10)
+        assert ok and took < 5, took
+        assert wait_for(lambda: proc.metrics.get("streams_cut", reason="lifetime") >= 4, 5)
+    finally:
+        stop.set()
+        for ch in channels:
+            ch.close()
+        proc.stop()
+
+
+def test_a_stream_of_malformed_messages_is_ended_and_good_batches_before_it_are_kept():
+    proc = start_processor(stream_max_malformed=32)
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            raw_stream(proc.address, [batch(RES, 1, unique_names_batch(1, 10, S))] + [b"\xff"] * 40)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert proc.metrics.get("streams_cut", reason="malformed") == 1
+        assert proc.metrics.get("batches_rejected", reason="malformed") == 32
+        assert proc.metrics.get("batches_in", signal="kernels") == 1  # taken before the garbage
+        s = raw_stream(proc.address, [batch(RES, 2, unique_names_batch(2, 10, 2 * S))])
+        assert s.batches_accepted == 1
+    finally:
+        proc.stop()
+
+
 def test_a_full_queue_refuses_the_stream_with_resource_exhausted_and_reports_its_depth():
     proc = start_processor(queue_max_batches=2)
     release = threading.Event()
