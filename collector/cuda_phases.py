@@ -99,6 +99,7 @@ class Phases:
         # (tests/integration/test_cuda_phases lost 6 of 300 runs). Serialising polls closes it.
         self._poll_lock = threading.Lock()
         self._pending: collections.deque = collections.deque()
+        self._polling = 0  # phases the poller took out of _pending and holds: they count toward the bound
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -194,7 +195,7 @@ class Phases:
     # ------------------------------------------------------------- poller
     def _queue(self, item) -> None:
         with self._lock:
-            if len(self._pending) >= self.config.max_pending:
+            if len(self._pending) + self._polling >= self.config.max_pending:
                 self.dropped["pending_full"] += 1
                 kind, obj = item
                 if kind == "events":
@@ -223,6 +224,7 @@ class Phases:
     def _poll(self) -> int:
         with self._lock:
             items, self._pending = self._pending, collections.deque()
+            self._polling = len(items)
         keep = collections.deque()
         for item in items:
             kind, obj = item
@@ -240,6 +242,7 @@ class Phases:
         with self._lock:
             keep.extend(self._pending)
             self._pending = keep
+            self._polling = 0
             return len(keep)
 
     def _resolve_events(self, span: _Span) -> bool:
