@@ -52,6 +52,9 @@ class ProcessorConfig:
     """An ingest stream that sends this many unparsable messages in a row is closed (INVALID_ARGUMENT)."""
     queue_max_batches: int = 10_000
     """Bound on validated batches waiting for the processing thread."""
+    max_job_series: int = 1024
+    """Bound on the per-job self-metric series (``collector_dropped{job,rank}``, made only once a
+    rank drops something); beyond it they are counted in ``job_series_refused``."""
     window: WindowConfig = dataclasses.field(default_factory=WindowConfig)
     """How telemetry is cut into windows."""
     limits: IngestLimits = dataclasses.field(default_factory=IngestLimits)
@@ -87,6 +90,8 @@ class ProcessorConfig:
             raise ConfigError("processor.stream_max_malformed", self.stream_max_malformed, "must be >= 1")
         if self.queue_max_batches < 1:
             raise ConfigError("processor.queue_max_batches", self.queue_max_batches, "must be >= 1")
+        if self.max_job_series < 1:
+            raise ConfigError("processor.max_job_series", self.max_job_series, "must be >= 1")
 
 
 def _loopback(host: str) -> bool:
@@ -111,6 +116,7 @@ class Processor:
     ) -> None:
         self.config = config
         self.metrics = metrics or SelfMetrics()
+        self.metrics.max_job_series = config.max_job_series
         self.registry = CollectorRegistry()
         self.registry.register(self.metrics)
         self.bus = bus if bus is not None else (EmbeddedBus(metrics=self.metrics) if config.embedded_bus else None)

@@ -4,7 +4,9 @@ Names are fixed here so dashboards and alert rules (deploy/prometheus/) can
 rely on them; each becomes ``trainscope_processor_<name>`` at exposition
 (counters get ``_total``). Label values are bounded sets (signal, sink,
 reason), never kernels; the only per-rank series is the collectors' own drop
-total, bounded by the ranks on this host.
+total: made only once a rank drops something, expired when idle, and capped at
+``max_job_series`` (the ones refused beyond it are counted), since any sender
+can name any job.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ COUNTERS = {
     "store_errors": ("Failed store writes, by kind (locked, full, io: retried; invalid: dropped)", ("kind",)),
     "auth_rejected": ("Requests refused for a missing or wrong bearer token, by endpoint", ("endpoint",)),
     "thread_restarts": ("Daemon threads restarted after an unexpected error, by thread", ("thread",)),
+    "job_series_refused": ("Per-job series not made because max_job_series were there already", ()),
 }
 GAUGES = {
     "lag_seconds": ("Now minus the send time of the newest batch, by signal", ("signal",)),
@@ -56,8 +59,9 @@ GAUGES = {
 class SelfMetrics:
     """Thread-safe counters and gauges, exported by a scrape-time collector."""
 
-    def __init__(self, prefix: str = "trainscope_processor") -> None:
+    def __init__(self, prefix: str = "trainscope_processor", *, max_job_series: int = 1024) -> None:
         self.prefix = prefix
+        self.max_job_series = max_job_series
         self._lock = threading.Lock()
         self._values: dict[tuple[str, tuple[str, ...]], float] = {}
         self._touched: dict[tuple[str, tuple[str, ...]], float] = {}  # per-job series: last update
@@ -84,6 +88,13 @@ class SelfMetrics:
     def set_max(self, name: str, value: float, **labels: str) -> None:
         key = self._key(name, labels, GAUGES)
         with self._lock:
+            if "job" in labels and key not in self._touched:
+                if not value > 0:
+                    return  # nothing to say yet: no series (any sender can name any job)
+                if len(self._touched) >= self.max_job_series:
+                    over = ("job_series_refused", ())
+                    self._values[over] = self._values.get(over, 0.0) + 1
+                    return
             self._values[key] = max(self._values.get(key, 0.0), float(value))
             if "job" in labels:
                 self._touched[key] = time.monotonic()

@@ -14,6 +14,7 @@ from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.processor.windows import WindowConfig, Windower
 from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.model import Resource
+from trainscope.proto.v1 import telemetry_pb2
 
 S = 10**9
 RES = Resource(job_id="j", rank=0, world_size=1)
@@ -225,7 +226,7 @@ def test_an_overloaded_processor_slows_a_real_exporter_down_and_loses_nothing():
 
 
 def test_per_job_self_metric_series_expire_after_the_job_is_idle():
-    m = SelfMetrics()
+    m = SelfMetrics(max_job_series=50_000)
     for j in range(20_000):
         m.set_max("collector_dropped", 1, job=f"job{j}", rank="0")
     assert m.expire_jobs(600.0, now=time.monotonic() + 1) == 0
@@ -234,3 +235,27 @@ def test_per_job_self_metric_series_expire_after_the_job_is_idle():
     assert m.expire_jobs(1.0) == 20_000
     assert m.get("collector_dropped", job="live", rank="0") == 5
     assert sum(1 for k in m.snapshot() if k.startswith("collector_dropped")) == 1
+
+
+def test_per_job_series_are_made_only_for_drops_and_capped():
+    """Audit: 20k job ids made 20k ``collector_dropped`` series (a 1,323 KiB /metrics), made even
+    for a total of 0. Now: none for 0, at most ``max_job_series``, the rest counted."""
+    proc = start_processor(max_job_series=100)
+    try:
+        def job_batch(j, dropped):
+            b = telemetry_pb2.TelemetryBatch(resource=Resource(job_id=f"job{j}", rank=0, world_size=1).to_pb(),
+                                             seq=1, dropped_total=dropped)
+            b.kernels.CopyFrom(unique_names_batch(j, 2, S).to_pb())
+            return b.SerializeToString()
+        s = raw_stream(proc.address, [job_batch(j, 0) for j in range(500)])
+        assert s.batches_accepted == 500
+        series = lambda: sum(1 for k in proc.metrics.snapshot() if k.startswith("collector_dropped"))
+        assert series() == 0
+        s = raw_stream(proc.address, [job_batch(j, 3) for j in range(500, 1000)])
+        assert s.batches_accepted == 500
+        assert series() == 100 and proc.metrics.get("job_series_refused") == 400
+        assert proc.metrics.get("collector_dropped", job="job500", rank="0") == 3
+        s = raw_stream(proc.address, [batch(RES, 1, unique_names_batch(1, 10, S))])  # still serving
+        assert s.batches_accepted == 1
+    finally:
+        proc.stop()
