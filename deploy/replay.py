@@ -24,6 +24,7 @@ from trainscope.processor.limits import IngestLimits
 from trainscope.processor.store import SqliteStore
 from trainscope.processor.windows import WindowConfig
 from trainscope.proto.contracts import Signal, WindowMode
+from trainscope.proto.securefs import write_private
 from trainscope.proto.v1 import telemetry_pb2
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,4 @@ def kernel_stats_json(store_path: str, job_id: str | None = None) -> dict:
 
 
 def write_json(obj: dict, path: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+    write_private(path, json.dumps(obj, indent=1))  # 0600, mkstemp + rename: no predictable .tmp to plant

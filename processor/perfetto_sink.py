@@ -28,6 +28,7 @@ from trainscope.processor.model import WindowOutput
 from trainscope.processor.perfetto_encode import encode_window
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.proto.errors import ConfigError
+from trainscope.proto.securefs import write_private
 
 log = logging.getLogger(__name__)
 
@@ -207,9 +208,8 @@ class PerfettoSink:
         try:
             self._seed_index()
             self._fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            if self._local:  # write then rename: readers never see half a file
-                self._fs.pipe_file(f"{path}.tmp{os.getpid()}", data)
-                self._fs.mv(f"{path}.tmp{os.getpid()}", path)
+            if self._local:  # mkstemp then rename (0600, no planted link): readers never see half a file
+                write_private(path, data)
             else:  # object stores publish a whole object at once
                 self._fs.pipe_file(path, data)
         except Exception as exc:  # fsspec backends raise many types

@@ -26,6 +26,7 @@ import numpy as np
 
 from trainscope.collector.sim.effects import expectations
 from trainscope.collector.sim.simulate import Simulation
+from trainscope.proto.securefs import write_private
 
 FORMAT = "trainscope-sim-ground-truth/1"
 _MAX_GROUP_LISTING = 16
@@ -130,8 +131,5 @@ def _jsonable(obj):
 
 def write_ground_truth(doc: dict, path: str) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
+    write_private(path, json.dumps(doc, indent=1))  # 0600, mkstemp + rename: no predictable .tmp to plant
     return path

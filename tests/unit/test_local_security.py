@@ -151,3 +151,44 @@ def test_the_exporter_never_sends_to_a_socket_in_another_users_directory(tmp_pat
     finally:
         exp.shutdown(1)
         proc.stop()
+
+
+def test_perfetto_traces_replay_json_and_sim_truth_are_private_and_never_follow_a_planted_link(tmp_path):
+    """Audit: the Perfetto sink wrote ``<trace>.tmp<pid>`` (predictable) with the default umask, and
+    ``replay --json/--stats-out`` and the simulator's ground truth wrote ``<path>.tmp`` the same way.
+    All three now go through ``write_private`` (mkstemp + rename, 0600)."""
+    from trainscope.collector.sim.truth import write_ground_truth
+    from trainscope.deploy.replay import write_json
+    from trainscope.processor.model import ClosedWindow, WindowOutput
+    from trainscope.processor.perfetto_sink import PerfettoConfig, PerfettoSink, trace_path
+    from trainscope.proto.columnar import KernelColumns
+    from trainscope.proto.v1 import records_pb2
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    os.umask(old := os.umask(0o022))  # the usual umask: files would be 0644 without write_private
+    try:
+        out_json, truth = tmp_path / "stats.json", tmp_path / "sim" / "truth.json"
+        for p in (out_json, truth):
+            p.parent.mkdir(exist_ok=True)
+            os.symlink(victim, str(p) + ".tmp")  # the old predictable temporary name
+        write_json({"a": 1}, str(out_json))
+        write_ground_truth({"b": 2}, str(truth))
+        assert json.loads(out_json.read_text()) == {"a": 1} and json.loads(truth.read_text()) == {"b": 2}
+        assert mode(out_json) == mode(truth) == 0o600
+
+        res = Resource(job_id="job", rank=0, world_size=1)
+        k = KernelColumns.build(["gemm"], [10**9], [500], [0], [7])
+        window = ClosedWindow(res, records_pb2.Window(index=3, start_ns=10**9, end_ns=2 * 10**9), k)
+        trace = tmp_path / "traces" / trace_path("job", 0, 3)
+        trace.parent.mkdir(parents=True)
+        os.symlink(victim, f"{trace}.tmp{os.getpid()}")
+        sink = PerfettoSink(PerfettoConfig(url=str(tmp_path / "traces")))
+        sink.export(WindowOutput(raw=window))
+        assert sink.flush(10.0)
+        sink.close()
+        assert trace.exists() and mode(trace) == 0o600
+        assert victim.read_text() == "keep"
+        assert not [p for p in trace.parent.iterdir() if p.name.startswith(".")]  # no temporary left
+    finally:
+        os.umask(old)
