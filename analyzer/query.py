@@ -86,15 +86,20 @@ class Query:
 
     def _open(self):
         if self._records is None:
-            from trainscope.analyzer.store import DiagnosisStore
-            from trainscope.processor.store import SqliteStore
+            from trainscope.analyzer import store as analyzer_store
+            from trainscope.processor import store as processor_store
 
             path = self.config.store_path
             if not os.path.isfile(path):  # the store classes would create an empty one
                 raise ConfigError(self.config.store_setting, path,
                                   "no trainscope store there: run `trainscope demo`, `replay` or a "
                                   "processor with this --home, or pass --store PATH")
-            self._records, self._diagnoses = SqliteStore(path), DiagnosisStore(path)
+            if not processor_store.tables_in(path) & (processor_store.TABLES | analyzer_store.TABLES):
+                raise ConfigError(self.config.store_setting, path, "not a trainscope store (an SQLite file "
+                                  "without trainscope's tables; left as it was)")
+            # read-only: a question never changes the file (no WAL switch, no tables added)
+            self._records = processor_store.SqliteStore(path, read_only=True)
+            self._diagnoses = analyzer_store.DiagnosisStore(path, read_only=True)
         return self._records, self._diagnoses
 
     def job_ids(self) -> list[str]:

@@ -35,14 +35,16 @@ CREATE TABLE IF NOT EXISTS verdicts (
     PRIMARY KEY (job, window_kind, window_index)
 );
 """
+#: The analyzer's tables in a store file (beside the processor's ``processor.store.TABLES``).
+TABLES = frozenset({"diagnoses", "verdicts"})
 
 
 class DiagnosisStore:
-    def __init__(self, path: str, *, max_rows: int = 1_000_000) -> None:
+    def __init__(self, path: str, *, max_rows: int = 1_000_000, read_only: bool = False) -> None:
         self.path = path
         self.max_rows = max_rows
         self._lock = threading.Lock()
-        self._db = open_sqlite(path, SCHEMA)
+        self._db = open_sqlite(path, SCHEMA, read_only=read_only)  # read_only: query, report
         self._writes = 0
 
     def put(self, diagnoses: list[records_pb2.Diagnosis], verdict: records_pb2.Verdict | None) -> None:

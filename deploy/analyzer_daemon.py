@@ -53,6 +53,11 @@ class AnalyzerDaemonConfig:
         if not self.kafka_bootstrap and not os.path.exists(self.store_path):
             raise ConfigError("--store", self.store_path, "no processor store there (start `trainscope "
                               "processor` first, or give --kafka-bootstrap)")
+        if os.path.lexists(self.store_path):
+            # before anything opens it for writing: someone else's database is refused, never given our tables
+            from trainscope.deploy.report_cmd import check_store
+            from trainscope.processor.store import TABLES
+            check_store(self.store_path, "--store", need=frozenset() if self.kafka_bootstrap else TABLES)
 
 
 def default_instance_id(home: str) -> str:

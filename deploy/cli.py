@@ -222,7 +222,9 @@ def cmd_query(args) -> int:
     else:
         path = os.path.join(_home(args), "store.sqlite")
         setting = "--home" if args.home else env.HOME if env.text(env.HOME) else "--home (default ./.trainscope)"
-    _check_store_file(path, setting)
+    if os.path.exists(path):  # a missing one: the facade says where it looked (Prometheus answers need none)
+        from trainscope.deploy.report_cmd import check_store
+        check_store(path, setting)
     cfg = QueryConfig(store_path=path, store_setting=setting, prometheus_url=getattr(args, "prometheus", None))
     since_ns = parse_since(getattr(args, "since", None), time.time())
     ask = {
@@ -244,19 +246,6 @@ def cmd_query(args) -> int:
         return 1
     print(json.dumps(as_json(result), indent=2) if args.json else render_query(result))
     return 0
-
-
-def _check_store_file(path: str, setting: str) -> None:
-    """A file that is not SQLite is refused before it is opened (opening would write to it)."""
-    if not os.path.isfile(path):
-        return  # the facade says where it looked and what to run first
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(16)
-    except OSError as e:
-        raise ConfigError(setting, path, f"cannot read it: {e.strerror}") from None
-    if magic and magic != b"SQLite format 3\x00":
-        raise ConfigError(setting, path, "not a trainscope store (not an SQLite file)")
 
 
 def parse_since(text: str | None, now_s: float) -> int:

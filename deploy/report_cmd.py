@@ -41,8 +41,17 @@ def cmd_report(args) -> int:
     return 0
 
 
-def check_store(path: str, setting: str) -> None:
-    """A readable SQLite file, or a one-line ConfigError (never a sqlite traceback)."""
+def check_store(path: str, setting: str, *, need: frozenset[str] = frozenset()) -> None:
+    """A trainscope store, checked without writing to it, or a one-line ConfigError (never a sqlite
+    traceback): missing, a directory, unreadable, not SQLite, or an SQLite file without trainscope's
+    tables (``need``: tables the caller reads, e.g. the analyzer's tail needs the processor's)."""
+    import sqlite3
+
+    from trainscope.analyzer import store as analyzer_store
+    from trainscope.processor import store as processor_store
+
+    if os.path.isdir(path):
+        raise ConfigError(setting, path, "is a directory; name the store file (HOME/store.sqlite)")
     if not os.path.isfile(path):
         raise ConfigError(setting, path, "no trainscope store there: run `trainscope demo`, `replay` or a "
                                          "processor with this --home, or pass --store PATH")
@@ -53,3 +62,13 @@ def check_store(path: str, setting: str) -> None:
         raise ConfigError(setting, path, f"cannot be read: {exc.strerror}") from None
     if head != SQLITE_MAGIC:
         raise ConfigError(setting, path, "is not a trainscope store (not an SQLite file)")
+    try:
+        tables = processor_store.tables_in(path)
+    except sqlite3.DatabaseError as exc:
+        raise ConfigError(setting, path, f"is not a readable trainscope store: {exc}") from None
+    if not tables & (processor_store.TABLES | analyzer_store.TABLES):
+        raise ConfigError(setting, path, "is not a trainscope store (an SQLite file without trainscope's "
+                                         "tables; left as it was)")
+    if need - tables:
+        raise ConfigError(setting, path, f"holds no {', '.join(sorted(need - tables))} table: not a "
+                                         "processor's store (start `trainscope processor` with this --home)")

@@ -20,6 +20,8 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import pathlib
+import re
 import sqlite3
 import threading
 import time
@@ -44,17 +46,32 @@ CREATE TABLE IF NOT EXISTS records (
 );
 CREATE INDEX IF NOT EXISTS records_by_job ON records (signal, job, window_index, rank);
 """
+#: The processor's tables in a store file (the analyzer adds ``analyzer.store.TABLES``).
+TABLES = frozenset({"records"})
 
 
 log = logging.getLogger(__name__)
 
 
-def open_sqlite(path: str, schema: str, *, timeout_s: float = 30.0) -> sqlite3.Connection:
+def open_sqlite(path: str, schema: str, *, timeout_s: float = 30.0, read_only: bool = False) -> sqlite3.Connection:
     """The local store's connection, shared by the processor and the analyzer
     (one file, several writers): WAL so readers never block writers, NORMAL
     sync (a crash may lose the last transactions, never corrupts; a full fsync
     per record would cap the processor at a few hundred windows/s), a busy
-    timeout for the other process's transactions."""
+    timeout for the other process's transactions.
+
+    ``read_only`` (``query``, ``report``): opened ``mode=ro``, so the file is never
+    changed (no WAL switch, no tables added to someone else's database); a table of
+    ``schema`` the file lacks is an empty TEMP table of this connection only."""
+    if read_only:
+        db = sqlite3.connect(_read_only_uri(path), uri=True, check_same_thread=False, isolation_level=None,
+                             timeout=timeout_s)
+        have = _tables(db)
+        for stmt in schema.split(";"):
+            m = re.match(r"\s*CREATE TABLE IF NOT EXISTS (\w+)", stmt)
+            if m and m.group(1) not in have:
+                db.execute(stmt.replace("CREATE TABLE", "CREATE TEMP TABLE", 1))
+        return db
     if path != ":memory:":
         os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
         # created 0600 and never through a symlink; SQLite gives -wal and -shm the same mode
@@ -67,14 +84,33 @@ def open_sqlite(path: str, schema: str, *, timeout_s: float = 30.0) -> sqlite3.C
     return db
 
 
+def _read_only_uri(path: str) -> str:
+    return pathlib.Path(os.path.abspath(path)).as_uri() + "?mode=ro"
+
+
+def _tables(db: sqlite3.Connection) -> set[str]:
+    return {r[0] for r in db.execute("SELECT name FROM main.sqlite_master WHERE type = 'table'")}
+
+
+def tables_in(path: str) -> set[str]:
+    """The table names of the SQLite file at ``path``, read without writing to it
+    (``sqlite3.DatabaseError`` when it is not an SQLite database)."""
+    db = sqlite3.connect(_read_only_uri(path), uri=True)
+    try:
+        return _tables(db)
+    finally:
+        db.close()
+
+
 class SqliteStore:
-    def __init__(self, path: str, *, max_rows: int = 2_000_000, busy_timeout_s: float = 2.0) -> None:
+    def __init__(self, path: str, *, max_rows: int = 2_000_000, busy_timeout_s: float = 2.0,
+                 read_only: bool = False) -> None:
         self.path = path
         self.max_rows = max_rows
         self._lock = threading.Lock()
         # short: a store locked by another process must not stall the processing thread for
         # long; the sink keeps the window and retries
-        self._db = open_sqlite(path, SCHEMA, timeout_s=busy_timeout_s)
+        self._db = open_sqlite(path, SCHEMA, timeout_s=busy_timeout_s, read_only=read_only)
         self._inserted = 0
 
     def put(self, signal: str, rec) -> None:

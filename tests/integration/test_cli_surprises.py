@@ -130,8 +130,8 @@ def test_taken_prometheus_port_is_one_line(tmp_path, taken_port):
               str(taken_port), timeout=60)
     assert_one_line_exit_2(res, "--prometheus-port", "in use")
     store = tmp_path / "s.sqlite"
-    import sqlite3
-    sqlite3.connect(store).close()
+    from trainscope.processor.store import SqliteStore
+    SqliteStore(str(store)).close()  # a processor's (empty) store
     res = cli(tmp_path, "analyzer", "--store", str(store), "--prometheus-port", str(taken_port), timeout=60)
     assert_one_line_exit_2(res, "--prometheus-port", "in use")
 
@@ -218,3 +218,46 @@ def test_analyzer_on_an_unreachable_kafka_logs_a_few_lines_not_hundreds(tmp_path
     assert not [ln for ln in err.splitlines() if ln.startswith("%")], err  # no raw librdkafka lines
     assert "Connection refused" in err  # still said, once
     assert len(err.splitlines()) < 20, err
+
+
+def _foreign_db(path) -> bytes:
+    """Someone else's SQLite database (rollback journal, one table of theirs); its bytes."""
+    import sqlite3
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE notes (t TEXT)")
+    db.execute("INSERT INTO notes VALUES ('mine')")
+    db.commit()
+    db.close()
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("args", [("query", "jobs"), ("query", "verdict"), ("report", "-o", "r.html"),
+                                  ("analyzer",)], ids=lambda a: "-".join(a))
+def test_a_foreign_sqlite_database_is_refused_and_left_as_it_was(tmp_path, args):
+    """query/report/analyzer --store other.sqlite switched it to WAL and added trainscope's tables."""
+    other = tmp_path / "other.sqlite"
+    before = _foreign_db(other)
+    res = cli(tmp_path, *args, "--store", str(other), timeout=60)
+    assert_one_line_exit_2(res, "not a trainscope store")
+    assert other.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["other.sqlite", "tmp"]  # no -wal, -shm, report or home
+
+
+@pytest.mark.parametrize("store", ["/etc/passwd", "dir"])
+def test_analyzer_store_that_is_not_a_database_is_one_line(tmp_path, store):
+    if store == "dir":
+        store = str(tmp_path / "d")
+        os.mkdir(store)
+    res = cli(tmp_path, "analyzer", "--store", store, timeout=60)
+    assert_one_line_exit_2(res, "--store")
+
+
+def test_query_opens_a_real_store_read_only(tmp_path):
+    """A trainscope store is answered from without a byte of the store file changed."""
+    from trainscope.processor.store import SqliteStore
+    store = tmp_path / "s.sqlite"
+    SqliteStore(str(store)).close()
+    before = store.read_bytes()
+    res = cli(tmp_path, "query", "jobs", "--store", str(store), timeout=60)
+    assert res.returncode == 1 and "no jobs yet" in res.stderr, res.stderr  # no data yet: exit 1
+    assert store.read_bytes() == before
