@@ -116,6 +116,8 @@ class Evidence:
             return MISSING
         if self.kind == "stall":
             return CULPRIT
+        if self.kind == "slow_link":      # the waiting graph named the link or the NIC/NVLink (waiting_graph.py)
+            return LINK
         return WAITER if (self.communication and self.slower) else CULPRIT
 
     @property
@@ -325,8 +327,11 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
     for r, evs in by_rank.items():
         cul = [e for e in evs if e.role == CULPRIT]
         wai = [e for e in evs if e.role == WAITER]
-        role = CULPRIT if cul else (WAITER if wai else MISSING)
-        imp = max((e.impact_ns for e in (cul or wai or evs)), default=0.0)
+        lnk = [e for e in evs if e.role == LINK]
+        if lnk and not any(not e.communication for e in cul):
+            cul = []    # a slow link explains its own collectives being shorter or longer than its peers'
+        role = CULPRIT if cul else (LINK if lnk else (WAITER if wai else MISSING))
+        imp = max((e.impact_ns for e in (cul or lnk or wai or evs)), default=0.0)
         rv = RankVerdict(r, role, imp, imp, levels={e.level for e in evs},
                          culprit_levels={e.level for e in cul}, comparisons={e.comparison for e in evs},
                          evidence=sorted(evs, key=lambda e: -e.impact_ns))

@@ -25,11 +25,19 @@ member, clock-free:
    times and ``min_late_ms``, is a culprit (late start: compute or
    host side); its impact is its total lateness per iteration, and the members
    that waited for it are waiters. The first collective it was late to (group,
-   seq) is the evidence an engineer looks up.
+   seq) is the evidence an engineer looks up. Groups whose members sit in
+   different pipeline stages (Megatron's grad-norm all-reduce over the
+   model-parallel group) are not judged: in 1F1B the first stage finishes its
+   last backward last, so it enters them late every iteration by design.
 4. Slow transfer (network side): no rank late, but the group's transfer time of
    these collectives ``slow_factor`` times its own earlier median for the same
    (op, size class): reported as evidence (informational: gloo gives no
    per-link records to name a link; the NCCL profiler plugin would).
+
+Slow link (Vedrfolnir §III, ``waiting_graph.py``): the same judged collectives,
+where their records carry the ring decomposition, go through the waiting graph,
+which names a slow link (src → dst) or the rank whose NIC/NVLink every link
+of is slow (role ``link``).
 
 Hang (Mycroft §4.3 trigger "no completion for a timeout", then §5's "which rank
 has not started the op"), checked on every analyzer step, not per window:
@@ -49,6 +57,7 @@ from typing import Mapping
 
 import numpy as np
 
+from trainscope.analyzer import waiting_graph
 from trainscope.analyzer.model import CULPRIT, WAITER, Finding, Scope, SuspectRank
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import records_pb2
@@ -74,6 +83,9 @@ class CollectivesConfig:
     """Collectives kept per group (oldest dropped): bounds memory."""
     max_groups: int = 1024
     """Groups tracked per job."""
+    waiting_graph: waiting_graph.WaitingGraphConfig = dataclasses.field(
+        default_factory=waiting_graph.WaitingGraphConfig)
+    """Slow links from the ring steps (``waiting_graph.py``)."""
 
     def __post_init__(self) -> None:
         for f in ("hang_timeout_s", "late_factor", "min_late_ms", "slow_factor"):
@@ -91,7 +103,8 @@ class _Group:
 
     def __init__(self, members: tuple[int, ...]) -> None:
         self.members = members
-        # seq -> rank -> (op, bytes, enqueue_ns, end_ns, iteration); end 0 = in flight
+        # seq -> rank -> (op, bytes, enqueue_ns, end_ns, iteration, ring_steps, ring_next, send_busy_ns,
+        # recv_wait_ns); end 0 = in flight
         self.seqs: dict[int, dict[int, tuple]] = {}
         self.judged = 0                     # highest seq judged for late start
         self.transfer_hist: dict[tuple[str, int], collections.deque] = {}
@@ -119,12 +132,18 @@ class CollectiveState:
         self.config = config
         self.groups: dict[str, _Group] = {}
         self.now_ns: dict[int, int] = {}    # rank -> its clock at its latest record
+        self.hosts: dict[int, str] = {}     # rank -> host (the waiting graph tells NIC from NVLink)
+        self.stages: dict[int, int] = {}    # rank -> pipeline stage, when the resource says (step 3)
         self.records = 0
 
     def absorb(self, rank: int, rec: records_pb2.CollectiveWindow) -> None:
         cfg = self.config
         if rec.now_ns > self.now_ns.get(rank, 0):
             self.now_ns[rank] = rec.now_ns
+        if rec.resource.host and rank not in self.hosts:
+            self.hosts[rank] = rec.resource.host
+        if rec.resource.coords.pp_size > 1:
+            self.stages[rank] = rec.resource.coords.pp
         ids = []
         for g in rec.groups:
             grp = self.groups.get(g.id)
@@ -142,14 +161,17 @@ class CollectiveState:
                     del grp.seqs[min(grp.seqs)]
             old = row.get(rank)
             if old is None or not old[3]:   # a completion replaces the state record
-                row[rank] = (r.op, r.bytes, r.enqueue_ns, r.end_ns, r.iteration)
+                row[rank] = (r.op, r.bytes, r.enqueue_ns, r.end_ns, r.iteration, r.ring_steps, r.ring_next,
+                             r.send_busy_ns, r.recv_wait_ns)
             self.records += 1
 
     # ------------------------------------------------------------ steps 1-4
     def late_starts(self, job_id: str, window: records_pb2.Window,
-                    iterations: Mapping[int, float] | None = None) -> list[Finding]:
+                    iterations: Mapping[int, float] | None = None, step_ns: float = 0.0) -> list[Finding]:
+        """Steps 1-4 and the waiting graph's slow links over the collectives completed since the last call."""
         cfg = self.config
         out: list[Finding] = []
+        judged: list = []      # (group, members, seq, row) for the waiting graph
         for gid, grp in self.groups.items():
             members = set(grp.members)
             done = []
@@ -164,6 +186,9 @@ class CollectiveState:
                 continue
             grp.judged = done[-1]
             if len(members) < 2:
+                continue
+            if len({self.stages.get(m, -1) for m in members}) > 1:   # spans pipeline stages: step 3
+                judged += [(gid, grp.members, s, grp.seqs.pop(s)) for s in done]
                 continue
             transfer, first_late = [], {}
             late_of: dict[int, list[float]] = collections.defaultdict(list)   # significant latenesses
@@ -208,7 +233,10 @@ class CollectiveState:
                 h = grp.transfer_hist.setdefault((op, int(nbytes).bit_length()), collections.deque(maxlen=256))
                 h.append(t)
             for s in done:
-                del grp.seqs[s]
+                judged.append((gid, grp.members, s, grp.seqs.pop(s)))
+        if judged:
+            out += waiting_graph.slow_links(job_id, window, judged, self.hosts, iterations, cfg.waiting_graph,
+                                            step_ns)
         return out
 
     def _late_finding(self, job_id, window, gid, grp, rank, lates, judged, transfer, first,

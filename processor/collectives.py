@@ -169,9 +169,10 @@ class CollectiveWindows:
                 w.dropped += 1
                 continue
             if j != r.group:
-                r = telemetry_pb2.CollectiveRecord(group=j, seq=r.seq, op=r.op, bytes=r.bytes, dtype=r.dtype,
-                                                   enqueue_ns=r.enqueue_ns, start_ns=r.start_ns,
-                                                   end_ns=r.end_ns, iteration=r.iteration)
+                r2 = telemetry_pb2.CollectiveRecord()
+                r2.CopyFrom(r)   # every field, the ring decomposition's too
+                r2.group = j
+                r = r2
             w.records.append(r)
 
     def tick(self) -> None:

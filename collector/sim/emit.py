@@ -8,7 +8,9 @@
    ``IterationMark``s, the ``PhaseTiming``s (CUDA-event clock, the data loader on
    the CPU clock) and, every ``stack_every`` iterations, one py-spy-like
    ``StackSnapshot`` whose folded stacks are weighted by where the host thread
-   spent its time (launching, synchronising, data loading, GC, JIT, hung).
+   spent its time (launching, synchronising, data loading, GC, JIT, hung),
+   and one ``CollectiveBatch`` (``collective_records.py``: one record per
+   collective, with the ring decomposition's flow of the rank).
 3. Sinks (a one-method-plus-close Protocol, STYLE.md point 3):
    :class:`ExporterSink` sends through the real collector exporter (one
    ``BatchExporter`` per group of hosts, carrying many ranks with a per-batch
@@ -29,6 +31,7 @@ import numpy as np
 
 from trainscope.collector.exporter import BatchExporter
 from trainscope.collector.exporter_config import ExporterConfig
+from trainscope.collector.sim.collective_records import CollectiveColumns, CollectivePlan, build_columns
 from trainscope.collector.sim.topology import Topology
 from trainscope.collector.sim.workload import PhaseDef
 from trainscope.proto.columnar import KernelColumns
@@ -90,6 +93,15 @@ class Chunk:
     stack_s: np.ndarray | None = None
     stack_window: tuple[np.ndarray, np.ndarray] | None = None
     stack_hz: float = 100.0
+    #: Collective records of these iterations (None: none simulated).
+    collectives: CollectiveColumns | None = None
+
+    @property
+    def collective_events(self) -> int:
+        return self.collectives.events if self.collectives is not None else 0
+
+    def collective_batch(self, r: int):
+        return self.collectives.batch(r) if self.collectives is not None else None
 
     @property
     def kernel_events(self) -> int:
@@ -163,8 +175,8 @@ class ExporterSink:
     1,024-rank job needs a handful of streams, not 1,024; each batch carries
     its rank's ``Resource``.
 
-    Order per rank and chunk: kernels, phases, stacks, then the iteration
-    marks. A processor cutting windows by iterations closes a window when it
+    Order per rank and chunk: kernels, phases, stacks, collectives, then the
+    iteration marks. A processor cutting windows by iterations closes a window when it
     sees a later iteration's mark, so the chunk's other records must be there
     first; one cutting by time needs a lateness of at least one chunk
     (``emit_every`` iterations). Stacks are attributed by their start time.
@@ -208,6 +220,9 @@ class ExporterSink:
             snap = chunk.stack(r)
             if snap is not None:
                 exp.submit(StackBatch(snapshots=[snap]), 64 + 256 * len(snap.stacks), resource=res)
+            coll = chunk.collective_batch(r)
+            if coll is not None:
+                exp.submit(coll, 96 * len(coll.records) + 64 * len(coll.groups), resource=res)
             marks = chunk.marks(r)
             if marks:
                 exp.submit(IterationBatch(marks=marks), 32 * len(marks), resource=res)
@@ -266,6 +281,7 @@ class MemorySink:
         self._marks: dict[int, list] = {}
         self._phases: dict[int, list] = {}
         self._stacks: dict[int, list] = {}
+        self._collectives: dict[int, list] = {}
         self._hash = hashlib.sha256()
         self.ranks = 0
 
@@ -285,6 +301,10 @@ class MemorySink:
             h.update(PhaseBatch(phases=ph).SerializeToString())
             if snap is not None:
                 h.update(snap.SerializeToString())
+            coll = chunk.collective_batch(r)
+            if coll is not None:
+                self._collectives.setdefault(r, []).append(coll)
+                h.update(coll.SerializeToString())
 
     def close(self) -> None:
         pass
@@ -310,6 +330,10 @@ class MemorySink:
 
     def stacks(self, r: int) -> list:
         return list(self._stacks.get(r, []))
+
+    def collectives(self, r: int) -> list:
+        """The rank's ``CollectiveBatch`` messages, one per chunk."""
+        return list(self._collectives.get(r, []))
 
 
 class KinetoSink(MemorySink):
@@ -351,6 +375,18 @@ class FanOut:
     def close(self) -> None:
         for s in self.sinks:
             s.close()
+
+
+_PLANS: list = []   # (topo, tmpl, plan) of the latest jobs: a plan is static per job
+
+
+def _plan(topo: Topology, tmpl) -> CollectivePlan:
+    for t, m, p in _PLANS:
+        if t is topo and m is tmpl:
+            return p
+    p = CollectivePlan.build(topo, tmpl)
+    _PLANS[:] = [(topo, tmpl, p)] + _PLANS[:3]
+    return p
 
 
 def build_chunk(outs: Sequence, topo: Topology, tmpl, clocks, *, stack_s: np.ndarray | None = None,
@@ -396,6 +432,7 @@ def build_chunk(outs: Sequence, topo: Topology, tmpl, clocks, *, stack_s: np.nda
         lo_l = clocks.local(lo, hosts)
         window = (lo_l, np.maximum(clocks.local(hi, hosts), lo_l + 1))
     return Chunk(
+        collectives=build_columns(_plan(topo, tmpl), outs, topo, clocks) if I else None,
         topo=topo, iterations=its, names=tmpl.names, name_id=np.tile(tmpl.name_id, I),
         stream=np.tile(tmpl.stream, I), kind=np.tile(tmpl.kind, I), k_start=ks, k_dur=kd, k_valid=kv,
         m_begin=mb, m_end=mb + md, m_valid=mv, phases=tmpl.phases, p_start=qs, p_dur=qd, p_valid=qv,

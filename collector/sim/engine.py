@@ -22,6 +22,18 @@ emission. One iteration:
    in log space). Each rank's kernel lasts ``end − own arrival``: the last
    to arrive (the slow rank) shows the shortest collective, its peers the
    longest (ARGUS §9.5). Group max = ``max`` over one axis.
+   Ring decomposition (Vedrfolnir §III-B), for the collective records: a
+   group's members form a ring in group-rank order; each member's flow sends
+   to the next member in 2(n−1) steps (all-reduce; n−1 for reduce-scatter and
+   all-gather). A link's speed is that of both its ends: NVLink for an
+   intra-host group, for an inter-host group both members' NICs (multi-rail:
+   every GPU's cross-host traffic leaves through its own NIC), so a degraded
+   NIC slows every step its rank sends or receives, a degraded NVLink the
+   intra-host steps of its GPU. The ring runs at its slowest link: that
+   flow's steps fill the transfer (its busy time = ``transfer``), the others
+   are busy in proportion to their link's multiplier (and a per-member
+   noise of half the members' log-spread) and wait the rest. The totals are
+   the ones above (max over links = max over members).
 5. Pipeline: per stage the 1F1B program (``workload.one_f_one_b``); a receive
    waits for the matching send of the neighbouring stage, so a slow stage
    leaves bubbles in its neighbours (ARGUS §9.3). Sends do not block the
@@ -76,6 +88,8 @@ class IterationOut:
     ph_dur: np.ndarray      # (W, P)
     stacks: np.ndarray      # (W, len(STACK_CATEGORIES)) seconds
     hung: bool
+    busy: np.ndarray | None = None  # (W, K) ring flows' busy time of collective slots, ns (NaN: none)
+    xfer: np.ndarray | None = None  # (W, K) the collective's transfer (ring) time, ns (NaN: never ended)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -91,6 +105,8 @@ class _State:
     dp_end: np.ndarray
     bwd_end: np.ndarray
     ready: dict
+    busy: np.ndarray | None = None
+    xfer: np.ndarray | None = None
 
 
 class Engine:
@@ -108,6 +124,7 @@ class Engine:
         self.is_comm = comm
         self.inter = {d: topo.inter_host(d) for d in {d for d in tmpl.dim if d not in (None, "pp")}}
         self.pp_inter = topo.pp_pair_inter_host()
+        self.ring_next = {d: ring_successor(topo, d) for d in self.inter}
         stage_of = np.repeat(np.arange(topo.pp), topo.stage_ranks)
         self.present = tmpl.present[stage_of]  # (W, K)
         self._phase_masks()
@@ -167,7 +184,8 @@ class Engine:
         D = np.where(self.is_comm[None, :], D, D * mods.kmult)
         st = _State(g=t_prev.copy(), u=t_prev.copy(), c=LAUNCH_US * sc * mods.launch_mult, D=D,
                     start=np.full((W, K), np.nan), dur=np.full((W, K), np.nan), mods=mods,
-                    launches=np.zeros(W), dp_end=t_prev.copy(), bwd_end=t_prev.copy(), ready={})
+                    launches=np.zeros(W), dp_end=t_prev.copy(), bwd_end=t_prev.copy(), ready={},
+                    busy=np.full((W, K), np.nan), xfer=np.full((W, K), np.nan))
         # Step 2: host work before the first kernel; the GPU idles meanwhile.
         host = HOST_US * sc * mods.launch_mult * np.exp(0.05 * host_noise[0])
         load = LOADER_US * sc * mods.launch_mult * np.exp(0.1 * host_noise[1]) + mods.load_extra
@@ -229,7 +247,7 @@ class Engine:
         cat[:, 1] = np.maximum(total - cat[:, [0, 2, 3, 4]].sum(axis=1), 0.0)
         cat[~np.isfinite(cat)] = 0.0
         return IterationOut(it, start, dur, t_prev.copy(), t_end, ph_start, ph_dur, cat,
-                            hung=not bool(np.isfinite(t_end).all()))
+                            hung=not bool(np.isfinite(t_end).all()), busy=st.busy, xfer=st.xfer)
 
     # ------------------------------------------------------------ pipeline
     def _pipeline(self, st: _State) -> None:
@@ -336,9 +354,18 @@ class Engine:
         a = self._arrive(sl, slot, st, st.g[sl] if ready is None else ready)
         link = self._link(sl, self.inter[dim][sl], st)
         # One transfer per group: the members' noise averaged (log space), at the slowest link.
-        noise = np.exp(self._gmean(np.log(st.D[sl, slot]), dim, stage))
-        end = self._gmax(a, dim, stage) + noise * self._gmax(link, dim, stage)
+        logd = np.log(st.D[sl, slot])
+        mean_log = self._gmean(logd, dim, stage)
+        transfer = np.exp(mean_log) * self._gmax(link, dim, stage)
+        end = self._gmax(a, dim, stage) + transfer
         self._record(sl, slot, a, end, st)
+        # The ring's flows (module docstring, step 4): link r -> next(r) at the slower of its two ends.
+        nxt = self.ring_next[dim][sl] - (sl.start or 0)
+        lm = np.maximum(link, link[nxt]) * np.exp(0.5 * (logd - mean_log))
+        ended = np.isfinite(end)
+        with np.errstate(invalid="ignore"):
+            st.busy[sl, slot] = np.where(ended, transfer * lm / self._gmax(lm, dim, stage), np.nan)
+        st.xfer[sl, slot] = np.where(ended, transfer, np.nan)
         if blocking:
             st.g[sl] = end
         return end
@@ -379,6 +406,22 @@ class Engine:
             dp_free = self._collective(sl, slot, "dp", st, stage=True, ready=r, blocking=False)
             st.u[sl] = u_saved
         st.dp_end[sl] = dp_free
+
+
+def ring_successor(topo: Topology, dim: str) -> np.ndarray:
+    """Canonical index of each rank's next member in its ``dim`` group's ring (group-rank order,
+    the last member's next is the first). A group is the canonical axes of ``dim``, so the ring
+    is a roll by one along those axes (flattened)."""
+    shape = topo.shape
+    ax = topo.axes(dim, stage=False)
+    idx = np.arange(topo.world).reshape(shape)
+    moved = np.moveaxis(idx, ax, tuple(range(len(shape) - len(ax), len(shape))))
+    lead = moved.shape[:len(shape) - len(ax)]
+    flat = moved.reshape(lead + (-1,))
+    nxt = np.roll(flat, -1, axis=-1).reshape(moved.shape)
+    out = np.empty(topo.world, dtype=np.int64)
+    out[moved.ravel()] = nxt.ravel()
+    return out
 
 
 class _quiet:

@@ -123,7 +123,7 @@ class CollectiveGroup(_message.Message):
     def __init__(self, id: _Optional[str] = ..., members: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CollectiveRecord(_message.Message):
-    __slots__ = ("group", "seq", "op", "bytes", "dtype", "enqueue_ns", "start_ns", "end_ns", "iteration")
+    __slots__ = ("group", "seq", "op", "bytes", "dtype", "enqueue_ns", "start_ns", "end_ns", "iteration", "ring_steps", "ring_next", "send_busy_ns", "recv_wait_ns")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,10 @@ class CollectiveRecord(_message.Message):
     START_NS_FIELD_NUMBER: _ClassVar[int]
     END_NS_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
+    RING_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RING_NEXT_FIELD_NUMBER: _ClassVar[int]
+    SEND_BUSY_NS_FIELD_NUMBER: _ClassVar[int]
+    RECV_WAIT_NS_FIELD_NUMBER: _ClassVar[int]
     group: int
     seq: int
     op: str
@@ -142,7 +146,11 @@ class CollectiveRecord(_message.Message):
     start_ns: int
     end_ns: int
     iteration: int
-    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., op: _Optional[str] = ..., bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., enqueue_ns: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., iteration: _Optional[int] = ...) -> None: ...
+    ring_steps: int
+    ring_next: int
+    send_busy_ns: int
+    recv_wait_ns: int
+    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., op: _Optional[str] = ..., bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., enqueue_ns: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., iteration: _Optional[int] = ..., ring_steps: _Optional[int] = ..., ring_next: _Optional[int] = ..., send_busy_ns: _Optional[int] = ..., recv_wait_ns: _Optional[int] = ...) -> None: ...
 
 class CollectiveBatch(_message.Message):
     __slots__ = ("groups", "records", "now_ns", "dropped_records")
