@@ -44,6 +44,10 @@ class Evaluation:
     healthy_windows: int
 
 
+#: Job-level findings that name no rank but catch a fault (the job's own pace: "not localized").
+JOB_KINDS = ("stall", "jitter", "regression", "job_slowdown")
+
+
 def _window_of(iteration: int | None, per_window: int) -> int | None:
     return None if iteration is None else iteration // per_window
 
@@ -82,9 +86,9 @@ def evaluate(verdicts: list[records_pb2.Verdict], truth: dict, window_iterations
         named = [v for v in after if v.ranks or _active(v)]
         first = next((v for v in named if v.ranks), None)
         caught_by = [v for v in named if any(r.rank in ranks for r in v.ranks)
-                     or any(fd.kind in ("stall", "jitter", "regression") for fd in _active(v))]
+                     or any(fd.kind in JOB_KINDS for fd in _active(v))]
         levels = sorted({fd.level for v in caught_by for fd in _active(v)
-                         if fd.kind in ("stall", "jitter", "regression")
+                         if fd.kind in JOB_KINDS
                          or any(s.rank in ranks for s in fd.suspects)})
         hosts = set(f.get("host_names", []))
         host_named = any(v.host in hosts for v in after if v.host)

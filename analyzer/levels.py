@@ -18,7 +18,9 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from trainscope.analyzer import collectives, consistent, individual, l1_iteration, l2_groups, l2_phases, l3_kernels, l5_stacks
+from trainscope.analyzer import (
+    collectives, consistent, individual, job_pace, l1_iteration, l2_groups, l2_phases, l3_kernels, l5_stacks,
+)
 from trainscope.analyzer.impact import WindowScale
 from trainscope.analyzer.model import Finding, JobWindow
 from trainscope.analyzer.topology import group_of, resources_with
@@ -191,6 +193,34 @@ class ConsistentShift:
                 state.shift_ratios = ratios
         found, n = consistent.analyze_consistent(ctx.jw, ctx.scale, ratios, self.cfg, self.groups_cfg)
         ctx.comparisons["peers_over_windows"] = n
+        return found
+
+
+class JobPace:
+    """The job's step against its own recent pace (``job_pace``): slower than itself, no rank to blame.
+
+    Keeps one ``job_pace.Baseline`` per job on the job's state; skips partial windows (ranks
+    missing) and a job's short last window."""
+
+    level, corroborating = job_pace.LEVEL, False
+
+    def __init__(self, cfg: job_pace.PaceConfig, warmup_iterations: int = 5) -> None:
+        self.cfg, self.warmup = cfg, warmup_iterations
+
+    def analyze(self, ctx: WindowContext) -> list[Finding]:
+        state = ctx.job_state
+        base = getattr(state, "pace_baseline", None)
+        if base is None:
+            base = job_pace.Baseline(self.cfg.baseline_windows)
+            if state is not None:
+                state.pace_baseline = base
+        expected = set(range(getattr(state, "world_size", 0))) - set(getattr(state, "ended", ()))
+        if ctx.scale.short or not ctx.jw.iterations or not expected <= set(ctx.jw.iterations):
+            return []
+        steps = job_pace.job_steps(ctx.jw, getattr(state, "first_iteration", {}), self.warmup)
+        found, n = job_pace.analyze_pace(ctx.jw, ctx.scale, base, steps, self.cfg)
+        if n:     # counted only once judged: a job's first windows build the baseline
+            ctx.comparisons[self.level] = n
         return found
 
 

@@ -51,6 +51,8 @@ from trainscope.proto.v1 import records_pb2
 HEALTHY, DEGRADED, STALLED, UNKNOWN = "healthy", "degraded", "stalled", "unknown"
 #: Persistence key of job-level anomalies (L1 jitter), beside the ranks.
 JOB = -1
+#: ... and of the job slower than its own pace (``job_pace``) with no rank to blame.
+JOB_PACE = -2
 #: A flagged rank costing at least this share of the step is named at once (step 3) ...
 URGENT_SHARE = 0.15
 #: ... in jobs of at least this many ranks: a few ranks sharing a busy host (CPU jobs, tests) are
@@ -91,6 +93,9 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     places = {r: _places_of(rv) for r, rv in flagged.items()}
     if any(f.kind == "jitter" for f in l1):
         places[JOB] = {"jitter"}          # a job-level jitter must recur too (one spike is not a state)
+    pace = [f for f in active if f.level == "pace"]
+    if pace:
+        places[JOB_PACE] = {"pace"}       # slower than its own pace: must hold too (a checkpoint window)
     if persistence is not None:
         observed: dict[int, float] = {}      # every rank's impact, sub-threshold findings too (onset)
         for f in findings:
@@ -105,6 +110,7 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     else:
         confirmed = set(places)
     jitter_held = JOB in confirmed
+    pace_held = JOB_PACE in confirmed
     # overwhelming evidence needs no second window: a rank costing a large share of the step
     urgent = {r for r, rv in flagged.items() if step_ns > 0 and rv.role == CULPRIT
               and len(resources) >= URGENT_MIN_RANKS
@@ -134,6 +140,8 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
         since = [s for s in since if s is not None]
         if since:
             v.since_window = min(since)
+    elif persistence is not None and pace_held and persistence.since(JOB_PACE) is not None:
+        v.since_window = persistence.since(JOB_PACE)
     # step 4: host
     host = _shared_host(suspects, resources)
     if host:
@@ -151,12 +159,12 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     v.pending.extend(pending)
     v.phases.extend(_places(suspects, active, "phase"))
     v.kernels.extend(_places(suspects, active, "kernel"))
-    v.findings.extend(f.to_pb() for f in _named_only(findings, confirmed | stalled_ranks))
+    v.findings.extend(f.to_pb() for f in _named_only(findings, confirmed | stalled_ranks, pace_held))
     # step 5: state; step 6: confidence
     made = None if comparisons is None else sum(comparisons.values())
     if any(f.kind == "stall" for f in active):
         v.state = STALLED
-    elif suspects or any(f.kind == "regression" for f in l1) or jitter_held:
+    elif suspects or any(f.kind == "regression" for f in l1) or jitter_held or pace_held:
         v.state = DEGRADED
     elif made == 0 and not pending:
         v.state = UNKNOWN
@@ -189,11 +197,16 @@ def _host_evidence(active: Sequence[Finding], evidence: list[Evidence],
     return out
 
 
-def _named_only(findings: Sequence[Finding], named: set[int]) -> list[Finding]:
+def _named_only(findings: Sequence[Finding], named: set[int], pace_held: bool = False) -> list[Finding]:
     """Findings as published: a suspect the verdict does not name (not yet persistent) is moved to
-    the evidence's candidates, and a finding left naming nobody is informational (step 3)."""
+    the evidence's candidates, and a finding left naming nobody is informational (step 3), as is
+    a job slower than its own pace until it held."""
     out = []
     for f in findings:
+        if f.level == "pace" and not f.informational and not pace_held:
+            out.append(dataclasses.replace(f, informational=True,
+                                           evidence={**f.evidence, "reason": "not yet persistent"}))
+            continue
         if f.informational or f.kind in ("stall", "missing_rank") or not f.suspects:
             out.append(f)
             continue
@@ -313,6 +326,13 @@ def summarize(job_id: str, v: records_pb2.Verdict, findings: Sequence[Finding],
     if v.state == UNKNOWN:
         return head + " — no comparison possible (groups too small, no history yet)"
     parts = [head]
+    pace = next((d for d in v.findings if d.level == "pace" and not d.informational), None)
+    if pace is not None and v.state == DEGRADED:
+        ev = pace.evidence
+        slower = (f"{pace.impact_s * 1e3:.4g} ms/iteration, +{ev['slowdown_pct']:.0f}% of its own recent pace "
+                  f"of {ev['step_baseline_s'] * 1e3:.4g} ms")
+        parts.append(f"slower than itself: {slower}" if v.ranks else
+                     f"not localized: every rank slower together ({slower}); a link or shared resource?")
     l1 = sorted({f.kind for f in findings if f.level == "L1" and not f.informational})
     if l1:
         parts.append("iteration time: " + "+".join(l1) + (" (once: watching)" if v.state == HEALTHY else ""))
@@ -352,7 +372,7 @@ def _ranges(ranks: list[int]) -> str:
 
 
 #: What a level's comparisons compared a rank with (``WindowContext.comparisons`` keys).
-_COMPARED = {"L1": "iteration_history", "L2": "peers", "L3": "peers"}
+_COMPARED = {"L1": "iteration_history", "L2": "peers", "L3": "peers", "pace": "own_pace"}
 
 _STATE_ORDER = {STALLED: 3, DEGRADED: 2, UNKNOWN: 1, HEALTHY: 0}
 
@@ -436,6 +456,12 @@ def merge_windows(verdicts: Sequence[records_pb2.Verdict]) -> records_pb2.Verdic
     last_named = next((v for v in reversed(vs) if v.ranks), None)
     if last_named is not None:      # the evidence behind the verdict: the latest window that named someone
         out.findings.extend(last_named.findings)
+    else:                           # or that found the job slower than itself (names nobody)
+        slow = [v for v in vs if any(d.level == "pace" and not d.informational for d in v.findings)]
+        if slow:
+            out.findings.extend(slow[-1].findings)
+            since = [v.since_window for v in slow if v.HasField("since_window")]
+            out.since_window = min(since) if since else slow[0].window.index
     out.summary = summarize(out.job_id, out, [], {}).replace(
         f"job {out.job_id}:", f"job {out.job_id} ({len(vs)} windows):", 1)
     return out

@@ -42,11 +42,12 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from trainscope.analyzer import (
-    collectives, consistent, individual, l1_iteration, l2_groups, l2_phases, l3_kernels, l5_stacks, stall,
+    collectives, consistent, individual, job_pace, l1_iteration, l2_groups, l2_phases, l3_kernels, l5_stacks, stall,
 )
 from trainscope.analyzer.impact import ImpactConfig, apply_floor, window_scale
 from trainscope.analyzer.levels import (
-    Collectives, ConsistentShift, Detector, L1Iterations, L2Phases, L3Kernels, L5Stacks, OwnHistory, SiblingGroups,
+    Collectives, ConsistentShift, Detector, JobPace, L1Iterations, L2Phases, L3Kernels, L5Stacks, OwnHistory,
+    SiblingGroups,
     WindowContext,
 )
 from trainscope.analyzer.merge import merge
@@ -63,7 +64,7 @@ log = logging.getLogger(__name__)
 
 
 #: Detector levels, in the order they run (corroborating L5 last).
-LEVEL_NAMES = ("L2", "L3", "groups", "history", "consistent", "collectives", "L1", "L5")
+LEVEL_NAMES = ("L2", "L3", "groups", "history", "consistent", "collectives", "L1", "pace", "L5")
 # comparisons counted per level are named by what was compared with what:
 # L1/L2/L3 "peers", sibling_groups, own_history, pair
 
@@ -96,7 +97,9 @@ class AnalyzerConfig:
     """The impact floor below which findings are informational."""
     collectives: collectives.CollectivesConfig = dataclasses.field(default_factory=collectives.CollectivesConfig)
     """Late start and hang from per-collective records (Mycroft §4.3, §5)."""
-    levels: tuple[str, ...] = ("L1", "L2", "L3", "L5", "groups", "history", "consistent", "collectives")
+    pace: job_pace.PaceConfig = dataclasses.field(default_factory=job_pace.PaceConfig)
+    """The job's step against its own recent pace (slower than itself, no rank to blame)."""
+    levels: tuple[str, ...] = ("L1", "L2", "L3", "L5", "groups", "history", "consistent", "collectives", "pace")
     """Which levels run."""
     persist_k: int = 2
     """A rank is named once flagged in persist_k ..."""
@@ -173,6 +176,7 @@ class _Job:
         self.shift_ratios = None                  # consistent.Ratios, kept by the ConsistentShift level
         self.first_iteration: dict[int, int] = {}  # rank -> first iteration it reported
         self.collectives = None                   # collectives.CollectiveState: records joined by (group, seq)
+        self.pace_baseline = None                 # job_pace.Baseline, kept by the JobPace level
 
 
 class Analyzer:
@@ -432,6 +436,7 @@ def default_detectors(config: AnalyzerConfig, metrics: AnalyzerMetrics | None = 
         "consistent": lambda: ConsistentShift(config.consistent, config.groups),
         "collectives": lambda: Collectives(config.collectives),
         "L1": lambda: L1Iterations(config.l1),
+        "pace": lambda: JobPace(config.pace, config.warmup_iterations),
         "L5": lambda: L5Stacks(config.l5),
     }
     return [made[lv]() for lv in LEVEL_NAMES if lv in config.levels]

@@ -1,0 +1,133 @@
+"""The job against its own recent pace: slower than itself, with no rank to blame.
+
+A fault that slows every rank together (a degraded NIC or switch every group
+crosses, congestion, a shared filesystem) leaves the peer comparisons
+nothing: each rank is as slow as its peers. L1's change point needs
+``min_segment`` points on each side after warm-up, which a job of a few
+windows does not have (a 4x slower NIC took a 64-rank simulated job from
+3.01 s to 3.9 s per step, +29 %, and every window said "healthy"). So, per
+analysed window (NVRx's "individual" score, for the whole job):
+
+1. The job's step per iteration: for each iteration the window's ranks
+   report, the median over ranks of its duration (the ranks of a
+   synchronous job share the step; the median ignores one rank's outlier).
+   Each rank's first ``warmup_iterations`` are left out (allocation,
+   compilation). Partial windows (ranks missing) and a job's short last
+   window are neither judged nor used as baseline.
+2. The baseline: the per-iteration steps of the last ``baseline_windows``
+   windows that were neither flagged nor suspect (z ≥ 2 and half of
+   ``min_shift`` slower): the job's recent pace while it was healthy, so a
+   slow stretch never becomes its own baseline.
+3. The test (robust): d = median(now) − median(baseline); the baseline's
+   spread s = 1.4826·MAD, floored at ``rel_floor`` of its median (a handful
+   of steps can have a MAD near 0); z = d / (s·√(π/2)·√(1/n_now + 1/n_base))
+   (the standard error of a median under normal noise). Flagged when
+   z ≥ Φ⁻¹(1 − ``false_alarm``), d ≥ ``min_shift`` of the baseline, and each
+   side has at least ``min_iterations`` steps.
+4. The finding (level ``pace``, kind ``job_slowdown``) names no rank: its
+   impact is d per iteration (``job_impact_ns``), with the shift in % and
+   the baseline it was measured against. ``merge`` makes the job
+   ``degraded`` ("not localized") once it holds in k of the last n windows,
+   and only when no rank explains it.
+
+Assumption: the job's step is stationary while healthy, to within
+``min_shift`` (a curriculum that lengthens sequences, an evaluation phase
+inside training steps would read as a slowdown).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from trainscope.analyzer.impact import WindowScale
+from trainscope.analyzer.model import Finding, JobWindow, Scope
+from trainscope.analyzer.significance import MAD_SIGMA, z_threshold
+from trainscope.analyzer.topology import check_number
+
+LEVEL, KIND = "pace", "job_slowdown"
+#: A window this many standard errors and half of ``min_shift`` slower, though not flagged, stays
+#: out of the baseline (step 2): the first window of a slowdown often falls short of the test.
+SUSPECT_Z = 2.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PaceConfig:
+    baseline_windows: int = 8
+    """Unflagged windows whose steps form the job's baseline."""
+    min_iterations: int = 5
+    """Fewest steps on each side (after warm-up) before the job is judged."""
+    min_shift: float = 0.05
+    """Smallest slowdown reported, as a share of the baseline step: below, the step's own drift
+    (data, sequence lengths, a checkpoint in a window) explains it."""
+    rel_floor: float = 0.01
+    """Floor of the baseline's per-step spread, as a share of its median step."""
+    false_alarm: float = 1e-4
+    """One-sided false-alarm rate per window; the verdict also needs it in k of n windows."""
+
+    def __post_init__(self) -> None:
+        check_number("pace.baseline_windows", self.baseline_windows, lambda v: v >= 1, "must be an integer >= 1", int)
+        check_number("pace.min_iterations", self.min_iterations, lambda v: v >= 2, "must be an integer >= 2", int)
+        check_number("pace.min_shift", self.min_shift, lambda v: v > 0, "must be > 0")
+        check_number("pace.rel_floor", self.rel_floor, lambda v: v >= 0, "must be >= 0")
+        check_number("pace.false_alarm", self.false_alarm, lambda v: 0 < v < 1, "must be in (0, 1)")
+
+
+class Baseline:
+    """Per-iteration job steps (ns) of the last n unflagged windows (step 2)."""
+
+    def __init__(self, n: int) -> None:
+        self.windows: collections.deque[np.ndarray] = collections.deque(maxlen=n)
+
+    def steps(self) -> np.ndarray:
+        return np.concatenate(list(self.windows)) if self.windows else np.empty(0)
+
+
+def job_steps(jw: JobWindow, first_iteration: dict[int, int], warmup: int) -> np.ndarray:
+    """Step 1: the median over ranks of each iteration's duration, warm-up left out (ns)."""
+    its, durs = [], []
+    for rank, rec in jw.iterations.items():
+        start = first_iteration.get(rank, 0) + warmup
+        for m in rec.marks:
+            if m.iteration >= start and m.end_ns > m.start_ns:
+                its.append(m.iteration)
+                durs.append(m.end_ns - m.start_ns)
+    if not its:
+        return np.empty(0)
+    it = np.asarray(its, dtype=np.int64)
+    d = np.asarray(durs, dtype=np.float64)
+    order = np.lexsort((d, it))
+    it, d = it[order], d[order]
+    cuts = np.flatnonzero(np.diff(it)) + 1
+    return np.array([float(np.median(x)) for x in np.split(d, cuts)])
+
+
+def analyze_pace(jw: JobWindow, scale: WindowScale, baseline: Baseline, steps: np.ndarray,
+                 cfg: PaceConfig = PaceConfig()) -> tuple[list[Finding], int]:
+    """Steps 2-4 on this window's job steps (``job_steps``); records an unflagged window into the
+    baseline. Returns (findings, comparisons made: 1 when the job was judged)."""
+    if steps.size < cfg.min_iterations:
+        return [], 0
+    base = baseline.steps()
+    if base.size < cfg.min_iterations:
+        baseline.windows.append(steps)
+        return [], 0
+    b, now = float(np.median(base)), float(np.median(steps))
+    spread = max(MAD_SIGMA * float(np.median(np.abs(base - b))), cfg.rel_floor * b)
+    se = spread * np.sqrt(np.pi / 2) * np.sqrt(1 / steps.size + 1 / base.size)
+    d = now - b
+    z = d / se if se > 0 else 0.0
+    z_star = z_threshold(cfg.false_alarm, 1)
+    if not (z >= z_star and d >= cfg.min_shift * b):
+        if not (z >= SUSPECT_Z and d >= cfg.min_shift / 2 * b):
+            baseline.windows.append(steps)   # a window already half-way slower stays out of the baseline
+        return [], 1
+    return [Finding(level=LEVEL, kind=KIND, job_id=jw.job_id, window=jw.window, scope=Scope(group="job"),
+                    severity=float(z), comparison="own_pace", job_impact_ns=d,
+                    evidence={"step_now_s": round(now / 1e9, 6), "step_baseline_s": round(b / 1e9, 6),
+                              "slowdown_pct": round(100 * d / b, 2), "impact_s": round(d / 1e9, 6),
+                              "z": round(float(z), 2), "z_threshold": round(z_star, 2),
+                              "iterations_now": int(steps.size), "iterations_baseline": int(base.size),
+                              "baseline_windows": len(baseline.windows),
+                              "ranks": len(jw.iterations)})], 1

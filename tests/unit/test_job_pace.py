@@ -1,0 +1,147 @@
+"""The job against its own pace (analyzer/job_pace.py, levels.JobPace, merge): a job slower than
+itself with no rank to blame is "degraded, not localized"; healthy jobs stay healthy.
+
+Iteration marks come from jobs built from the real job16 kernel stream (tests/support/realjob.py:
+real steps drawn per step, the measured per-rank noise), cut into windows of 5 steps as replay does.
+"""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from support.realjob import SHARED, Fault, JobSpec, build_job
+from trainscope.analyzer import job_pace
+from trainscope.analyzer.impact import ImpactConfig, apply_floor, window_scale
+from trainscope.analyzer.levels import JobPace, WindowContext
+from trainscope.analyzer.merge import merge, merge_windows
+from trainscope.analyzer.model import JobWindow
+from trainscope.analyzer.significance import Persistence
+from trainscope.collector.sources.replay import load_rank_trace
+from trainscope.proto.errors import ConfigError
+from trainscope.proto.model import Resource, coords_for_rank
+from trainscope.proto.v1 import records_pb2
+
+pytestmark = pytest.mark.skipif(not (SHARED / "job16-rank0.json.gz").exists(), reason="real traces not found")
+
+PER_WINDOW = 5
+
+
+def marks_of(tmp_path, spec: JobSpec) -> dict[int, list]:
+    job = tmp_path / f"job{spec.seed}"
+    build_job(job, spec)
+    return {r: sorted(load_rank_trace(job / f"rank-{r}.json.gz").iterations, key=lambda m: m.iteration)
+            for r in range(spec.ranks)}
+
+
+def windows(marks: dict[int, list], spec: JobSpec, *, drop=()) -> list[JobWindow]:
+    out = []
+    for idx in range(spec.steps // PER_WINDOW):
+        w = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=idx,
+                               first_iteration=idx * PER_WINDOW, last_iteration=(idx + 1) * PER_WINDOW - 1)
+        jw = JobWindow("j", w)
+        for r, ms in marks.items():
+            if (idx, r) in drop:
+                continue
+            res = Resource(job_id="j", rank=r, world_size=spec.ranks, host=f"host{r // spec.ranks_per_host}",
+                           coords=coords_for_rank(r, spec.ranks, tp=spec.tp, pp=spec.pp))
+            jw.resources[r] = res
+            rec = records_pb2.IterationWindow(resource=res.to_pb(), window=w)
+            for m in ms[idx * PER_WINDOW:(idx + 1) * PER_WINDOW]:
+                rec.marks.add(iteration=m.iteration, start_ns=m.start_ns, end_ns=m.end_ns)
+            jw.iterations[r] = rec
+        out.append(jw)
+    return out
+
+
+def verdicts(jws: list[JobWindow], spec: JobSpec, cfg=job_pace.PaceConfig()) -> list[records_pb2.Verdict]:
+    """The pace level and merge, window by window, as the service runs them (k=2 of n=3)."""
+    state = types.SimpleNamespace(world_size=spec.ranks, ended=set(), first_iteration={r: 0 for r in range(spec.ranks)},
+                                  pace_baseline=None)
+    det, pers, out = JobPace(cfg, warmup_iterations=5), Persistence(2, 3), []
+    for jw in jws:
+        scale = window_scale(jw)
+        ctx = WindowContext(jw, scale, {}, job_state=state)
+        found = apply_floor(det.analyze(ctx), scale, ImpactConfig())
+        out.append(merge("j", jw.window, found, jw.resources, jw=jw, step_ns=scale.step_ns,
+                         iterations=scale.iterations, persistence=pers, comparisons=ctx.comparisons))
+    return out
+
+
+@pytest.mark.parametrize("seed", [31, 32, 33, 34])
+def test_healthy_real_stream_jobs_stay_healthy_against_their_own_pace(tmp_path, seed):
+    spec = JobSpec(ranks=4, tp=2, pp=1, steps=40, seed=seed, noisy=(3,), ranks_per_host=4)
+    vs = verdicts(windows(marks_of(tmp_path, spec), spec), spec)
+    # the first windows build the baseline (warm-up, 5 steps): nothing could be compared yet
+    assert all(v.state == "healthy" for v in vs[2:]), [v.summary for v in vs]
+    assert all(v.state in ("healthy", "unknown") and not v.ranks for v in vs)
+    assert not any(d.level == "pace" and not d.informational for v in vs for d in v.findings)
+    assert any(v.comparison and "own_pace" in v.comparison for v in vs)   # the comparison was made
+
+
+def test_every_rank_slower_together_is_degraded_not_localized_with_impact_and_onset(tmp_path):
+    """Compute 1.3x on all 4 ranks from step 20 (window 4): no rank differs from its peers; the
+    job's own pace says degraded from window 4, naming nobody, with seconds per iteration."""
+    spec = JobSpec(ranks=4, tp=2, pp=1, steps=40, seed=35, ranks_per_host=4,
+                   faults=(Fault("compute", ranks=tuple(range(4)), factor=1.3, start=20),))
+    healthy = JobSpec(**{**spec.__dict__, "faults": ()})
+    mk = marks_of(tmp_path, spec)
+    vs = verdicts(windows(mk, spec), spec)
+    assert all(v.state in ("healthy", "unknown") for v in vs[:4]), [v.summary for v in vs[:4]]
+    slow = vs[5:]
+    assert all(v.state == "degraded" and not v.ranks for v in slow), [v.summary for v in slow]
+    v = slow[-1]
+    assert v.since_window == 4, v.summary
+    (d,) = [d for d in v.findings if d.level == "pace" and not d.informational]
+    steps = np.median([[m.end_ns - m.start_ns for m in mk[r]] for r in mk], axis=0)   # per iteration
+    base, now = np.median(steps[5:20]), np.median(steps[35:40])   # windows 1-3 (after warm-up); 7
+    assert d.impact_s == pytest.approx((now - base) / 1e9, rel=0.05)
+    assert d.evidence["slowdown_pct"] > 5 and not d.suspects
+    assert "not localized: every rank slower together" in v.summary and "ms/iteration" in v.summary
+    job = merge_windows(vs)
+    assert job.state == "degraded" and not job.ranks and job.since_window == 4
+    assert "not localized" in job.summary, job.summary
+    # the same draws without the fault: healthy throughout
+    assert all(v.state in ("healthy", "unknown")
+               for v in verdicts(windows(marks_of(tmp_path / "h", healthy), healthy), healthy))
+
+
+def test_one_slow_window_is_watched_not_a_state(tmp_path):
+    """A checkpoint-like window (every rank 1.5x for 5 steps, window 4) is flagged but only watched
+    (informational) until it holds in 2 of 3 windows; the fast window after it is no baseline shift."""
+    spec = JobSpec(ranks=4, tp=2, pp=1, steps=40, seed=36, ranks_per_host=4,
+                   faults=(Fault("compute", ranks=tuple(range(4)), factor=1.5, start=20, every=5),))
+    vs = verdicts(windows(marks_of(tmp_path, spec), spec), spec)
+    # on in windows 4 and 6, off in 5 and 7: flagged in 2 of 3 windows (4, 6) confirms at window 6 only
+    assert all(v.state in ("healthy", "unknown") for v in vs[:6]), [v.summary for v in vs]
+    assert [d.informational for d in vs[4].findings if d.level == "pace"] == [True]
+
+
+def test_partial_windows_are_neither_judged_nor_baseline(tmp_path):
+    spec = JobSpec(ranks=4, tp=2, pp=1, steps=30, seed=37, ranks_per_host=4,
+                   faults=(Fault("compute", ranks=tuple(range(4)), factor=1.4, start=15),))
+    mk = marks_of(tmp_path, spec)
+    drop = {(i, r) for i in (3, 4, 5) for r in (3,)}       # every slow window misses a rank
+    vs = verdicts(windows(mk, spec, drop=drop), spec)
+    assert all(v.state in ("healthy", "unknown") for v in vs)
+    assert not any(d.level == "pace" for v in vs for d in v.findings)
+
+
+def test_job_steps_are_the_median_over_ranks_per_iteration_after_warm_up():
+    w = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=0, first_iteration=0, last_iteration=9)
+    jw = JobWindow("j", w)
+    for r, scale in enumerate((1.0, 1.0, 5.0)):         # rank 2 an outlier: the median ignores it
+        rec = records_pb2.IterationWindow(window=w)
+        for i in range(10):
+            rec.marks.add(iteration=i, start_ns=0, end_ns=int((100 + i) * scale))
+        jw.iterations[r] = rec
+    steps = job_pace.job_steps(jw, {0: 0, 1: 0, 2: 0}, warmup=5)
+    assert steps.tolist() == [105.0, 106.0, 107.0, 108.0, 109.0]
+
+
+def test_pace_config_is_validated():
+    with pytest.raises(ConfigError, match="pace.min_shift"):
+        job_pace.PaceConfig(min_shift=0)
+    with pytest.raises(ConfigError, match="pace.min_iterations"):
+        job_pace.PaceConfig(min_iterations=1)
