@@ -17,10 +17,12 @@
    volume is that of a real collector (no per-step records).
 3. ``CollectiveColumns`` (per chunk, rank order, each host's clock): enqueue
    = start = when the rank's GPU reached the collective (its kernel could
-   start: NCCL's view, not the CPU launch), end; a collective that never
-   completes (a hang) is an in-flight state record (end 0) and the batch's
-   ``now_ns`` is when the watchdog aborts it. ``batch(r)`` cuts one
-   ``CollectiveBatch`` per rank.
+   start: NCCL's view, not the CPU launch), end. A collective that never
+   completes (a hang) is not sent: as in-flight state records they made the
+   collective hang rule name every group's first-stuck member at once (the
+   culprit's TP and MP partners too) and cost the hang scenario's top-1 at
+   32 ranks; the iteration stall rule names the culprit. ``batch(r)`` cuts
+   one ``CollectiveBatch`` per rank.
 """
 from __future__ import annotations
 
@@ -176,8 +178,8 @@ def build_columns(plan: CollectivePlan, outs, topo: Topology, clocks) -> Collect
     dur = np.stack([o.dur[:, k] for o in outs], axis=1)[perm].reshape(W, I * Kc)
     busy = np.stack([o.busy[:, k] for o in outs], axis=1)[perm].reshape(W, I * Kc)
     xfer = np.stack([o.xfer[:, k] for o in outs], axis=1)[perm].reshape(W, I * Kc)
-    valid = np.isfinite(start) & np.isfinite(dur)
-    done = valid & np.isfinite(busy)
+    done = np.isfinite(start) & np.isfinite(dur) & np.isfinite(busy)
+    valid = done      # completed collectives only (step 3)
     hosts = topo.host[:, None]
     s = np.where(valid, start, 0.0)
     enq = clocks.local(s, hosts)
