@@ -175,6 +175,13 @@ def cmd_sim(args) -> int:
             defaults = ",".join(f"{p}={v:g}" for p, v in k.params.items())
             print(f"{k.name:<17} {'+'.join(k.levels):<6} {k.summary}" + (f"  [{defaults}]" if defaults else ""))
         return 0
+    if args.processor is not None:
+        env.check_target("--processor", args.processor)
+        from trainscope.collector.exporter_socket import reachable
+        if not reachable(args.processor, 2.0):  # the exporters would retry it until the final flush's bound
+            print(f"trainscope: no processor answers at {args.processor}: start `trainscope processor "
+                  f"--listen {args.processor}` first, or leave out --processor; nothing was sent", file=sys.stderr)
+            return 1
     cfg = sim_config(
         ranks=args.ranks, tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, order=args.order,
         gpus_per_host=args.gpus_per_host, nics_per_host=args.nics_per_host,
@@ -206,6 +213,12 @@ def cmd_sim(args) -> int:
         write_json(res.to_dict(), args.json_out)
     if args.processor is None and _say_undelivered(res.processor or {}, args):
         return 1
+    if args.processor is not None and res.dropped:
+        ex = res.exporter
+        why = ", ".join(f"{k} {n:,}" for k, n in sorted({**ex.get("dropped", {}),
+                                                          **ex.get("rejected_by_reason", {})}.items()) if n)
+        print(f"trainscope: {res.dropped:,} batches were not delivered to the processor at {args.processor}"
+              + (f" (batches by reason: {why})" if why else ""), file=sys.stderr)
     return 0 if not res.dropped else 1
 
 

@@ -78,6 +78,7 @@ class ProcessorConfig:
     def __post_init__(self) -> None:
         if not self.listen:
             raise ConfigError("processor.listen", self.listen, "must be an address")
+        env.check_target("processor.listen", self.listen, listen=True)
         if self.max_message_bytes < 1024:
             raise ConfigError("processor.max_message_bytes", self.max_message_bytes, "must be >= 1024")
         if self.grpc_workers < 1:

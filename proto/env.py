@@ -117,6 +117,26 @@ def unix_path(target: str) -> str | None:
     return target[len("unix://"):] if target.startswith("unix://") else target[len("unix:"):]
 
 
+def check_target(setting: str, target: str, *, listen: bool = False) -> str:
+    """``target`` when it is a gRPC address: ``unix:///path`` (or ``unix:path`` to connect to) or
+    ``host:port`` with a port in 1..65535 (0, any free port, only where ``listen``); a ConfigError
+    naming ``setting`` otherwise (grpc would retry a malformed target forever, or bind a port
+    number modulo 65536)."""
+    path = unix_path(target)
+    if path is not None:
+        if not path or (listen and not target.startswith("unix://")):
+            raise ConfigError(setting, target, "expected unix:///path or host:port")
+        return target
+    host, sep, port = target.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(setting, target, "expected unix:///path or host:port")
+    low = 0 if listen else 1
+    if not (port.isascii() and port.isdigit() and low <= int(port) <= 65535):
+        raise ConfigError(setting, target, f"the port must be a number in {low}..65535"
+                          + (", 0 meaning any free port" if listen else ""))
+    return target
+
+
 def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
     return os.environ if environ is None else environ
 

@@ -8,7 +8,8 @@
    process) is assembled by ``deploy/embedded.py``, which calls this.
 3. Stream every chunk to the sinks (``barrier()`` after each chunk lets a
    caller's in-process processor work off its backlog); unless the job hung,
-   send every rank's end-of-process marker; close the sinks (exporters flush).
+   send every rank's end-of-process marker; close the sinks (exporters flush, all
+   of them within ``final_flush_s``; what is left is counted as dropped).
 4. Write the ground truth and return a :class:`SimResult` with the volumes and
    the rates (events generated per second of wall time).
 """
@@ -24,6 +25,10 @@ from trainscope.collector.sim.config import SimConfig
 from trainscope.collector.sim.emit import ExporterSink, FanOut, KinetoSink, SimSink
 from trainscope.collector.sim.simulate import Simulation
 from trainscope.collector.sim.truth import ground_truth, write_ground_truth
+
+#: The bound on the final flush to a processor, all exporters together: a processor that went
+#: away must not hold the run (the exporter sink's own timeout is per exporter and per flush).
+FINAL_FLUSH_S = 30.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -81,6 +86,7 @@ def run_sim(
     *,
     sinks: Sequence[SimSink] = (),
     barrier: Callable[[], Any] | None = None,
+    final_flush_s: float = FINAL_FLUSH_S,
 ) -> SimResult:
     """Run ``config`` (module docstring steps) to ``processor_address`` and ``sinks``; returns what happened.
 
@@ -113,6 +119,13 @@ def run_sim(
     generate_s = time.perf_counter() - t1 - (exporter_sink.wait_s if exporter_sink else 0.0) + t_setup
     if exporter_sink is not None and not sim.hung:
         exporter_sink.finish()
+    if exporter_sink is not None:
+        # the final flush within final_flush_s in all; what is still unconfirmed then is counted
+        # as dropped by the exporters' shutdown in close() (SimResult.dropped)
+        deadline = time.monotonic() + final_flush_s
+        for e in exporter_sink.exporters:
+            e.flush(max(0.0, deadline - time.monotonic()))
+        exporter_sink.timeout_s = 0.0
     fan.close()
     truth_path = config.ground_truth_path or os.path.join(home, "sim-ground-truth.json")
     write_ground_truth(ground_truth(sim), truth_path)  # step 4

@@ -136,7 +136,8 @@ def test_taken_prometheus_port_is_one_line(tmp_path, taken_port):
     assert_one_line_exit_2(res, "--prometheus-port", "in use")
 
 
-@pytest.mark.parametrize("listen", ["taken", "127.0.0.1:notaport", "nonsense", "unix:///proc/1/nope/p.sock"])
+@pytest.mark.parametrize("listen", ["taken", "127.0.0.1:notaport", "nonsense", "unix:///proc/1/nope/p.sock",
+                                    "127.0.0.1:99999", "127.0.0.1:-5", ":50051"])
 def test_bad_listen_is_one_line(tmp_path, taken_port, listen):
     listen = f"127.0.0.1:{taken_port}" if listen == "taken" else listen
     res = cli(tmp_path, "processor", "--listen", listen, timeout=60)
@@ -261,3 +262,42 @@ def test_query_opens_a_real_store_read_only(tmp_path):
     res = cli(tmp_path, "query", "jobs", "--store", str(store), timeout=60)
     assert res.returncode == 1 and "no jobs yet" in res.stderr, res.stderr  # no data yet: exit 1
     assert store.read_bytes() == before
+
+
+@pytest.mark.parametrize("target", ["garbage", "127.0.0.1:99999", "127.0.0.1:-1", "unix://"])
+def test_sim_to_a_malformed_processor_address_is_one_line(tmp_path, target):
+    res = cli(tmp_path, *SIM, "--processor", target, timeout=60)
+    assert_one_line_exit_2(res, "--processor")
+    assert not os.path.exists(tmp_path / ".trainscope")  # refused before the home was made
+
+
+def test_sim_to_a_processor_nobody_runs_exits_1_at_once(tmp_path):
+    """`sim --processor 127.0.0.1:1` retried until the exporter's 300 s shutdown timeout."""
+    t0 = time.monotonic()
+    res = cli(tmp_path, *SIM, "--processor", "127.0.0.1:1", timeout=60)
+    assert res.returncode == 1, res.stderr
+    assert "Traceback" not in res.stderr
+    assert "no processor answers at 127.0.0.1:1" in res.stderr and "nothing was sent" in res.stderr
+    assert time.monotonic() - t0 < 30
+
+
+def test_sim_final_flush_to_a_processor_that_never_answers_is_bounded():
+    """A listener that accepts connections but never speaks gRPC (a processor gone mid-run): the
+    final flush gives up at its bound, and what was not confirmed is counted as dropped."""
+    import threading
+
+    from trainscope.collector.sim import run_sim, sim_config
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    held = []
+    threading.Thread(target=lambda: [held.append(srv.accept()) for _ in range(16)], daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        res = run_sim(sim_config(ranks=8, tp=2, iterations=2), f"127.0.0.1:{srv.getsockname()[1]}",
+                      final_flush_s=1.0)
+        assert time.monotonic() - t0 < 20
+        assert res.dropped > 0 and res.exporter["dropped"].get("shutdown", 0) > 0, res.exporter
+    finally:
+        srv.close()
