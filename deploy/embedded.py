@@ -19,6 +19,7 @@ from trainscope.collector.sim import SimConfig, SimResult
 from trainscope.collector.sim import run_sim as _emit_sim
 from trainscope.collector.sim.emit import SimSink
 from trainscope.processor.daemon import Processor, ProcessorConfig
+from trainscope.processor.store import store_in_use
 from trainscope.processor.windows import WindowConfig
 from trainscope.proto import env
 from trainscope.proto.errors import ConfigError
@@ -133,6 +134,9 @@ def embedded_processor_config(home: str, window: WindowConfig, *, replace_store:
         if not replace_store:
             raise ConfigError("--home", home, "it already holds store.sqlite (an earlier run's data); "
                                               "pass another --home, or --force to replace that store")
+        if store_in_use(store_path):  # never pull the store from under a live processor, even forced
+            raise ConfigError("--home", home, "its store.sqlite is open in a running trainscope process "
+                                              "(a processor, replay, sim or demo); stop it or pass another --home")
         for suffix in ("", "-wal", "-shm"):
             if os.path.exists(store_path + suffix):
                 os.unlink(store_path + suffix)

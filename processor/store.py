@@ -18,6 +18,7 @@ bounded by ``max_rows`` per signal (oldest deleted first).
 from __future__ import annotations
 
 import collections
+import fcntl
 import logging
 import os
 import pathlib
@@ -30,6 +31,8 @@ from typing import Iterator
 from trainscope.processor.model import WindowOutput
 from trainscope.proto.contracts import RECORD_TYPES, SIGNALS
 from trainscope.processor.selfmetrics import SelfMetrics
+from trainscope.proto.errors import ConfigError
+from trainscope.proto.securefs import open_private
 
 
 SCHEMA = """
@@ -102,6 +105,29 @@ def tables_in(path: str) -> set[str]:
         db.close()
 
 
+def _lock_path(path: str) -> str:
+    # beside the database, not the database itself: closing any descriptor of the database file
+    # would drop this process's POSIX locks that SQLite holds on it
+    return path + "-lock"
+
+
+def store_in_use(path: str) -> bool:
+    """Whether a process has the store at ``path`` open for writing (a running processor, or a
+    replay, sim or demo): each writing ``SqliteStore`` holds a shared ``flock`` on ``<path>-lock``
+    while open, released by the kernel when that process ends, however it ends."""
+    try:
+        fd = os.open(_lock_path(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False  # no lock file: no writer since it was made (or a store of an older version)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases the probe's own lock
+    return False
+
+
 class SqliteStore:
     def __init__(self, path: str, *, max_rows: int = 2_000_000, busy_timeout_s: float = 2.0,
                  read_only: bool = False) -> None:
@@ -112,6 +138,14 @@ class SqliteStore:
         # long; the sink keeps the window and retries
         self._db = open_sqlite(path, SCHEMA, timeout_s=busy_timeout_s, read_only=read_only)
         self._inserted = 0
+        self._held: int | None = None  # the shared flock that says "in use" (store_in_use)
+        if not read_only and path != ":memory:":
+            try:
+                self._held = open_private(_lock_path(path), os.O_RDONLY)
+                fcntl.flock(self._held, fcntl.LOCK_SH)  # an exclusive probe holds it for microseconds
+            except (OSError, ConfigError) as e:  # e.g. another user's file: the store still works
+                log.warning("store %s: cannot hold its in-use lock (%s); replay --force cannot see it is open",
+                            path, e)
 
     def put(self, signal: str, rec) -> None:
         self.put_many([(signal, rec)])
@@ -177,6 +211,9 @@ class SqliteStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            if self._held is not None:
+                os.close(self._held)
+                self._held = None
 
 
 def _fault(e: BaseException) -> str | None:

@@ -192,3 +192,38 @@ def test_perfetto_traces_replay_json_and_sim_truth_are_private_and_never_follow_
         assert not [p for p in trace.parent.iterdir() if p.name.startswith(".")]  # no temporary left
     finally:
         os.umask(old)
+
+
+def test_a_store_open_for_writing_is_seen_as_in_use_until_its_process_lets_go(tmp_path):
+    import subprocess
+    import sys
+
+    from trainscope.deploy.embedded import embedded_processor_config, remove_socket_dir
+    from trainscope.processor.store import SqliteStore, store_in_use
+    from trainscope.processor.windows import WindowConfig
+
+    path = str(tmp_path / "store.sqlite")
+    s = SqliteStore(path)
+    assert store_in_use(path) and mode(path + "-lock") == 0o600
+    reader = SqliteStore(path, read_only=True)  # query and report hold no lock
+    with pytest.raises(ConfigError, match="running trainscope process"):
+        embedded_processor_config(str(tmp_path), WindowConfig(), replace_store=True)
+    assert os.path.exists(path)
+    s.close()
+    reader.close()
+    assert not store_in_use(path)
+    # another process that holds it, then dies by SIGKILL: the kernel lets go for it
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                              "from trainscope.processor.store import SqliteStore\n"
+                              f"s = SqliteStore({path!r}); print('open', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "open"
+        assert store_in_use(path)
+    finally:
+        child.kill()
+        child.wait()
+    assert not store_in_use(path)
+    cfg = embedded_processor_config(str(tmp_path), WindowConfig(), replace_store=True)
+    remove_socket_dir(cfg)
+    assert not os.path.exists(path) and cfg.store_path == path
