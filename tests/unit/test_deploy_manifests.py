@@ -61,6 +61,11 @@ def test_compose_runs_the_whole_stack_and_publishes_only_loopback_ports():
                 assert (DEPLOY / "compose" / src).resolve().exists(), src
     assert "--web.enable-remote-write-receiver" in services["prometheus"]["command"]
     assert "unix:///tmp/trainscope/processor.sock" in services["processor"]["command"]
+    # training containers are told the shared socket: the collector's own default is per user now
+    doc = yaml.safe_load((DEPLOY / "compose" / "compose.yaml").read_text())
+    client = doc["x-training-client"]
+    assert client["environment"]["TRAINSCOPE_PROCESSOR"] == "unix:///tmp/trainscope/processor.sock"
+    assert "trainscope-uds:/tmp/trainscope" in client["volumes"] and client["user"] == "10001"
     prom = yaml.safe_load((DEPLOY / "compose" / "prometheus.yml").read_text())
     assert {j["job_name"] for j in prom["scrape_configs"]} == {"trainscope-processor", "trainscope-analyzer"}
     assert all(j["honor_labels"] for j in prom["scrape_configs"])
