@@ -48,6 +48,8 @@ class AnalyzerDaemonConfig:
     """``proto.security.ServerSecurity`` of the metrics endpoint (TLS, bearer token); None: plain."""
 
     def __post_init__(self) -> None:
+        if self.prometheus_port is not None and not 0 <= self.prometheus_port <= 65535:
+            raise ConfigError("--prometheus-port", self.prometheus_port, "must be in 0..65535, 0 meaning any free port")
         if not 1.0 <= self.session_timeout_s <= 300.0:
             raise ConfigError("--session-timeout-s", self.session_timeout_s, "must be in [1, 300]")
         if not self.kafka_bootstrap and not os.path.exists(self.store_path):

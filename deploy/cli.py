@@ -38,6 +38,42 @@ def writable_home(home: str) -> str:
     return home
 
 
+def output_file(setting: str, path: str | None, *, force: bool) -> None:
+    """An output file, checked before the run that writes it (not after minutes of work): not a
+    directory, an existing file only with --force, in a directory it can be written in (tried with a
+    probe file: root passes every permission check, yet cannot write in /proc)."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise ConfigError(setting, path, "is a directory; name the file to write")
+    if os.path.lexists(path) and not force:
+        raise ConfigError(setting, path, "exists; pass --force to replace it, or name another file")
+    _probe(setting, path, os.path.dirname(os.path.abspath(path)))
+
+
+def output_dir(setting: str, path: str | None) -> None:
+    """An output directory, checked before the run that fills it: new or empty (never mixed with
+    files that were there), and creatable or writable. Nothing is created here."""
+    if not path:
+        return
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ConfigError(setting, path, "exists and is not a directory")
+    if os.path.isdir(path) and os.listdir(path):
+        raise ConfigError(setting, path, "is not empty; name a new or empty directory")
+    base = os.path.abspath(path)
+    while not os.path.exists(base):
+        base = os.path.dirname(base)
+    _probe(setting, path, base)
+
+
+def _probe(setting: str, path: str, directory: str) -> None:
+    import tempfile
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=directory, prefix=".trainscope-probe-"))
+    except OSError as e:
+        raise ConfigError(setting, path, f"cannot write in {directory}: {e.strerror}") from None
+
+
 def _sink_configs(args) -> dict:
     """Kafka / Prometheus / Perfetto configs from flags, then environment."""
     out: dict = {"kafka": None, "prometheus": None, "perfetto": None}
@@ -89,6 +125,8 @@ def cmd_processor(args) -> int:
 def cmd_replay(args) -> int:
     from trainscope.deploy.replay import kernel_stats_json, run_replay, write_json
 
+    output_file("--stats-out", args.stats_out, force=args.force)  # before the replay, not after it
+    output_file("--json", args.json, force=args.force)
     with Progress(f"trainscope replay {args.dir}", unit="ranks fed") as progress:
         res = run_replay(args.dir, home=writable_home(_home(args)), window_iterations=args.window_iterations,
                          analyze=not args.no_analyze, replace_store=args.force, progress=progress,
@@ -187,10 +225,14 @@ def cmd_sim(args) -> int:
         gpus_per_host=args.gpus_per_host, nics_per_host=args.nics_per_host,
         micro_batches=args.micro_batches, layers=args.layers, iteration_s=args.iteration_time,
         duration=args.duration, iterations=args.iterations, faults=args.fault, scenario=args.scenario,
-        seed=args.seed, job_id=args.job_id, exporters=args.exporters, home=writable_home(_home(args)),
+        seed=args.seed, job_id=args.job_id, exporters=args.exporters, home=_home(args),
         ground_truth_path=args.ground_truth, traces_out=args.traces_out, window_mode=args.window_mode,
         window_iterations=args.window_iterations, window_length_s=args.window_length_s,
     )
+    output_file("--ground-truth", args.ground_truth, force=args.force)  # checked before the run, not after
+    output_file("--json", args.json_out, force=args.force)
+    output_dir("--traces-out", args.traces_out)
+    writable_home(cfg.home)
     options = dict(_sink_configs(args), replace_store=args.force) if args.processor is None else {}
     analysis = None
     if args.processor is None and not args.no_analyze:

@@ -64,7 +64,8 @@ def build_parser(handlers: Handlers, description: str) -> argparse.ArgumentParse
     r.add_argument("--json", help="write the diagnoses here (JSON, the replay contract's format)")
     r.add_argument("--no-analyze", action="store_true", help="only summarise; run no detectors")
     r.add_argument("--window-iterations", type=int, default=5)
-    r.add_argument("--force", action="store_true", help="replace HOME/store.sqlite when an earlier run left one")
+    r.add_argument("--force", action="store_true",
+                   help="replace HOME/store.sqlite when an earlier run left one, and --json/--stats-out files")
     _add_sink_flags(r)
     r.set_defaults(func=handlers["replay"])
 
@@ -96,7 +97,8 @@ def build_parser(handlers: Handlers, description: str) -> argparse.ArgumentParse
     s.add_argument("--window-iterations", type=int)
     s.add_argument("--window-length-s", type=float)
     s.add_argument("--force", action="store_true",
-                   help="replace HOME/store.sqlite when an earlier run left one (embedded processor)")
+                   help="replace HOME/store.sqlite when an earlier run left one (embedded processor), "
+                   "and --ground-truth/--json files")
     _add_sink_flags(s)
     s.set_defaults(func=handlers["sim"])
     _add_query_parser(sub, handlers)

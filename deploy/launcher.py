@@ -64,6 +64,8 @@ class RunConfig:
             raise ConfigError("run.command", self.command, "give the command after --")
         if not self.stacks_window_s >= 1:
             raise ConfigError("run.stacks_window_s", self.stacks_window_s, "must be >= 1 (py-spy takes whole seconds)")
+        if self.processor:
+            env.check_target("--processor", self.processor)
 
 
 @dataclasses.dataclass
@@ -147,7 +149,19 @@ def run(config: RunConfig) -> RunResult:
     job_id = config.job_id or env.text(env.JOB_ID) or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     target = config.processor or env.text(env.PROCESSOR) or env.DEFAULT_PROCESSOR_TARGET
     run_dir = config.run_dir or tempfile.mkdtemp(prefix="trainscope-run-")
-    private_dir(run_dir, "--run-dir")  # 0700 and ours: ranks announce themselves in it
+    try:
+        return _run_in(config, job_id, target, run_dir)
+    finally:
+        if not config.run_dir:  # made here for this run: leave no temporary directory behind, even on an error
+            import shutil
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _run_in(config: RunConfig, job_id: str, target: str, run_dir: str) -> RunResult:
+    try:
+        private_dir(run_dir, "--run-dir")  # 0700 and ours: ranks announce themselves in it
+    except OSError as e:
+        raise ConfigError("--run-dir", run_dir, f"cannot use it as the run directory: {e.strerror}") from None
     proc = sidecar = None
     home = ""
     if not reachable(target):
@@ -180,9 +194,6 @@ def run(config: RunConfig) -> RunResult:
         _stop(sidecar, 10.0)
         _stop(proc, 60.0)  # the processor drains and closes its windows on SIGTERM
     stats = read_stats(run_dir)
-    if not config.run_dir:  # made here for this run: leave no temporary directory behind
-        import shutil
-        shutil.rmtree(run_dir, ignore_errors=True)
     return RunResult(rc, job_id, target, proc is not None, run_dir, stats, home if proc is not None else "")
 
 
@@ -218,7 +229,8 @@ def summary_lines(result: RunResult) -> list[str]:
         lines.append(
             f"  rank {s['resource']['rank']}: {c.get('confirmed', 0)}/{c.get('submitted', 0)} batches confirmed, "
             f"{c.get('dropped_total', 0)} dropped{_by_cause(c.get('dropped') or {})}; "
-            f"{h.get('iterations', 0)} iterations (sequence {h.get('pattern')}); "
+            f"{h.get('iterations', 0)} iterations"
+            + (f" (sequence {h['pattern']})" if h.get("pattern") else "") + "; "
             f"kernels: {k.get('name', 'none')}" + "".join(f"; {n}" for n in s.get("notes", [])))
     if not result.ranks:
         lines.append("  no rank reported counters (were ranks selected? TRAINSCOPE_DEBUG_BOOT=1 shows why)")

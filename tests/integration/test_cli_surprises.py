@@ -301,3 +301,71 @@ def test_sim_final_flush_to_a_processor_that_never_answers_is_bounded():
         assert res.dropped > 0 and res.exporter["dropped"].get("shutdown", 0) > 0, res.exporter
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_analyzer_prometheus_port_out_of_range_is_one_line(tmp_path, port):
+    from trainscope.processor.store import SqliteStore
+    SqliteStore(str(tmp_path / "s.sqlite")).close()
+    res = cli(tmp_path, "analyzer", "--store", str(tmp_path / "s.sqlite"), "--prometheus-port", port, timeout=60)
+    assert_one_line_exit_2(res, "--prometheus-port", "0..65535")
+
+
+def _run_dirs(tmp_path) -> list[str]:
+    return [n for n in os.listdir(tmp_path / "tmp") if n.startswith("trainscope-run-")]
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--run-dir", "/proc/x"), ("--run-dir",)),
+    (("--processor", "garbage"), ("--processor",)),
+    (("--processor", "127.0.0.1:99999"), ("--processor", "1..65535")),
+], ids=["run-dir", "processor-garbage", "processor-port"])
+def test_run_with_a_bad_setting_is_one_line_and_leaves_no_temporary_directory(tmp_path, args, words):
+    res = cli(tmp_path, "run", *args, "--", "true", timeout=60)
+    assert_one_line_exit_2(res, *words)
+    assert not _run_dirs(tmp_path)
+
+
+def test_run_whose_processor_cannot_start_leaves_no_temporary_directory(tmp_path):
+    """start_processor raised before the clean-up's try: $TMPDIR/trainscope-run-XXXX stayed."""
+    (tmp_path / "file").write_text("x")
+    res = cli(tmp_path, "run", "--processor", f"unix://{tmp_path}/p.sock", "--home", str(tmp_path / "file" / "h"),
+              "--", "true", timeout=90)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert not _run_dirs(tmp_path)
+
+
+def test_sim_outputs_are_checked_before_the_run(tmp_path):
+    """--traces-out /proc/x failed with a traceback after the simulation; a non-empty directory was
+    written into; --ground-truth and --json replaced files without --force."""
+    res = cli(tmp_path, *SIM, "--traces-out", "/proc/x/traces", timeout=60)
+    assert_one_line_exit_2(res, "--traces-out")
+    (tmp_path / "traces").mkdir()
+    (tmp_path / "traces" / "rank-0.json.gz").write_bytes(b"an older run's trace")
+    res = cli(tmp_path, *SIM, "--traces-out", str(tmp_path / "traces"), timeout=60)
+    assert_one_line_exit_2(res, "--traces-out", "not empty")
+    assert (tmp_path / "traces" / "rank-0.json.gz").read_bytes() == b"an older run's trace"
+    for flag in ("--ground-truth", "--json"):
+        (tmp_path / "notes.json").write_text("mine")
+        res = cli(tmp_path, *SIM, flag, str(tmp_path / "notes.json"), timeout=60)
+        assert_one_line_exit_2(res, flag, "--force")
+        assert (tmp_path / "notes.json").read_text() == "mine"
+    assert not os.path.exists(tmp_path / ".trainscope")  # refused before the home was made
+    res = cli(tmp_path, *SIM, "--ground-truth", str(tmp_path / "notes.json"), "--force", timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "notes.json").read_text() != "mine"
+
+
+@pytest.mark.parametrize("flag", ["--json", "--stats-out"])
+def test_replay_outputs_are_checked_before_the_replay(tmp_path, flag):
+    """replay --json /proc/x/out.json failed only after the whole replay had run and written the store."""
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    home = tmp_path / "h"
+    res = cli(tmp_path, "replay", str(traces), "--home", str(home), flag, "/proc/x/out.json", timeout=60)
+    assert_one_line_exit_2(res, flag)
+    (tmp_path / "notes.json").write_text("mine")
+    res = cli(tmp_path, "replay", str(traces), "--home", str(home), flag, str(tmp_path / "notes.json"), timeout=60)
+    assert_one_line_exit_2(res, flag, "--force")
+    assert (tmp_path / "notes.json").read_text() == "mine"
+    assert not os.path.exists(home)
