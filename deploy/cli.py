@@ -365,10 +365,28 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0])
 
 
+def _quiet_grpc() -> None:
+    """gRPC's C core prints its own log lines (``E1124 ... add_port.cc:83] Failed to add port``) beside
+    the CLI's one-line message. It reads GRPC_VERBOSITY once, at import: set to NONE for that import
+    only (unless the user set it), so the commands the CLI starts (``run``'s job) keep the user's
+    environment. ``-v`` leaves gRPC's lines on."""
+    if env.GRPC_VERBOSITY in os.environ or "grpc" in sys.modules:
+        return
+    os.environ[env.GRPC_VERBOSITY] = "NONE"
+    try:
+        import grpc  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        del os.environ[env.GRPC_VERBOSITY]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        _quiet_grpc()
     try:
         return args.func(args)
     except (ConfigError, TrainscopeError) as e:

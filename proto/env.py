@@ -87,6 +87,7 @@ KAFKA_SSL_KEY = "KAFKA_SSL_KEY_LOCATION"                 # ssl.key.location
 KAFKA_SSL_KEY_PASSWORD = "KAFKA_SSL_KEY_PASSWORD"
 KAFKA_SSL_KEY_PASSWORD_FILE = "KAFKA_SSL_KEY_PASSWORD_FILE"
 NCCL_TIMING = "TORCH_NCCL_ENABLE_TIMING"  # read by PyTorch: NCCL work times itself on its stream
+GRPC_VERBOSITY = "GRPC_VERBOSITY"  # read by gRPC's C core once, at import: the CLI sets NONE for its own
 # Set by torchrun / torch.distributed launchers; read, never written.
 RANK = "RANK"
 LOCAL_RANK = "LOCAL_RANK"
