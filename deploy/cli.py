@@ -199,8 +199,9 @@ def cmd_analyzer(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from trainscope.deploy.demo import run_demo
+    from trainscope.deploy.demo import check_ranks, run_demo
 
+    check_ranks(args.ranks)  # before the home is made
     return run_demo(home=writable_home(_home(args)), ranks=args.ranks, out=sys.stdout, replace_store=args.force)
 
 

@@ -27,7 +27,7 @@ def build_parser(handlers: Handlers, description: str) -> argparse.ArgumentParse
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="run a small multi-rank job through the whole pipeline")
-    d.add_argument("--ranks", type=int, default=32, help="simulated ranks (a multiple of 4)")
+    d.add_argument("--ranks", type=int, default=32, help="simulated ranks (a multiple of 4, at least 8)")
     d.add_argument("--home", help="state directory (default ./.trainscope)")
     d.add_argument("--force", action="store_true", help="replace HOME/store.sqlite when an earlier run left one")
     d.set_defaults(func=handlers["demo"])

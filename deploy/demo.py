@@ -15,14 +15,31 @@ from trainscope.analyzer.evaluate import evaluate, load_truth
 from trainscope.collector.sim import sim_config
 from trainscope.deploy.embedded import SimAnalysis, run_sim_embedded
 from trainscope.deploy.render import render_evaluation, render_verdicts
+from trainscope.proto.errors import ConfigError
 
-FAULT = "gpu_throttle:rank=13,onset=30s,factor=1.4"
+FAULT = "gpu_throttle:rank={rank},onset=30s,factor=1.4"
+#: The smallest world: TP=2 x PP=2 x DP=2, so the throttled rank has data-parallel peers to be compared with.
+MIN_RANKS = 8
 
 
-def run_demo(home: str, ranks: int = 32, out: TextIO | None = None, fault: str = FAULT,
+def check_ranks(ranks: int) -> int:
+    """``--ranks``, or a one-line ConfigError naming the minimum (checked before the home is made)."""
+    if ranks < MIN_RANKS or ranks % 4:
+        raise ConfigError("--ranks", ranks, f"must be a multiple of 4 (TP=2 x PP=2), at least {MIN_RANKS} "
+                                            "so the throttled rank has data-parallel peers")
+    return ranks
+
+
+def demo_fault(ranks: int) -> str:
+    """The demo's fault: rank 13 of the default 32, a rank inside any smaller world."""
+    return FAULT.format(rank=13 % ranks)
+
+
+def run_demo(home: str, ranks: int = 32, out: TextIO | None = None, fault: str | None = None,
              replace_store: bool = False) -> int:
     from trainscope.processor.perfetto_sink import PerfettoConfig
 
+    fault = fault or demo_fault(check_ranks(ranks))
     def say(s: str = "") -> None:
         if out is not None:
             print(s, file=out, flush=True)

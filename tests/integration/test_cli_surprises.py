@@ -369,3 +369,17 @@ def test_replay_outputs_are_checked_before_the_replay(tmp_path, flag):
     assert_one_line_exit_2(res, flag, "--force")
     assert (tmp_path / "notes.json").read_text() == "mine"
     assert not os.path.exists(home)
+
+
+def test_demo_on_a_small_world_places_its_fault_inside_it(tmp_path):
+    """`demo --ranks 8` (the help says a multiple of 4) failed: 'bad value for sim.faults[0].rank: 13'."""
+    res = cli(tmp_path, "demo", "--ranks", "8", "--home", str(tmp_path / "h"), timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "gpu_throttle:rank=5" in res.stdout and "top-1 rank right" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("ranks", ["4", "6"])
+def test_demo_refuses_a_world_too_small_before_making_its_home(tmp_path, ranks):
+    res = cli(tmp_path, "demo", "--ranks", ranks, "--home", str(tmp_path / "h"), timeout=60)
+    assert_one_line_exit_2(res, "--ranks", "at least 8")
+    assert not os.path.exists(tmp_path / "h")
