@@ -34,7 +34,7 @@ from trainscope.analyzer.prom_client import PrometheusClient
 from trainscope.analyzer.query_model import (
     FindingRow, IterationRow, JobRow, KernelRow, QueryError, RankInfo, Rows, StragglerRow, SuspectRow, VerdictView)
 from trainscope.proto.contracts import Signal
-from trainscope.proto.errors import ConfigError
+from trainscope.proto.errors import ConfigError, MissingSetting
 from trainscope.proto.v1 import records_pb2
 
 STRAGGLER_KINDS = ("straggler", "slow_communication", "imbalance", "slow_group", "late_arrivers",
@@ -114,10 +114,20 @@ class Query:
         if job is None:
             if len(known) == 1:
                 return known[0]
-            raise ConfigError("--job", None, f"the store holds {len(known)} jobs, pick one: " + ", ".join(known[:20]))
-        if job not in known:
-            raise QueryError(f"unknown job {job!r}; the store has: " + ", ".join(known[:20]))
+            raise MissingSetting("--job", f"the store holds {len(known)} jobs: " + _listed(known))
+        if job not in known:  # wrong input (exit 2), not missing data
+            raise ConfigError("--job", job, f"unknown job; the store holds {len(known)}: " + _listed(known))
         return job
+
+    def _check_rank(self, job: str, rank: int | None) -> None:
+        """A rank the job has, or a ConfigError (wrong input, exit 2); a rank of the job without the
+        records asked for is a QueryError (no data yet, exit 1), raised by the question."""
+        if rank is None:
+            return
+        ranks = sorted(r.rank for r in self._rank_infos(job))
+        if rank < 0 or (ranks and rank not in ranks):
+            span = f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else _listed(ranks)
+            raise ConfigError("--rank", rank, f"job {job!r} has ranks {span}" if ranks else "must be >= 0")
 
     # ------------------------------------------------------------ questions
     def jobs(self) -> Rows:
@@ -140,10 +150,15 @@ class Query:
 
         job = self.resolve_job(job)
         _, diagnoses = self._open()
+        if window is not None and window < 0:
+            raise ConfigError("--window", window, "must be >= 0 (the window index that query iterations shows)")
         if window is None:
             v = merge_windows(list(diagnoses.verdicts(job)))
         else:
+            held = sorted({x.window.index for x in diagnoses.verdicts(job)})
             v = next((x for x in diagnoses.verdicts(job) if x.window.index == window), None)
+            if v is None and held:  # the job has verdicts, not this one: wrong input
+                raise ConfigError("--window", window, f"job {job!r} has verdicts for windows {held[0]}-{held[-1]}")
         if v is None:
             raise QueryError(f"job {job!r} has no verdict" + (f" for window {window}" if window is not None
                                                               else " yet (the analyzer has not run on it)"))
@@ -201,6 +216,7 @@ class Query:
         if self.prometheus is not None:
             return self._prom_kernels(job, rank, since_ns, top)
         job = self.resolve_job(job)
+        self._check_rank(job, rank)
         records, diagnoses = self._open()
         flagged = _Tally()
         for kind in KERNEL_KINDS:
@@ -238,6 +254,7 @@ class Query:
         if last < 0:
             raise ConfigError("--last", last, "must be >= 0 (0 = every window)")
         job = self.resolve_job(job)
+        self._check_rank(job, rank)
         records, _ = self._open()
         by_window: dict[tuple[int, int], dict[int, records_pb2.IterationWindow]] = {}
         for rec in records.records(Signal.ITERATIONS, job):
@@ -251,7 +268,12 @@ class Query:
 
     def ranks(self, job: str | None, rank: int | None = None, host: str | None = None) -> Rows:
         job = self.resolve_job(job)
-        rows = [r for r in self._rank_infos(job)
+        self._check_rank(job, rank)
+        infos = self._rank_infos(job)
+        hosts = sorted({r.host for r in infos})
+        if host is not None and infos and host not in hosts:
+            raise ConfigError("--host", host, f"job {job!r} has hosts " + _listed(hosts))
+        rows = [r for r in infos
                 if (rank is None or r.rank == rank) and (host is None or r.host == host)]
         if not rows:
             what = " and ".join(x for x in (f"rank {rank}" if rank is not None else "",
@@ -366,6 +388,12 @@ def _iteration_row(window: int, recs: Mapping[int, records_pb2.IterationWindow])
         mean_s=sum(r.mean_ns * n[k] for k, r in recs.items()) / total / 1e9,
         p50_s=statistics.median(r.p50_ns for r in recs.values()) / 1e9,
         max_s=max(r.max_ns for r in recs.values()) / 1e9, slowest_rank=slowest)
+
+
+def _listed(items, most: int = 20) -> str:
+    """``a, b, c`` (and how many more past ``most``)."""
+    items = [str(x) for x in items]
+    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
 def _iso(ns: int) -> str | None:

@@ -60,6 +60,14 @@ class ConfigError(TrainscopeError, ValueError):
         self.why = why
 
 
+class MissingSetting(ConfigError):
+    """A setting that has to be given here: ``--job is needed: the store holds 2 jobs: a, b``."""
+
+    def __init__(self, setting: str, why: str) -> None:
+        super().__init__(setting, None, why)
+        self.args = (f"{setting} is needed: {why}",)
+
+
 class BadInput(TrainscopeError, ValueError):
     """Input that is rejected whole: a batch, a file, a request.
 

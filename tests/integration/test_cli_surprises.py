@@ -383,3 +383,53 @@ def test_demo_refuses_a_world_too_small_before_making_its_home(tmp_path, ranks):
     res = cli(tmp_path, "demo", "--ranks", ranks, "--home", str(tmp_path / "h"), timeout=60)
     assert_one_line_exit_2(res, "--ranks", "at least 8")
     assert not os.path.exists(tmp_path / "h")
+
+
+def _two_job_store(path) -> None:
+    """A store with jobs 'a' (ranks 0-1, windows 0-1, a verdict for window 0) and 'b' (rank 0)."""
+    from trainscope.analyzer.store import DiagnosisStore
+    from trainscope.processor.store import SqliteStore
+    from trainscope.proto.model import Resource
+    from trainscope.proto.v1 import records_pb2, telemetry_pb2
+
+    records, diagnoses = SqliteStore(str(path)), DiagnosisStore(str(path))
+    for job, ranks in (("a", 2), ("b", 1)):
+        for w in range(2):
+            win = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=w, start_ns=w * 10**9,
+                                     end_ns=(w + 1) * 10**9, first_iteration=w * 5, last_iteration=w * 5 + 4)
+            for r in range(ranks):
+                res = Resource(job_id=job, rank=r, world_size=ranks, host=f"node{r}")
+                marks = [telemetry_pb2.IterationMark(iteration=w * 5 + i, start_ns=win.start_ns + i * 10**8,
+                                                     end_ns=win.start_ns + (i + 1) * 10**8) for i in range(5)]
+                records.put("iterations", records_pb2.IterationWindow(resource=res.to_pb(), window=win, marks=marks,
+                                                                      mean_ns=10**8, p50_ns=10**8, max_ns=10**8))
+    diagnoses.put([], records_pb2.Verdict(job_id="a", window=records_pb2.Window(
+        kind=records_pb2.WINDOW_KIND_ITERATIONS, index=0), summary="job a: healthy", state="healthy"))
+    records.close()
+    diagnoses.close()
+
+
+@pytest.mark.parametrize("args,words", [
+    (("verdict",), ("--job is needed: the store holds 2 jobs: a, b",)),
+    (("verdict", "--job", "nosuch"), ("--job", "unknown job", "a, b")),
+    (("verdict", "--job", "a", "--window", "-1"), ("--window",)),
+    (("verdict", "--job", "a", "--window", "7"), ("--window", "windows 0-0")),
+    (("kernels", "--job", "a", "--rank", "999"), ("--rank", "ranks 0-1")),
+    (("iterations", "--job", "a", "--rank", "999"), ("--rank",)),
+    (("ranks", "--job", "a", "--host", "nosuch"), ("--host", "node0, node1")),
+], ids=lambda a: "-".join(a) if isinstance(a, tuple) and a and a[0] in ("verdict", "kernels", "iterations", "ranks") else "")
+def test_query_wrong_input_is_exit_2_and_says_what_there_is(tmp_path, args, words):
+    """Unknown job/window/rank exited 1 like missing data; two jobs and no --job said 'bad value for --job: None'."""
+    _two_job_store(tmp_path / "s.sqlite")
+    res = cli(tmp_path, "query", *args, "--store", str(tmp_path / "s.sqlite"), timeout=60)
+    assert_one_line_exit_2(res, *words)
+    assert "None" not in res.stderr
+
+
+def test_query_without_data_yet_is_exit_1(tmp_path):
+    _two_job_store(tmp_path / "s.sqlite")
+    res = cli(tmp_path, "query", "verdict", "--job", "b", "--store", str(tmp_path / "s.sqlite"), timeout=60)
+    assert res.returncode == 1 and "has no verdict yet" in res.stderr, res.stderr
+    res = cli(tmp_path, "query", "kernels", "--job", "a", "--rank", "1", "--store", str(tmp_path / "s.sqlite"),
+              timeout=60)
+    assert res.returncode == 1 and "no kernel records" in res.stderr, res.stderr

@@ -190,15 +190,21 @@ def test_ranks_map_to_hosts_and_parallel_coordinates(query):
 
 
 def test_unanswerable_questions_raise_query_error(query, tmp_path):
-    with pytest.raises(QueryError, match="unknown job 'nope'.*train-a, train-b"):
+    """Wrong input (an unknown job, window, rank or host) is a ConfigError (exit 2); a question the
+    data cannot answer yet is a QueryError (exit 1)."""
+    with pytest.raises(ConfigError, match="--job: 'nope' .*unknown job.*train-a, train-b"):
         query.verdict("nope")
-    with pytest.raises(ConfigError, match="--job"):
+    with pytest.raises(ConfigError, match="^--job is needed: the store holds 2 jobs: train-a, train-b$"):
         query.stragglers(None)  # two jobs: which one?
-    with pytest.raises(QueryError, match="window 9"):
+    with pytest.raises(ConfigError, match="--window: 9"):
         query.verdict("train-a", window=9)
-    with pytest.raises(QueryError, match="rank 42"):
+    with pytest.raises(ConfigError, match="--window: -1"):
+        query.verdict("train-a", window=-1)
+    with pytest.raises(ConfigError, match="--rank: 42 .*ranks 0-3"):
         query.kernels("train-a", rank=42)
-    with pytest.raises(QueryError, match="host 'node7'"):
+    with pytest.raises(ConfigError, match="--rank: 42"):
+        query.iterations("train-a", rank=42)
+    with pytest.raises(ConfigError, match="--host: 'node7' .*node0, node1"):
         query.ranks("train-a", host="node7")
     missing = tmp_path / "nothing" / "store.sqlite"
     with pytest.raises(ConfigError, match="no trainscope store"):
@@ -352,7 +358,7 @@ def test_cli_home_and_environment_locate_the_store(store_path, tmp_path, capsys,
 
 def test_cli_bad_input_exit_codes(store_path, tmp_path, capsys):
     rc, _, err = cli(capsys, "verdict", "--store", store_path, "--job", "nope")
-    assert rc == 1 and "unknown job 'nope'" in err and "train-a" in err
+    assert rc == 2 and "unknown job" in err and "'nope'" in err and "train-a" in err
     rc, _, err = cli(capsys, "stragglers", "--store", store_path, "--job", "train-a", "--since", "last tuesday")
     assert rc == 2 and "--since" in err
     rc, _, err = cli(capsys, "jobs", "--store", str(tmp_path / "missing.sqlite"))
