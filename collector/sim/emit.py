@@ -36,6 +36,7 @@ from trainscope.collector.sim.topology import Topology
 from trainscope.collector.sim.workload import PhaseDef
 from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.v1.telemetry_pb2 import (
+    CollectiveBatch,
     FoldedStack,
     IterationBatch,
     IterationMark,
@@ -102,6 +103,10 @@ class Chunk:
 
     def collective_batch(self, r: int):
         return self.collectives.batch(r) if self.collectives is not None else None
+
+    def collective_payload(self, r: int) -> bytes | None:
+        """The rank's ``CollectiveBatch`` already serialised (encoded for all ranks at once)."""
+        return self.collectives.payload(r) if self.collectives is not None else None
 
     @property
     def kernel_events(self) -> int:
@@ -220,9 +225,9 @@ class ExporterSink:
             snap = chunk.stack(r)
             if snap is not None:
                 exp.submit(StackBatch(snapshots=[snap]), 64 + 256 * len(snap.stacks), resource=res)
-            coll = chunk.collective_batch(r)
+            coll = chunk.collective_payload(r)
             if coll is not None:
-                exp.submit(coll, 96 * len(coll.records) + 64 * len(coll.groups), resource=res)
+                exp.submit(CollectiveBatch.FromString(coll), len(coll), resource=res)
             marks = chunk.marks(r)
             if marks:
                 exp.submit(IterationBatch(marks=marks), 32 * len(marks), resource=res)
@@ -301,10 +306,10 @@ class MemorySink:
             h.update(PhaseBatch(phases=ph).SerializeToString())
             if snap is not None:
                 h.update(snap.SerializeToString())
-            coll = chunk.collective_batch(r)
+            coll = chunk.collective_payload(r)
             if coll is not None:
-                self._collectives.setdefault(r, []).append(coll)
-                h.update(coll.SerializeToString())
+                self._collectives.setdefault(r, []).append(CollectiveBatch.FromString(coll))
+                h.update(coll)    # the bytes protobuf writes (test_sim_collective_records)
 
     def close(self) -> None:
         pass

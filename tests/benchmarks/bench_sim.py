@@ -5,7 +5,8 @@
 
 Measured in one run, on the same job (one fault injected, as a demo would):
   1. generate:  simulate every iteration (numpy engine) and encode every payload the
-                exporter would send (KernelBatch columns, phases, marks, stacks),
+                exporter would send (KernelBatch columns, phases, marks, stacks,
+                collective records: their share printed on its own),
                 without sending: the simulator's own rate on one core;
   2. pipeline:  the same run through the real exporters and gRPC to a real processor
                 in its own process (unix socket, iteration windows of 10), from the first
@@ -38,6 +39,7 @@ class EncodeOnly(MemorySink):
     def __init__(self) -> None:
         super().__init__()
         self.bytes = 0
+        self.collective_s = 0.0   # of which building and serialising the collective records
 
     def write(self, chunk) -> None:
         for r in range(chunk.topo.world):
@@ -47,6 +49,12 @@ class EncodeOnly(MemorySink):
             snap = chunk.stack(r)
             if snap is not None:
                 self.bytes += len(snap.SerializeToString())
+        t0 = time.perf_counter()
+        for r in range(chunk.topo.world):
+            coll = chunk.collective_batch(r)
+            if coll is not None:
+                self.bytes += len(coll.SerializeToString())
+        self.collective_s += time.perf_counter() - t0
 
 
 def config(args, **kw) -> SimConfig:
@@ -73,6 +81,7 @@ def generate(args) -> tuple[int, int, float, float]:
         sink.write(chunk)
         kernels += chunk.kernel_events
         events += chunk.kernel_events + chunk.phase_events + chunk.mark_events
+    print(f"   collective records: {sink.collective_s:.2f} s of the run", flush=True)
     return events, kernels, time.perf_counter() - t0, t_engine
 
 
