@@ -363,7 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     return cli_parser.build_parser(
         {"demo": cmd_demo, "analyzer": cmd_analyzer, "processor": cmd_processor, "replay": cmd_replay,
          "sim": cmd_sim, "query": cmd_query, "run": cmd_run},
-        description=__doc__.split("\n\n")[0])
+        description="Always-on tracing and fail-slow diagnosis for distributed PyTorch training. "
+                    "Start with `trainscope demo`; `trainscope COMMAND --help` for each command.")
 
 
 def _quiet_grpc() -> None:

@@ -52,8 +52,10 @@ def build_parser(handlers: Handlers, description: str) -> argparse.ArgumentParse
     pr.add_argument("--listen", help=f"gRPC address (env {env.PROCESSOR}; default unix socket)")
     pr.add_argument("--window-mode", choices=[m.value for m in WINDOW_MODES], default=WindowMode.AUTO.value,
                     help="auto: iterations when the ranks send iteration marks, else time (default: auto)")
-    pr.add_argument("--window-length-s", type=float, default=10.0)
-    pr.add_argument("--window-iterations", type=int, default=10)
+    pr.add_argument("--window-length-s", type=float, default=10.0,
+                    help="window length in seconds when windows are cut by time")
+    pr.add_argument("--window-iterations", type=int, default=10,
+                    help="iterations per window when windows are cut by iterations")
     _add_sink_flags(pr)
     secure_flags.add_tls_flags(pr, grpc=True)
     pr.set_defaults(func=handlers["processor"])
@@ -63,7 +65,7 @@ def build_parser(handlers: Handlers, description: str) -> argparse.ArgumentParse
     r.add_argument("--stats-out", help="write the kernel cluster stats here (JSON)")
     r.add_argument("--json", help="write the diagnoses here (JSON, the replay contract's format)")
     r.add_argument("--no-analyze", action="store_true", help="only summarise; run no detectors")
-    r.add_argument("--window-iterations", type=int, default=5)
+    r.add_argument("--window-iterations", type=int, default=5, help="iterations per window")
     r.add_argument("--force", action="store_true",
                    help="replace HOME/store.sqlite when an earlier run left one, and --json/--stats-out files")
     _add_sink_flags(r)
@@ -74,28 +76,29 @@ def build_parser(handlers: Handlers, description: str) -> argparse.ArgumentParse
     for dim in ("tp", "pp", "ep", "cp"):
         s.add_argument(f"--{dim}", type=int, help=f"{dim.upper()} degree (default 1)")
     s.add_argument("--order", help="Megatron rank order (default tp-cp-ep-dp-pp)")
-    s.add_argument("--gpus-per-host", type=int)
-    s.add_argument("--nics-per-host", type=int)
+    s.add_argument("--gpus-per-host", type=int, help="GPUs per host (default 8, or the world size when smaller)")
+    s.add_argument("--nics-per-host", type=int, help="RDMA NICs per host (default 4, at most --gpus-per-host)")
     s.add_argument("--micro-batches", type=int, help="micro-batches per iteration (default 4)")
     s.add_argument("--layers", type=int, help="layers per pipeline stage (default 2; kernels scale with it)")
-    s.add_argument("--iteration-time", help="healthy iteration time, e.g. 3s (default)")
-    s.add_argument("--duration", help="simulated time to run, e.g. 300s")
+    s.add_argument("--iteration-time", help="healthy iteration time in simulated seconds, e.g. 2.5s (default 3s)")
+    s.add_argument("--duration", help="simulated time to run, e.g. 300s (default: --iterations decides)")
     s.add_argument("--iterations", type=int, help="iterations to run (default 20 without --duration)")
     s.add_argument("--fault", action="append", default=[], metavar="TYPE:KEY=VALUE,...",
                    help="inject a fault (repeatable); --list-faults shows the types")
     s.add_argument("--scenario", help="JSON file with a list of faults")
     s.add_argument("--list-faults", action="store_true", help="print the fault catalogue and exit")
-    s.add_argument("--seed", type=int)
-    s.add_argument("--job-id")
-    s.add_argument("--exporters", type=int, help="collector exporters (gRPC streams) to spread hosts over")
+    s.add_argument("--seed", type=int, help="random seed of the simulation (default 0)")
+    s.add_argument("--job-id", help="the simulated job's id (default sim)")
+    s.add_argument("--exporters", type=int, help="collector exporters (gRPC streams) to spread hosts over (default 4)")
     s.add_argument("--processor", help="send to this processor (ADDR) instead of starting an embedded one")
     s.add_argument("--traces-out", help="also write PyTorch-profiler traces here (for trainscope replay)")
     s.add_argument("--no-analyze", action="store_true", help="embedded processor only; run no detectors")
     s.add_argument("--ground-truth", help="ground-truth JSON path (default HOME/sim-ground-truth.json)")
     s.add_argument("--json", dest="json_out", help="write the run summary here (JSON)")
-    s.add_argument("--window-mode", choices=[m.value for m in FIXED_WINDOW_MODES], help="embedded processor windows")
-    s.add_argument("--window-iterations", type=int)
-    s.add_argument("--window-length-s", type=float)
+    s.add_argument("--window-mode", choices=[m.value for m in FIXED_WINDOW_MODES],
+                   help="how the embedded processor cuts windows (default iterations)")
+    s.add_argument("--window-iterations", type=int, help="iterations per window (default 10)")
+    s.add_argument("--window-length-s", type=float, help="window length in seconds with --window-mode time (default 30)")
     s.add_argument("--force", action="store_true",
                    help="replace HOME/store.sqlite when an earlier run left one (embedded processor), "
                    "and --ground-truth/--json files")
@@ -120,6 +123,8 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
+        if action.required:
+            return text if "required" in text else f"{text} (required)".strip()
         if "default" in text.lower() or action.default is argparse.SUPPRESS or action.nargs == 0:
             return text
         if not action.option_strings:
@@ -181,14 +186,14 @@ def _add_query_parser(sub, handlers: Handlers) -> None:
     v.add_argument("--window", type=int, help="this window's verdict (default: the job's verdict over all its windows)")
     qs.add_parser("stragglers", parents=[common, job, prom], help="ranks flagged as stragglers (L2) since a time")
     k = qs.add_parser("kernels", parents=[common, job, prom], help="a rank's degraded kernels (L3) against its peers")
-    k.add_argument("--rank", type=int, required=True)
+    k.add_argument("--rank", type=int, required=True, help="the rank whose kernels are compared with its peers'")
     k.add_argument("--top", type=int, default=10, help="show this many kernels (default 10)")
     i = qs.add_parser("iterations", parents=[common, job], help="iteration time per window (job, or one --rank)")
     i.add_argument("--rank", type=int, help="one rank's windows instead of the job's")
     i.add_argument("--last", type=int, default=20, help="the last N windows (default 20; 0 = all)")
     r = qs.add_parser("ranks", parents=[common, job], help="rank -> host, device, parallel coordinates")
-    r.add_argument("--rank", type=int)
-    r.add_argument("--host")
+    r.add_argument("--rank", type=int, help="only this rank (default: every rank)")
+    r.add_argument("--host", help="only this host's ranks (default: every host)")
     q.set_defaults(func=handlers["query"])
 
 

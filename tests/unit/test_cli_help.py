@@ -44,6 +44,9 @@ def test_every_option_help_shows_its_default(path, parser, action):
     if action.nargs == 0:  # --force, --json, --help, --version: a switch has no value to default
         return
     help_text = parser.formatter_class(prog=path)._expand_help(action) if action.help else ""
+    if action.required:  # no default to show: it says it is required instead
+        assert help_text.endswith("(required)") and "default" not in help_text.lower(), (path, help_text)
+        return
     assert help_text, f"{path} {action.option_strings[0]} has no help"
     assert re.search(r"default", help_text, re.I), f"{path} {action.option_strings[0]}: {help_text!r}"
     if action.default not in (None, [], argparse.SUPPRESS) and "%(default)" not in (action.help or ""):
@@ -51,6 +54,64 @@ def test_every_option_help_shows_its_default(path, parser, action):
         shown = str(action.default)
         assert shown in help_text or (isinstance(action.default, float) and f"{action.default:g}" in help_text), \
             f"{path} {action.option_strings[0]}: default {action.default!r} not in {help_text!r}"
+
+
+def _help(path, parser, action) -> str:
+    return parser.formatter_class(prog=path)._expand_help(action) if action.help else ""
+
+
+@pytest.mark.parametrize("path,parser,action", list(_options()),
+                         ids=lambda x: x if isinstance(x, str) else getattr(x, "dest", ""))
+def test_every_option_says_what_it_does(path, parser, action):
+    """Not only its default: sim's --seed or processor's --window-length-s showed just '(default: none)'."""
+    text = re.sub(r"\(default[^)]*\)|\(required\)|default:? [\w./-]+", "", _help(path, parser, action)).strip(" ;,")
+    assert len(text) >= 5, f"{path} {action.option_strings[0]}: no description in {_help(path, parser, action)!r}"
+
+
+#: The config dataclass behind a subcommand's flags (a flag left at ``default=None`` takes the field's
+#: default), and the flags whose field has another name.
+_CONFIGS = {"trainscope sim": ("trainscope.collector.sim.config", "SimConfig"),
+            "trainscope analyzer": ("trainscope.deploy.analyzer_daemon", "AnalyzerDaemonConfig"),
+            "trainscope run": ("trainscope.deploy.launcher", "RunConfig")}
+_FIELD = {"iteration_time": "iteration_s"}
+
+
+def _config_default(path: str, dest: str):
+    import dataclasses
+    import importlib
+
+    if path not in _CONFIGS:
+        return None
+    module, name = _CONFIGS[path]
+    fields = {f.name: f for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
+    f = fields.get(_FIELD.get(dest, dest))
+    if f is None or f.default is dataclasses.MISSING or f.default in (None, "", ()):
+        return None
+    return getattr(f.default, "value", f.default)  # a str enum (WindowMode) as the value a user types
+
+
+@pytest.mark.parametrize("path,parser,action", [(p, pa, a) for p, pa, a in _options() if p in _CONFIGS],
+                         ids=lambda x: x if isinstance(x, str) else getattr(x, "dest", ""))
+def test_a_flag_left_to_its_config_states_the_configs_default(path, parser, action):
+    """A ``default=None`` flag falls back to its config dataclass's default, so its help must state that
+    value: sim's --seed/--job-id/--exporters said '(default: none)' for 0, sim and 4, and
+    --iteration-time said 'e.g. 3s (default)' with no value."""
+    if action.default is not None or action.nargs == 0:
+        return
+    real = _config_default(path, action.dest)
+    if real is None:
+        return
+    text = _help(path, parser, action)
+    shown = {str(real), f"{real:g}" if isinstance(real, float) else str(real)}
+    assert "default: none" not in text.lower() and re.search(
+        r"default:? (" + "|".join(re.escape(x) for x in shown) + r")s?\b", text), \
+        f"{path} {action.option_strings[0]}: the config's default is {real!r}; help says {text!r}"
+
+
+def test_top_level_help_is_for_users():
+    """It showed cli.py's docstring ('parse into configs, call a facade, render')."""
+    text = build_parser().format_help()
+    assert "facade" not in text and "``" not in text and "trainscope demo" in text
 
 
 def test_version_prints_the_installed_version(capsys):
