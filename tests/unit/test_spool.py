@@ -161,3 +161,29 @@ def test_append_after_close_is_refused(tmp_path):
     spool = DiskSpool(tmp_path, 1 << 20)
     spool.close()
     assert not spool.append(*_frame(0))
+
+
+def test_a_disk_that_refuses_the_head_stops_neither_delivery_nor_a_restart(tmp_path, monkeypatch):
+    """bench_faults (spool on an 8 KiB tmpfs): HEAD.tmp needed a page the full disk did not have,
+    so commit raised into the Kafka sink and a restarted processor refused to start. Now the old
+    HEAD stays: every frame is delivered, at worst twice after a restart, never lost."""
+    import trainscope.processor.spool as spool_mod
+
+    spool = DiskSpool(tmp_path, 1 << 20, segment_bytes=400)
+    _fill(spool, 30)
+    spool.commit(len(spool.read(5)))
+    real_open = os.open
+
+    def full(path, *a, **kw):
+        if str(path).endswith("HEAD.tmp"):
+            raise OSError(28, "No space left on device")
+        return real_open(path, *a, **kw)
+    monkeypatch.setattr(spool_mod.os, "open", full)
+    got = _drain(spool)  # commits write the head: refused, counted, delivery goes on
+    assert [f.value for f in got] == [_frame(i)[2] for i in range(5, 30)]
+    assert spool.head_write_failed > 0
+    spool.close()
+    with DiskSpool(tmp_path, 1 << 20, segment_bytes=400) as again:  # opening writes the head too
+        again_got = _drain(again)
+    # what the stale HEAD still points at comes again (a duplicate), nothing is lost
+    assert {f.value for f in again_got} <= {_frame(i)[2] for i in range(30)}
