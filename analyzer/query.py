@@ -260,8 +260,12 @@ class Query:
         for rec in records.records(Signal.ITERATIONS, job):
             if rank is None or rec.resource.rank == rank:
                 by_window.setdefault((rec.window.kind, rec.window.index), {})[rec.resource.rank] = rec
+        # a window with no iteration in it (time windows before the first mark) is no row of zeros
+        by_window = {k: recs for k, recs in by_window.items()
+                     if any(r.marks or r.mean_ns for r in recs.values())}
         if not by_window:
-            raise QueryError(f"job {job!r} has no iteration records" + (f" for rank {rank}" if rank is not None else ""))
+            raise QueryError(f"job {job!r} has no iterations recorded" + (f" for rank {rank}" if rank is not None else "")
+                             + " (no iteration marks reached the processor yet)")
         rows = [_iteration_row(key[1], recs) for key, recs in sorted(by_window.items())]
         rows = rows[-last:] if last else rows
         return Rows(query="iterations", job=job, rows=tuple(rows), params={"rank": rank, "last": last})

@@ -83,7 +83,8 @@ def render_query(result) -> str:
 
 
 def _table(rows) -> str:
-    """Dataclass rows as aligned columns; ``*_s`` fields as durations, long cells cut (not the last)."""
+    """Dataclass rows as aligned columns; ``*_s`` fields as durations with their unit (headed without
+    the ``_s``), long cells cut (not the last)."""
     def cell(name: str, v) -> str:
         if v is None or v == ():
             return "-"
@@ -101,7 +102,8 @@ def _table(rows) -> str:
         return f"{v:.2f}" if isinstance(v, float) else str(v)
 
     names = [f.name for f in dataclasses.fields(rows[0])]
-    grid = [[n.upper() for n in names]]
+    # a *_s field's cells carry their own unit (781 ms, 3.03 s): its header is not named in seconds
+    grid = [[n.removesuffix("_s").upper() for n in names]]
     for r in rows:
         cells = [cell(n, getattr(r, n)) for n in names]
         grid.append([c if len(c) <= 60 or i == len(names) - 1 else c[:59] + "…" for i, c in enumerate(cells)])

@@ -433,3 +433,26 @@ def test_query_without_data_yet_is_exit_1(tmp_path):
     res = cli(tmp_path, "query", "kernels", "--job", "a", "--rank", "1", "--store", str(tmp_path / "s.sqlite"),
               timeout=60)
     assert res.returncode == 1 and "no kernel records" in res.stderr, res.stderr
+
+
+def test_query_iterations_headers_and_a_job_without_iterations(tmp_path):
+    """Columns named *_S held ms values; a job whose windows hold no iteration printed a row of zeros."""
+    from trainscope.processor.store import SqliteStore
+    from trainscope.proto.model import Resource
+    from trainscope.proto.v1 import records_pb2
+
+    store = tmp_path / "s.sqlite"
+    _two_job_store(store)
+    res = cli(tmp_path, "query", "iterations", "--job", "a", "--store", str(store), timeout=60)
+    assert res.returncode == 0, res.stderr
+    header, first = res.stdout.splitlines()[:2]
+    assert not [h for h in header.split() if h.endswith("_S")], header
+    assert "100 ms" in first, res.stdout
+    records = SqliteStore(str(store))
+    records.put("iterations", records_pb2.IterationWindow(
+        resource=Resource(job_id="c", rank=0, world_size=1).to_pb(),
+        window=records_pb2.Window(kind=records_pb2.WINDOW_KIND_TIME, index=0, start_ns=0, end_ns=10**10)))
+    records.close()
+    res = cli(tmp_path, "query", "iterations", "--job", "c", "--store", str(store), timeout=60)
+    assert res.returncode == 1 and "no iterations recorded" in res.stderr, (res.stdout, res.stderr)
+    assert res.stdout == ""

@@ -27,3 +27,14 @@ def test_prometheus_port_env_must_be_a_number(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TRAINSCOPE_PROMETHEUS_PORT", "nine")
     assert main(["replay", str(tmp_path), "--home", str(tmp_path)]) == 2
     assert "TRAINSCOPE_PROMETHEUS_PORT" in capsys.readouterr().err
+
+
+def test_run_summary_says_no_sequence_instead_of_none():
+    """`trainscope run`'s summary printed '0 iterations (sequence None)' for a rank without iterations."""
+    from trainscope.deploy.launcher import RunResult, summary_lines
+
+    ranks = [{"resource": {"rank": 0}, "collector": {}, "hooks": {"iterations": 0, "pattern": None}},
+             {"resource": {"rank": 1}, "collector": {}, "hooks": {"iterations": 5, "pattern": "step"}}]
+    lines = summary_lines(RunResult(0, "j", "unix:///p.sock", False, "/tmp/r", ranks))
+    assert "None" not in "\n".join(lines)
+    assert "0 iterations;" in lines[1] and "5 iterations (sequence step);" in lines[2]

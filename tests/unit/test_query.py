@@ -304,7 +304,7 @@ def test_cli_tables(store_path, capsys):
     assert "culprit rank 2 (host node1" in lines[1]
     assert lines[2].startswith("state degraded, confidence ")
     title = "suspects (impact = time lost per iteration):"
-    assert lines[lines.index(title) + 1].split()[:4] == ["RANK", "ROLE", "IMPACT_S", "IMPACT_PCT"]
+    assert lines[lines.index(title) + 1].split()[:4] == ["RANK", "ROLE", "IMPACT", "IMPACT_PCT"]
     suspect = lines[lines.index(title) + 2].split()
     assert suspect[:4] == ["2", "culprit", "32", "ms"] and "node1" in suspect and "L2,L3" in suspect
     assert any(line.startswith("L3") and "degraded_kernel" in line and "kernel gemm" in line for line in lines)
