@@ -28,7 +28,8 @@ import series as S
 
 DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 RATE = "$__rate_interval"
-RUNBOOK = "https://runbooks.example.com/trainscope/runbook.md"
+#: The runbook link's default: the repository path; set ``runbook_base`` to where you serve it.
+RUNBOOK_DEFAULT = "deploy/runbook.md"
 JOB = 'job="$job"'
 SEL = 'job="$job", rank=~"$rank"'
 INFO = f'{S.RANK_INFO}{{job="$job", host=~"$host", rank=~"$rank"}}'
@@ -108,14 +109,19 @@ def job_vars() -> list:
     return [job, host, rank, traces]
 
 
+def runbook_var() -> dashboard.TextBoxVariable:
+    return (dashboard.TextBoxVariable("runbook_base").label("Runbook URL").default_value(RUNBOOK_DEFAULT)
+            .description("Where deploy/runbook.md is served (your repository's web view or a wiki page)"))
+
+
 def base(uid: str, title: str, desc: str) -> dashboard.Dashboard:
     return (dashboard.Dashboard(title).uid(uid).description(desc).tags(["trainscope"])
             .refresh("30s").time("now-1h", "now").timezone("utc").editable()
             .link(dashboard.DashboardLink("trainscope").type(dm.DashboardLinkType.DASHBOARDS)
                   .tags(["trainscope"]).as_dropdown(True).include_vars(True).keep_time(True))
             .link(dashboard.DashboardLink("Runbook").type(dm.DashboardLinkType.LINK)
-                  .url(RUNBOOK).target_blank(True).tooltip("deploy/runbook.md"))
-            .with_variable(datasource_var()))
+                  .url("${runbook_base}").target_blank(True).tooltip("deploy/runbook.md"))
+            .with_variable(datasource_var()).with_variable(runbook_var()))
 
 
 # -- fleet ---------------------------------------------------------------------
@@ -199,26 +205,32 @@ def job() -> dashboard.Dashboard:
         desc="Mean iteration time of each rank's latest window (processor)"))
     d = d.with_panel(
         heatmap.Panel().title("Suspect impact, rank x time, grouped by host (s/iteration)").datasource(DS)
-        .unit("s").height(10).span(12).calculate(False)
+        .unit("s").height(10).span(12).calculate(False).show_tooltip()
         .with_target(q(f"max by (host, rank) ({impact_all_ranks} {with_host})", "{{host}} / rank {{rank}}"))
         .description("Rows are ranks sorted by host; 0 where a rank is not flagged"))
     d = d.with_panel(tbl(
         "Suspect impact by DP x PP (s/iteration)", "s",
-        q(f"max by (dp, pp) ({impact_all_ranks} * on (job, rank) group_left (dp, pp) {S.RANK_INFO}{{{JOB}}})",
+        q(f"max by (dp, pp) ({impact_all_ranks} * on (job, rank) group_left (dp, pp) {INFO})",
           "dp {{dp}} pp {{pp}}", instant=True, table_fmt=True),
-        w=12, h=10).with_transformation(dm.DataTransformerConfig(id_val="groupingToMatrix", options={
-            "columnField": "dp", "rowField": "pp", "valueField": "Value", "emptyValue": "null"})))
+        w=12, h=10, desc="Rows are pipeline stages, columns data-parallel replicas; the cell's colour is its "
+                         "impact (green 0, red the largest); only the ranks of $host and $rank")
+        .with_transformation(dm.DataTransformerConfig(id_val="groupingToMatrix", options={
+            "columnField": "dp", "rowField": "pp", "valueField": "Value", "emptyValue": "null"}))
+        .min(0).color_scheme(dashboard.FieldColor().mode(dm.FieldColorModeId.CONTINUOUS_GR_YL_RD))
+        .override_by_field_type("number", [dm.DynamicConfigValue(
+            id_val="custom.cellOptions", value={"type": "color-background", "mode": "gradient"})]))
     d = d.with_row(dashboard.Row("Phases and kernels"))
-    grouped = f"{S.PHASE_S}{{{JOB}}} * on (job, rank) group_left (pp) {S.RANK_INFO}{{{JOB}}}"
+    grouped = f"{S.PHASE_S}{{{SEL}}} * on (job, rank) group_left (pp) {INFO}"  # the ranks of $host, $rank
     d = d.with_panel(ts(
         "Phase spread per pipeline stage (slowest - fastest rank)", "s",
         q(f"max by (pp, phase) ({grouped}) - min by (pp, phase) ({grouped})", "pp {{pp}} {{phase}}"),
         w=12, desc="Ranks of one stage do the same work: a wide spread is a straggler (ARGUS §9)"))
     d = d.with_panel(tbl(
         "Kernels furthest from their peers (impact, s/iteration)", "s",
-        q(f'topk(15, max by (rank, kernel) ({S.SUSPECT_SCORE}{{{JOB}, level="L3", kernel!=""}}))',
+        q(f'topk(15, max by (rank, kernel) ({S.SUSPECT_SCORE}{{{SEL}, level="L3", kernel!=""}}'
+          f' and on (job, rank) {INFO}))',
           "rank {{rank}} {{kernel}}", instant=True, table_fmt=True),
-        w=12, desc="L3: each rank's kernel distribution against its peers'"))
+        w=12, desc="L3: each rank's kernel distribution against its peers' (the ranks of $host and $rank)"))
     return d
 
 

@@ -52,3 +52,39 @@ def test_job_dashboard_has_job_rank_host_variables_and_runbook_link():
         panels = json.loads(path.read_text())["panels"]
         units = [p["fieldConfig"]["defaults"].get("unit") for p in panels if p["type"] != "row"]
         assert units and all(units), f"every panel of {path.name} states its unit"
+
+
+def _job_panels() -> dict:
+    board = json.loads((ROOT / "dashboards" / "json" / "trainscope-job.json").read_text())
+    return {p["title"]: p for p in board["panels"] if p["type"] != "row"}
+
+
+def test_runbook_link_is_a_variable_not_a_placeholder_host():
+    """The link pointed at runbooks.example.com; now ${runbook_base}, by default the repository path."""
+    for path in (ROOT / "dashboards" / "json").glob("*.json"):
+        text = path.read_text()
+        assert "example.com" not in text, path.name
+        board = json.loads(text)
+        link = next(x for x in board["links"] if x["title"] == "Runbook")
+        assert link["url"] == "${runbook_base}"
+        var = next(v for v in board["templating"]["list"] if v["name"] == "runbook_base")
+        assert var["type"] == "textbox" and var["query"] == "deploy/runbook.md"
+        assert (ROOT / var["query"]).is_file()
+
+
+def test_dp_pp_matrix_colours_its_cells_and_the_heatmap_has_a_tooltip():
+    panels = _job_panels()
+    dp_pp = next(p for t, p in panels.items() if "DP x PP" in t)
+    overrides = dp_pp["fieldConfig"]["overrides"]
+    assert any(prop["id"] == "custom.cellOptions" and prop["value"]["type"] == "color-background"
+               for o in overrides for prop in o["properties"])
+    assert dp_pp["fieldConfig"]["defaults"]["color"]["mode"].startswith("continuous")
+    heat = next(p for p in panels.values() if p["type"] == "heatmap")
+    assert heat["options"]["tooltip"]["show"] is True
+
+
+def test_rank_and_host_filters_reach_the_matrix_phase_and_kernel_panels():
+    panels = _job_panels()
+    for key in ("DP x PP", "Phase spread", "Kernels furthest"):
+        expr = next(p for t, p in panels.items() if key in t)["targets"][0]["expr"]
+        assert 'host=~"$host"' in expr and 'rank=~"$rank"' in expr, (key, expr)
