@@ -7,8 +7,24 @@ series per (job, level, kind, rank, phase, kernel) currently flagged, expiring
 Its value is the suspect's impact in **seconds lost per iteration**; only
 suspects the verdict names (persistent, above the impact floor) and stalls
 become series, so alerts inherit the verdict's calibration.
-Job-level series: the verdict (state, confidence, suspects with role and
-host), the L1 state, the stall flag, counts of diagnoses, and the
+
+Every series holds one unit. Stalls, hangs and missing ranks are facts, not
+per-iteration costs, so they have their own series:
+
+* ``trainscope_stall_seconds{job, level, rank}``: seconds this rank's peers
+  have waited for it. ``level="collectives"``: how long they had waited in a
+  collective it never entered (the hang rule); ``level="L1"``: how long their
+  telemetry went on after its own stopped (it stopped first), i.e. its
+  iterations behind × its median iteration time.
+* ``trainscope_rank_missing{job, rank}``: 1 while windows of the job close
+  without the rank.
+
+A stall suspect appears in ``trainscope_suspect_score`` (and the verdict's
+impact series) only with the job's step time (a stopped job loses every
+step) when the window knew it; otherwise only in ``trainscope_stall_seconds``.
+A missing rank is never in ``trainscope_suspect_score`` (its cost is not
+known). Job-level series: the verdict (state, confidence, suspects with role
+and host), the L1 state, the stall flag, counts of diagnoses, and the
 analyzer's own health (records in, bad records, windows analysed, detector
 failures per level).
 """
@@ -37,7 +53,9 @@ class AnalyzerMetrics:
         self.ttl_s = ttl_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._flagged: dict[tuple, tuple[float, float]] = {}  # key -> (score, expires)
+        self._flagged: dict[tuple, tuple[float, float]] = {}  # key -> (s/iteration, expires)
+        self._stall: dict[tuple, tuple[float, float]] = {}    # (job, level, rank) -> (seconds, expires)
+        self._missing: dict[tuple, tuple[float, float]] = {}  # (job, rank) -> (1, expires)
         self._diagnoses: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self._l1_state: dict[str, str] = {}
         self._stalled: dict[str, int] = {}
@@ -50,29 +68,48 @@ class AnalyzerMetrics:
     def publish(self, diagnoses: list[records_pb2.Diagnosis], verdict: records_pb2.Verdict | None) -> None:
         now = self._clock()
         named = None if verdict is None else {s.rank for s in verdict.ranks}
+        step_s = verdict.step_s if verdict is not None else 0.0
+        stalled = {s.rank for d in diagnoses if d.kind == "stall" and not d.informational for s in d.suspects}
         with self._lock:
             if verdict is not None and verdict.state:
+                # a stalled rank's verdict impact is the hang's wait (seconds, not per iteration):
+                # exported as the step it costs when known, else left to trainscope_stall_seconds
                 self._verdict[verdict.job_id] = (
                     verdict.state, verdict.confidence,
-                    [(str(s.rank), s.role, s.host, s.impact_s) for s in list(verdict.ranks)[:50]])
+                    [(str(s.rank), s.role, s.host, step_s if s.rank in stalled else s.impact_s)
+                     for s in list(verdict.ranks)[:50] if s.rank not in stalled or step_s > 0])
             for d in diagnoses:
                 self._diagnoses[(d.job_id, d.level, d.kind)] += 1
                 if d.kind == "stall":
                     self._stalled[d.job_id] = 1
                 if d.informational:
                     continue
-                # stalls and missing ranks are facts, not deviations: named at once, valued by their
-                # own score (iterations behind; 1); every other suspect by its impact, once named
-                fact = d.kind in ("stall", "missing_rank")
                 for s in d.suspects:
-                    if named is not None and not fact and s.rank not in named:
-                        continue   # not (yet) persistent: the verdict does not name it
-                    score = s.score if fact else s.impact_s
-                    key = (d.job_id, d.level, d.kind, str(s.rank), d.scope.phase, d.scope.kernel[:120])
-                    if key not in self._flagged and len(self._flagged) >= self.max_series:
-                        self.dropped_series += 1
+                    if d.kind == "missing_rank":
+                        self._bounded(self._missing, (d.job_id, str(s.rank)), 1.0, now)
                         continue
-                    self._flagged[key] = (score, now + self.ttl_s)
+                    if d.kind == "stall":
+                        # stalls are facts named at once: the peers' wait in seconds in their own
+                        # series, the lost step (s/iteration) here only when known
+                        waited = _stall_seconds(d, s)
+                        if waited is not None:
+                            self._bounded(self._stall, (d.job_id, d.level, str(s.rank)), waited, now)
+                        if step_s <= 0:
+                            continue
+                        value = step_s
+                    elif named is not None and s.rank not in named:
+                        continue   # not (yet) persistent: the verdict does not name it
+                    else:
+                        value = s.impact_s
+                    key = (d.job_id, d.level, d.kind, str(s.rank), d.scope.phase, d.scope.kernel[:120])
+                    self._bounded(self._flagged, key, value, now)
+
+    def _bounded(self, series: dict, key: tuple, value: float, now: float) -> None:
+        """Set one flagged series (caller holds the lock); a new key past ``max_series`` is dropped."""
+        if key not in series and len(self._flagged) + len(self._stall) + len(self._missing) >= self.max_series:
+            self.dropped_series += 1
+            return
+        series[key] = (value, now + self.ttl_s)
 
     def set_l1_state(self, job: str, state: str) -> None:
         with self._lock:
@@ -85,8 +122,9 @@ class AnalyzerMetrics:
     def forget_job(self, job: str) -> None:
         """Drop every series of a job that ended or went away."""
         with self._lock:
-            for k in [k for k in self._flagged if k[0] == job]:
-                del self._flagged[k]
+            for series in (self._flagged, self._stall, self._missing):
+                for k in [k for k in series if k[0] == job]:
+                    del series[k]
             for k in [k for k in self._diagnoses if k[0] == job]:
                 del self._diagnoses[k]
             self._l1_state.pop(job, None)
@@ -100,9 +138,12 @@ class AnalyzerMetrics:
     def collect(self) -> Iterator[Metric]:
         now = self._clock()
         with self._lock:
-            for k in [k for k, (_, exp) in self._flagged.items() if exp <= now]:
-                del self._flagged[k]
+            for series in (self._flagged, self._stall, self._missing):
+                for k in [k for k, (_, exp) in series.items() if exp <= now]:
+                    del series[k]
             flagged = list(self._flagged.items())
+            stall = list(self._stall.items())
+            missing = list(self._missing.items())
             diag = list(self._diagnoses.items())
             states = list(self._l1_state.items())
             stalled = list(self._stalled.items())
@@ -114,6 +155,18 @@ class AnalyzerMetrics:
                               labels=["job", "level", "kind", "rank", "phase", "kernel"])
         for key, (score, _) in flagged:
             g.add_metric(list(key), score)
+        yield g
+        g = GaugeMetricFamily("trainscope_stall_seconds",
+                              "Seconds a stalled job's ranks have waited for this rank: level=collectives, in a "
+                              "collective it never entered; level=L1, since its telemetry stopped before theirs",
+                              labels=["job", "level", "rank"])
+        for key, (seconds, _) in stall:
+            g.add_metric(list(key), seconds)
+        yield g
+        g = GaugeMetricFamily("trainscope_rank_missing", "1 while windows of the job close without this rank",
+                              labels=["job", "rank"])
+        for key, (one, _) in missing:
+            g.add_metric(list(key), one)
         yield g
         c = CounterMetricFamily("trainscope_diagnoses", "Diagnoses emitted", labels=["job", "level", "kind"])
         for key, n in diag:
@@ -163,3 +216,13 @@ class AnalyzerMetrics:
 
     def describe(self):
         return []
+
+
+def _stall_seconds(d: records_pb2.Diagnosis, s: records_pb2.Suspect) -> float | None:
+    """Seconds the peers waited for a stall suspect (module doc), None when the finding does not say."""
+    ev = s.evidence.fields
+    if "waited_s" in ev:                          # collective hang: the peers' wait in the collective
+        return ev["waited_s"].number_value
+    if "stopped_iterations_before_peers" in ev and s.impact_s > 0:   # telemetry clock: iterations x step
+        return ev["stopped_iterations_before_peers"].number_value * s.impact_s
+    return None

@@ -27,6 +27,8 @@ COLLECTOR_DROPPED = P + "collector_dropped"  # {job, rank}
 
 # analyzer/metrics.py: diagnoses and verdicts
 SUSPECT_SCORE = "trainscope_suspect_score"  # {job, level, kind, rank, phase, kernel}; s/iteration
+# not read by a board yet: trainscope_stall_seconds {job, level, rank} s (peers' wait),
+# trainscope_rank_missing {job, rank} 1
 DIAGNOSES = "trainscope_diagnoses_total"  # {job, level, kind}
 VERDICT_STATE = "trainscope_verdict_state"  # {job, state} 1 = current
 VERDICT_CONFIDENCE = "trainscope_verdict_confidence"  # {job} 0-1

@@ -109,7 +109,8 @@ def _exposed_names() -> set[str]:
     # families with no sample yet (labelled ones before their first value, the analyzer's)
     names |= {f"trainscope_processor_{n}_total" for n in COUNTERS}
     names |= {f"trainscope_processor_{n}" for n in GAUGES}
-    names |= {"trainscope_suspect_score", "trainscope_diagnoses_total", "trainscope_job_iteration_state",
+    names |= {"trainscope_suspect_score", "trainscope_stall_seconds", "trainscope_rank_missing",
+              "trainscope_diagnoses_total", "trainscope_job_iteration_state",
               "trainscope_job_stalled", "trainscope_verdict_state", "trainscope_verdict_confidence",
               "trainscope_verdict_suspect_impact_seconds", "trainscope_analyzer_detector_failures_total"}
     return names
@@ -147,6 +148,14 @@ def _diagnoses(job: str) -> list[records_pb2.Diagnosis]:
                     suspects=(SuspectRank(2, 2.5, impact_ns=25e6),), severity=0.3).to_pb()]
 
 
+def _hang(job: str) -> list[records_pb2.Diagnosis]:
+    """The collective hang's finding shape (analyzer/collectives.py): rank 3 never entered, peers waited 17 s."""
+    w = records_pb2.Window(index=0)
+    return [Finding(level="collectives", kind="stall", job_id=job, window=w, scope=Scope(group="collective"),
+                    suspects=(SuspectRank(3, 17.0, {"waited_s": 17.0}, impact_ns=17e9, role="culprit"),),
+                    severity=17.0, job_impact_ns=17e9, comparison="job").to_pb()]
+
+
 def test_rules_evaluate_on_real_series_and_alerts_go_pending(prometheus_bin, tmp_path, capsys):
     metrics = SelfMetrics()
     sink = PrometheusSink(PrometheusConfig(port=0), metrics)
@@ -160,6 +169,7 @@ def test_rules_evaluate_on_real_series_and_alerts_go_pending(prometheus_bin, tmp
     analyzer.publish(_diagnoses("j"), None)
     analyzer.set_l1_state("j", "regression")
     analyzer.set_stalled("j2", True)
+    analyzer.publish(_hang("j3"), None)
     server = start_metrics_server(registry, "127.0.0.1", 0)
     prom = RulesPrometheus(prometheus_bin, tmp_path / "prom", [f"127.0.0.1:{server.port}"])
     try:
@@ -178,7 +188,8 @@ def test_rules_evaluate_on_real_series_and_alerts_go_pending(prometheus_bin, tmp
 
         def pending(result) -> bool:
             names = {a["labels"]["alertname"] for a in prom.api("alerts")["alerts"]}
-            return {"TrainscopeJobStalled", "TrainscopeIterationRegression", "TrainscopeStragglerRank"} <= names
+            return {"TrainscopeJobStalled", "TrainscopeIterationRegression", "TrainscopeStragglerRank",
+                    "TrainscopeCollectiveHang"} <= names
 
         prom.wait_for("vector(1)", pending, timeout_s=30)  # polls with a timeout; the query is a dummy
         alerts = {a["labels"]["alertname"]: a for a in prom.api("alerts")["alerts"]}
@@ -186,7 +197,15 @@ def test_rules_evaluate_on_real_series_and_alerts_go_pending(prometheus_bin, tmp
         assert straggler["state"] == "pending"
         assert straggler["annotations"]["summary"] == (
             "Job j: rank 2 on node1 (dp=1 tp=0 pp=0) is a straggler in phase bwd (costs 25ms per iteration)")
-        assert alerts["TrainscopeJobStalled"]["labels"]["job"] == "j2"
+        assert {a["labels"]["job"] for a in prom.api("alerts")["alerts"]
+                if a["labels"]["alertname"] == "TrainscopeJobStalled"} == {"j2", "j3"}
+        # the wait in seconds, from trainscope_stall_seconds (not a per-iteration score)
+        assert alerts["TrainscopeCollectiveHang"]["annotations"]["summary"] == (
+            "Job j3 hangs in a collective: rank 3 never entered it while its peers had waited 17s")
+        assert not prom.query('trainscope_suspect_score{job="j3"}')
+        (stalled,) = [a for a in prom.api("alerts")["alerts"]
+                      if a["labels"] == {**a["labels"], "alertname": "TrainscopeJobStalled", "job": "j3"}]
+        assert stalled["annotations"]["summary"].endswith("ranks that stopped first: rank 3 (peers waited 17s)")
         assert alerts["TrainscopeIterationRegression"]["annotations"]["summary"] == (
             "Job j: iteration time regressed to 100ms per iteration; suspects: rank 2")
         for group in prom.api("rules")["groups"]:
