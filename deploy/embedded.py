@@ -93,7 +93,8 @@ def run_sim_embedded(
        configs, ``replace_store`` to replace an earlier run's store); ``on_start(proc, store_path)`` right after (an embedded
        analyzer attaches there).
     2. Emit the simulation to it (``collector.sim.run_sim``), draining its
-       pipeline after every chunk so nothing is dropped for backlog.
+       pipeline after every chunk so nothing is dropped for backlog, and
+       closing its collective windows there (not on its wall clock).
     3. Drain it so every window is closed and published; call
        ``on_processor(proc)`` before it stops (tests read its bus there).
     """
@@ -107,8 +108,10 @@ def run_sim_embedded(
     try:
         if on_start is not None:
             on_start(proc, store_path)
+        # collective windows close at each barrier: on the processor's 2 s clock a fast simulated
+        # job's collectives would reach the analyzer after their iteration window was judged
         res = _emit_sim(config, proc.address, sinks=sinks,  # step 2
-                        barrier=lambda: proc.pipeline.drain(600.0, close_windows=False))
+                        barrier=lambda: proc.pipeline.drain(600.0, close_windows=False, close_collectives=True))
         final_drain(proc, 600.0)  # step 3
         metrics = proc.metrics.snapshot()
         if on_processor is not None:

@@ -18,6 +18,11 @@ Instead:
    the raw records of that window only and summaries per (group, op, size class)
    (count, p50/p99/max of end − enqueue, bytes). Raw records of earlier windows
    are not kept here: the bus/Kafka/store retention decides how long they live.
+   ``flush`` closes them all at once: at a drain that closes every window, and
+   at the embedded simulator's barrier after each chunk (``Pipeline.drain(
+   close_collectives=True)``), where the simulated clock runs far ahead of the
+   processor's and 2 s of it would put a window's collectives after the
+   iteration window they belong to.
 
 The closed window's ``raw`` part carries a window with ``end_ns = 0``, so
 ``processor/durability.py`` never counts a collective window as closing a

@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 
 
 class _Barrier:
-    def __init__(self, flush_windows: bool) -> None:
+    def __init__(self, flush_windows: bool, flush_collectives: bool = False) -> None:
         self.flush_windows = flush_windows
+        self.flush_collectives = flush_windows or flush_collectives
         self.done = threading.Event()
 
 
@@ -80,13 +81,15 @@ class Pipeline:
             self.metrics.set("queue_depth", self._q.qsize())
             return False
 
-    def drain(self, timeout_s: float = 30.0, *, close_windows: bool = True) -> bool:
+    def drain(self, timeout_s: float = 30.0, *, close_windows: bool = True, close_collectives: bool = False) -> bool:
         """Process everything queued so far; with ``close_windows`` also close all windows
-        and flush the sinks. True when it finished within the timeout."""
+        and flush the sinks; with ``close_collectives`` close the collective windows only (the
+        simulator's barrier: its clock, not the processor's, says when a window's collectives
+        are all in). True when it finished within the timeout."""
         deadline = time.monotonic() + timeout_s
         if not self.alive():
             return False  # nobody would ever answer the barrier
-        b = _Barrier(close_windows)
+        b = _Barrier(close_windows, close_collectives)
         try:
             self._q.put(b, timeout=timeout_s)
         except queue.Full:
@@ -169,6 +172,7 @@ class Pipeline:
                 if isinstance(item, _Barrier):
                     if item.flush_windows:
                         w.flush()
+                    if item.flush_collectives:
                         self.collectives.flush()
                     item.done.set()
                 elif item.signal == Signal.KERNELS:

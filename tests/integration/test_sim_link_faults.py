@@ -45,6 +45,10 @@ def test_degraded_nic_names_its_ranks_and_host(tmp_path):
     assert {s.rank for d in found for s in d.suspects} == {8, 9}
     assert all(s.evidence["hardware"] == "NIC" for d in found for s in d.suspects)
     assert all(v.window.index >= 1 for v in named)      # nobody before the onset window
+    # onset in window 1, named from window 2 (persistence): the collective windows close at the
+    # simulator's barrier, so window 1 is judged on its own collectives (on the processor's clock: 3)
+    assert named[0].window.index == 2, [(v.window.index, v.summary) for v in verdicts]
+    assert {r.rank for r in named[0].ranks[:2]} == {8, 9}, named[0].summary
 
 
 def test_degraded_nvlink_names_the_pair_on_its_host(tmp_path):

@@ -189,3 +189,44 @@ def test_the_service_publishes_a_stalled_verdict_naming_the_first_stuck_rank(han
     (f,) = v.findings
     assert f.level == "collectives" and f.evidence["seq"] == 13
     assert a._jobs["j"].stalled
+
+
+def test_a_barrier_can_close_the_collective_windows_only():
+    """The simulator's barrier (deploy/embedded.py): collective windows close there, not after
+    2 s of the processor's clock; the ranks' iteration windows stay open; a plain drain, as the
+    live daemon's, leaves the collective windows to the clock."""
+    from trainscope.processor.ingest import Decoded
+    from trainscope.processor.pipeline import Pipeline
+    from trainscope.processor.windows import WindowConfig
+    from trainscope.proto.contracts import Signal
+
+    class Capture:
+        name = "capture"
+
+        def __init__(self) -> None:
+            self.out = []
+
+        def export(self, out) -> None:
+            self.out.append(out)
+
+        def flush(self, timeout_s: float = 10.0) -> bool:
+            return True
+
+        def close(self) -> None:
+            pass
+
+    sink, m = Capture(), SelfMetrics()
+    p = Pipeline(WindowConfig(mode="iterations", iterations=10, idle_close_s=3600), lambda cw: None, [sink], m,
+                 idle_check_s=60.0).start()
+    try:
+        for r, b in job_batches(steps=5).items():
+            payload, n, _ = validate(b, 4, 2**62, m)
+            assert p.accept(Decoded(resource=Resource(job_id="j", rank=r, world_size=4), signal=Signal.COLLECTIVES,
+                                    payload=payload, records=n, nbytes=0, sent_unix_ns=0, dropped_total=0))
+        assert p.drain(10.0, close_windows=False)
+        assert sink.out == [] and p.collectives.open_windows == 4
+        assert p.drain(10.0, close_windows=False, close_collectives=True)
+        assert sorted(o.collectives.resource.rank for o in sink.out) == [0, 1, 2, 3]
+        assert all(len(o.collectives.records) == 5 for o in sink.out) and p.collectives.open_windows == 0
+    finally:
+        p.stop(5.0)
