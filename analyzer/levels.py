@@ -225,11 +225,15 @@ class JobPace:
 
 
 class Collectives:
-    """Late start to a collective, from per-collective records joined across ranks (``collectives``).
+    """Collective root cause from per-collective records joined across ranks (``collectives``):
+    late start (Mycroft §5), hang (§4.3) and, where the records carry ring steps, slow links
+    (Vedrfolnir §III, ``waiting_graph.slow_links``: a link src -> dst, or the rank whose NIC or
+    NVLink every link of is slow, role ``link``).
 
     The records arrive on their own topic, faster than the windows; the service files them in
     ``job_state.collectives`` and checks hangs on every step (``CollectiveState.hangs``). Per
-    analysed window this level judges the collectives completed since the last one."""
+    analysed window this level judges the collectives completed since the last one: late starts
+    and slow transfers per group, then the waiting graph over all of them."""
 
     level, corroborating = collectives.LEVEL, False
 
