@@ -148,8 +148,10 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
         v.host = host
     for rv in suspects:
         res = resources.get(rv.rank)
-        s = v.ranks.add(rank=rv.rank, score=rv.score_ns / 1e9, role=rv.role, impact_s=rv.score_ns / 1e9,
-                        impact_pct=100.0 * rv.score_ns / step_ns if step_ns > 0 else 0.0,
+        # a hung rank costs the whole step (unknown: 0), not its peers' wait (that is in its why)
+        cost = step_ns if _hang_wait_ns(rv) > 0 else rv.score_ns
+        s = v.ranks.add(rank=rv.rank, score=rv.score_ns / 1e9, role=rv.role, impact_s=cost / 1e9,
+                        impact_pct=100.0 * cost / step_ns if step_ns > 0 else 0.0,
                         host=res.host if res else "", waited_for=rv.waited_for,
                         why=_why(rv, step_ns, host_fn.get(rv.rank)))
         s.evidence.update({"levels": sorted(rv.levels), "culprit_levels": sorted(rv.culprit_levels),
@@ -249,8 +251,16 @@ def _shared_host(suspects: list[RankVerdict], resources: Mapping[int, Resource])
     return h if count[h] >= 2 and by_host[h] >= 2 / 3 * total else ""
 
 
+def _hang_wait_ns(rv: RankVerdict) -> float:
+    """A collective hang's evidence carries the peers' wait (ns), not a cost per iteration; 0 if none."""
+    return max((e.impact_ns for e in rv.evidence if e.kind == "stall" and e.level == "collectives"), default=0.0)
+
+
 def _why(rv: RankVerdict, step_ns: float, host_fn: str | None) -> str:
     ms = rv.score_ns / 1e6
+    if _hang_wait_ns(rv) > 0:
+        return (f"stopped: its peers waited {_hang_wait_ns(rv) / 1e9:.3g} s in "
+                f"{', '.join(w[:48] for w in rv.where[:3])} [{'+'.join(sorted(rv.levels))}]")
     pct = f" ({100 * rv.score_ns / step_ns:.1f}% of the step)" if step_ns > 0 else ""
     where = ", ".join(w[:48] for w in rv.where[:3])
     lv = "+".join(sorted(rv.levels))
@@ -412,8 +422,9 @@ def merge_windows(verdicts: Sequence[records_pb2.Verdict]) -> records_pb2.Verdic
     roles: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     latest: dict[int, records_pb2.Suspect] = {}
     for v in vs:
+        hung = {s.rank for d in v.findings if d.kind == "stall" and d.level == "collectives" for s in d.suspects}
         for s in v.ranks:
-            impact[s.rank].append(s.impact_s or s.score)
+            impact[s.rank].append(s.impact_s or (0.0 if s.rank in hung else s.score))
             roles[s.rank][s.role or CULPRIT] += 1
             latest[s.rank] = s
     order = {CULPRIT: 0, LINK: 1, WAITER: 2, MISSING: 3}

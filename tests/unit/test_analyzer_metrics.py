@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from trainscope.analyzer import stall
-from trainscope.analyzer.merge import merge
+from trainscope.analyzer.merge import merge, merge_windows
 from trainscope.analyzer.metrics import AnalyzerMetrics
 from trainscope.analyzer.model import CULPRIT, MISSING, Finding, Scope, SuspectRank
 from trainscope.proto.v1 import records_pb2
@@ -57,6 +57,9 @@ def test_collective_hang_wait_is_seconds_not_seconds_per_iteration():
     m = AnalyzerMetrics()
     v = _publish(m, [hang])
     assert v.state == "stalled" and [s.rank for s in v.ranks] == [2]
+    # the CLI's verdict: the wait in seconds in the sentence, no 17 s "per iteration" as the impact
+    assert "its peers waited 17 s" in v.summary and "ms/iteration" not in v.summary
+    assert v.ranks[0].impact_s == 0.0 and merge_windows([v]).ranks[0].impact_s == 0.0
     got = _series(m)
     assert got["trainscope_stall_seconds"] == [({"job": "j", "level": "collectives", "rank": "2"}, 17.0)]
     assert got["trainscope_suspect_score"] == []              # 17 s is not a cost per iteration
