@@ -90,3 +90,38 @@ def test_a_rank_hidden_by_a_noisy_peer_of_a_small_group_is_named_from_its_own_hi
     assert v["state"] == "degraded" and v["suspects"][0]["rank"] == 9, v["summary"]
     assert v["since_window"] == 2
     assert all(w["ranks"] == [] for w in doc["verdicts"] if w["window_index"] < 2)
+
+
+# Issue 10 item 4 on the real stream: rank 5 is 5 % slower on every compute kernel for the whole run,
+# rank 2 has one 3x spike of the longest compute call of one step (step 7, window 1). Measured on
+# seed 11 (job16-rank0): compute kernels are 16.8 % of the 241 ms step, so 5 % of compute is ~1.9 ms,
+# 0.8 % of the step, under the 1 % impact floor; per window rank 5's compute sum is 1.8-5.6 % over its
+# DP group's median (groups of 4) while healthy peers range 0.95-1.03x and rank 2's spike window is
+# +4.4 %. L3's category sums and the consistent level do not separate it, so nobody is named.
+WEAK_AND_SPIKE = JobSpec(ranks=16, tp=2, pp=2, steps=20, seed=11,
+                         faults=(Fault("compute", ranks=(5,), factor=1.05), Fault("spike", ranks=(2,), factor=3.0, start=7)))
+
+
+def test_a_single_spike_is_never_named_beside_a_weak_consistent_slowdown(tmp_path):
+    doc, truth = replay(tmp_path, WEAK_AND_SPIKE)
+    assert [f["kind"] for f in truth["faults"]] == ["compute", "spike"]
+    named = {s["rank"] for s in doc["verdict"]["suspects"]} | {r["rank"] for w in doc["verdicts"] for r in w["ranks"]}
+    assert 2 not in named, doc["verdict"]["summary"]
+    assert all(2 not in [s["rank"] for s in d["suspects"]] for d in doc["diagnoses"])
+
+
+def test_a_single_spike_alone_names_nobody(tmp_path):
+    """The control: the same job without the slow rank, the spike alone."""
+    spec = JobSpec(**{**WEAK_AND_SPIKE.__dict__, "faults": WEAK_AND_SPIKE.faults[1:]})
+    doc, _ = replay(tmp_path, spec)
+    v = doc["verdict"]
+    assert v["state"] == "healthy" and v["suspects"] == [], v["summary"]
+    assert all(w["ranks"] == [] for w in doc["verdicts"])
+
+
+@pytest.mark.xfail(strict=True, reason="5 % of compute is 0.8 % of this stream's step (under the 1 % impact "
+                   "floor) and within the 4-rank groups' per-window spread (see the figures above): not caught")
+def test_a_weak_consistent_slowdown_is_named_top_1_over_a_single_spike(tmp_path):
+    doc, _ = replay(tmp_path, WEAK_AND_SPIKE)
+    v = doc["verdict"]
+    assert v["suspects"] and v["suspects"][0]["rank"] == 5 and v["suspects"][0]["role"] == "culprit", v["summary"]

@@ -31,7 +31,11 @@ no per-event objects beyond the JSON writer):
    - ``dataloader``: the ranks wait ``delay_ms`` more in a ``dataloader``
      phase at the start of each step, before any kernel (a data-loader
      stall). Only jobs with this fault carry the phase: every rank gets it
-     (0.3 ms, lognormal σ 0.2) so the ranks can be compared.
+     (0.3 ms, lognormal σ 0.2) so the ranks can be compared;
+   - ``spike``: one kernel occurrence × factor on the ranks, in step ``start``
+     only: the step's longest compute-kernel call (after the noise), the
+     largest single-call time a spike can add (a transient, not a fault a
+     verdict should name).
 5. ``truth.json``: the faults, their ranks, hosts and first step.
 """
 from __future__ import annotations
@@ -54,12 +58,12 @@ from trainscope.proto.v1 import telemetry_pb2
 
 SHARED = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data" / "kineto"
 ROUTING = RoutingConfig()
-KINDS = ("compute", "copies", "host", "comm", "dataloader")
+KINDS = ("compute", "copies", "host", "comm", "dataloader", "spike")
 
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    kind: str                     # compute | copies | host | comm | dataloader
+    kind: str                     # compute | copies | host | comm | dataloader | spike
     ranks: tuple[int, ...] = ()
     host: int | None = None
     factor: float = 1.3
@@ -69,14 +73,14 @@ class Fault:
     delay_ms: float = 0.0         # dataloader: extra wait per step
 
     def active(self, step: int) -> bool:
-        if step < self.start:
+        if step < self.start or (self.kind == "spike" and step != self.start):
             return False
         return not self.every or ((step - self.start) // self.every) % 2 == 0
 
 
 def parse_fault(text: str) -> Fault:
     """``compute:rank=5,factor=1.3,from=20[,every=5][,waiters]`` / ``host:host=1,factor=1.2`` /
-    ``dataloader:rank=3,delay_ms=15,from=10``."""
+    ``dataloader:rank=3,delay_ms=15,from=10`` / ``spike:rank=2,factor=3,from=7``."""
     kind, _, rest = text.partition(":")
     kw: dict = {}
     for part in filter(None, rest.split(",")):
@@ -204,6 +208,10 @@ def _faults(spec: JobSpec, r, c, step, sel, d, compute, comm, copies, k) -> np.n
             d = np.where(copies[sel], d * f.factor, d)
         elif f.kind == "comm" and on:
             d = np.where(comm[sel], d * f.factor, d)
+        elif f.kind == "spike" and on and compute[sel].any():
+            i = int(np.argmax(np.where(compute[sel], d, -1.0)))   # the step's longest compute call
+            d = d.copy()
+            d[i] *= f.factor
         elif f.kind == "compute" and f.waiters and any(_tp_partner(x, r, spec) for x in f.ranks):
             # a TP partner waits for the culprit in every collective: the culprit's extra compute time
             # of the step is spread over the partner's collective calls

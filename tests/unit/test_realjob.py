@@ -166,3 +166,16 @@ def test_dataloader_stall_delays_that_ranks_steps(tmp_path):
 def test_unknown_fault_kind_is_refused():
     with pytest.raises(ValueError, match="unknown fault kind"):
         parse_fault("slow:rank=1")
+
+
+def test_spike_fault_slows_one_kernel_call_of_one_step(healthy, tmp_path):
+    """``spike``: the step's longest compute call on that rank, in that step only, × factor."""
+    job, truth = build(tmp_path, Fault("spike", ranks=(6,), factor=3.0, start=4))
+    assert truth["faults"][0]["first_step"] == 4
+    r, cat, step = ratio(healthy[0], job, 6)
+    d0, _, _ = columns(healthy[0], 6)
+    hit = np.flatnonzero(~np.isclose(r, 1.0, rtol=2e-3))
+    assert hit.size == 1 and step[hit[0]] == 4 and cat[hit[0]] == 0
+    assert r[hit[0]] == pytest.approx(3.0, rel=2e-3)
+    assert d0[hit[0]] == d0[(cat == 0) & (step == 4)].max()
+    np.testing.assert_allclose(ratio(healthy[0], job, 7)[0], 1.0, rtol=2e-3)
