@@ -53,8 +53,8 @@ class ProcessorConfig:
     queue_max_batches: int = 10_000
     """Bound on validated batches waiting for the processing thread."""
     max_job_series: int = 1024
-    """Bound on the per-job self-metric series (``collector_dropped{job,rank}``, made only once a
-    rank drops something); beyond it they are counted in ``job_series_refused``."""
+    """Bound on the per-job self-metric series (``collector_dropped{job,rank}``, one per sending
+    rank, made at 0); beyond it they are counted in ``job_series_refused``."""
     window: WindowConfig = dataclasses.field(default_factory=WindowConfig)
     """How telemetry is cut into windows."""
     limits: IngestLimits = dataclasses.field(default_factory=IngestLimits)

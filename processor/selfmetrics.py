@@ -4,7 +4,7 @@ Names are fixed here so dashboards and alert rules (deploy/prometheus/) can
 rely on them; each becomes ``trainscope_processor_<name>`` at exposition
 (counters get ``_total``). Label values are bounded sets (signal, sink,
 reason), never kernels; the only per-rank series is the collectors' own drop
-total: made only once a rank drops something, expired when idle, and capped at
+total: made with the rank's first batch (at 0, so alerts see its first drops), expired when idle, and capped at
 ``max_job_series`` (the ones refused beyond it are counted), since any sender
 can name any job.
 """
@@ -89,8 +89,8 @@ class SelfMetrics:
         key = self._key(name, labels, GAUGES)
         with self._lock:
             if "job" in labels and key not in self._touched:
-                if not value > 0:
-                    return  # nothing to say yet: no series (any sender can name any job)
+                # made at 0 too: increase() and rate() see a counter's first drops only from a
+                # sample before them (a series born at 3 shows no increase to an alert)
                 if len(self._touched) >= self.max_job_series:
                     over = ("job_series_refused", ())
                     self._values[over] = self._values.get(over, 0.0) + 1
