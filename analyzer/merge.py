@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 import time
 from typing import Mapping, Sequence
 
@@ -385,6 +386,8 @@ def _ranges(ranks: list[int]) -> str:
 _COMPARED = {"L1": "iteration_history", "L2": "peers", "L3": "peers", "pace": "own_pace"}
 
 _STATE_ORDER = {STALLED: 3, DEGRADED: 2, UNKNOWN: 1, HEALTHY: 0}
+#: the cost a window's ``_why`` wrote; the job's verdict restates it with the job's figures
+_COST = re.compile(r"\S+ ms/iteration(?: \([^)]*% of the step\))?")
 
 
 def merge_windows(verdicts: Sequence[records_pb2.Verdict]) -> records_pb2.Verdict | None:
@@ -442,6 +445,7 @@ def merge_windows(verdicts: Sequence[records_pb2.Verdict]) -> records_pb2.Verdic
         s.role = roles[r].most_common(1)[0][0]
         s.impact_s = s.score = med
         s.impact_pct = 100.0 * med / out.step_s if out.step_s > 0 else s.impact_pct
+        s.why = _COST.sub(f"{med * 1e3:.3g} ms/iteration ({s.impact_pct:.1f}% of the step)", s.why, count=1)
         s.evidence.update({"windows_named": len(vals)})
     hosts = collections.Counter(v.host for v in vs if v.host)
     named_windows = sum(1 for v in vs if v.ranks)

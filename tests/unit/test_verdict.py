@@ -237,6 +237,23 @@ def test_job_verdict_merges_windows():
     assert merge_windows([]) is None
 
 
+def test_job_verdict_states_the_cost_with_the_jobs_figures():
+    """The job's summary once said 25.2 % (the last window's cost over its step) where its table
+    and JSON said 25.0 % (median cost over the job's step): one figure now, wherever printed."""
+    res = resources(16, tp=4)
+    vs = []
+    for i, (cost, step) in enumerate([(8, 100), (8, 100), (12, 110)]):
+        w = records_pb2.Window(kind=WIN.kind, index=i)
+        vs.append(merge("j", w, [finding("L2", "straggler", "mlp", [(3, "slower", cost * MS)])], res,
+                        step_ns=step * MS, comparisons={"L2": 16}))
+    assert "12 ms/iteration (10.9% of the step)" in vs[-1].ranks[0].why
+    job = merge_windows(vs)
+    top = job.ranks[0]
+    assert top.impact_s == pytest.approx(8e-3) and top.impact_pct == pytest.approx(8.0)
+    assert "8 ms/iteration (8.0% of the step)" in top.why and "8 ms/iteration (8.0% of the step)" in job.summary
+    assert "10.9%" not in job.summary
+
+
 def test_lateness_inherited_from_a_tp_partner_goes_to_the_partner():
     """Rank 13's copies are slow (PCIe); its TP partner 12 waits for it in the TP all-reduce, then both
     arrive late to the DP all-reduce, where 12's shortened collective is worth more than 13's copies."""
