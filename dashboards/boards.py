@@ -194,10 +194,14 @@ def job() -> dashboard.Dashboard:
         desc="The verdict's suspects; the link opens the rank's Perfetto traces (set trace_base)"))
     d = d.with_panel(tbl(
         "Healthy peers (one per pipeline stage, not flagged)", "short",
-        q(padded_rank(f"bottomk by (pp) (1, {S.RANK_INFO}{{{JOB}}} unless on (job, rank) {S.SUSPECT_SCORE})"),
+        # a waiter is not flagged here: its GPU did its work and only waited in the collectives
+        # (every DP and TP peer of a slow rank is one once collective records name waiters)
+        q(padded_rank(f"bottomk by (pp) (1, {S.RANK_INFO}{{{JOB}}} unless on (job, rank) "
+                      f"{S.VERDICT_IMPACT_S}{{role!=\"waiter\"}})"),
           "rank {{rank}} pp {{pp}} {{host}} {{trace_rank}}", instant=True, table_fmt=True),
         w=8, links=suspect_traces,
-        desc="A peer to compare the suspect's trace with: same pipeline stage, never flagged"))
+        desc="A peer to compare the suspect's trace with: same pipeline stage, not named by the verdict "
+             "except as a rank that waited"))
     d = d.with_row(dashboard.Row("Ranks"))
     d = d.with_panel(ts(
         "Iteration time per rank", "s",
