@@ -463,6 +463,12 @@ class Windower:
         t0 = time.perf_counter()
         w = st.open.pop(index)
         st.closed_upto = max(st.closed_upto, index)
+        if st.mark_iters:
+            # forget the marks of closed windows but their latest: it still maps older (late)
+            # events to a closed window, so nothing is routed differently (they grew for ever)
+            k = bisect.bisect_left(st.mark_iters, (st.closed_upto + 1) * self.config.iterations) - 1
+            if k > 0:
+                del st.mark_iters[:k], st.mark_starts[:k], st.mark_ends[:k]
         window = records_pb2.Window(index=index, final=final)
         if st.mode == WindowMode.TIME:
             window.kind = records_pb2.WINDOW_KIND_TIME

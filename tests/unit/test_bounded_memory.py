@@ -61,6 +61,26 @@ def test_open_windows_holding_more_names_than_the_cap_keep_them_all():
     assert len({cw.kernels.names[g] for g in cw.kernels.name_id.tolist()}) == 4_000
 
 
+def test_iteration_marks_of_closed_windows_are_forgotten_and_late_events_still_dropped():
+    # they were kept for ever: ~120 B and an O(n) list copy per kernel batch per iteration
+    closed, metrics = [], SelfMetrics()
+    w = Windower(WindowConfig(mode="iterations", iterations=10, lateness_s=0), closed.append, metrics)
+    period = S // 100
+    for i in range(3_000):
+        w.add_iterations(RES, [telemetry_pb2.IterationMark(iteration=i, start_ns=i * period,
+                                                           end_ns=(i + 1) * period - 1000)])
+        w.add_kernels(RES, KernelColumns.build(["k"], [i * period + 5000], [500], [0], [7]))
+    st = w._ranks[("j", 0)]
+    assert len(st.mark_iters) <= 2 * 10 + 1 and len(st.mark_starts) == len(st.mark_ends) == len(st.mark_iters)
+    assert len(closed) >= 298 and all(len(cw.kernels) == 10 for cw in closed)
+    late = metrics.get("drops", where="late") or 0
+    w.add_kernels(RES, KernelColumns.build(["k"], [5 * period], [500], [0], [7]))  # window 0: long closed
+    w.add_kernels(RES, KernelColumns.build(["k"], [3_000 * period], [500], [0], [7]))  # past the last mark
+    assert (metrics.get("drops", where="late") or 0) == late + 1
+    w.flush()
+    assert len(closed) == 300 and sum(len(cw.kernels) for cw in closed) == 3_001
+
+
 def test_a_rank_silent_past_rank_expire_s_is_forgotten():
     closed, metrics, clock = [], SelfMetrics(), Clock()
     w = Windower(WindowConfig(mode="time", length_s=1, lateness_s=0, idle_close_s=5, rank_expire_s=60),
