@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from support.pipeline import bus_records, start_processor
@@ -284,15 +285,32 @@ def test_the_verdict_names_the_rank_with_the_slow_data_loader(collected):
 
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory) -> dict:
-    return collect(tmp_path_factory.mktemp("healthy"))
+    tmp = tmp_path_factory.mktemp("healthy")
+    got = collect(tmp, "--times", str(tmp / "times"))
+    got["times"] = json.loads((tmp / "times.0").read_text())    # rank 0's step ends, its own clock
+    return got
+
+
+def own_clock_slowed(step_ends: list[float], shift: float = 0.05, k: int = 5, warmup: int = 3) -> bool:
+    """Did the job itself get ``shift`` slower? A later run of ``k`` steps whose median step is that
+    much over an earlier, disjoint run's, on the training script's own clock (not trainscope's)."""
+    d = np.diff(np.asarray(step_ends))[warmup:]
+    med = [float(np.median(d[i:i + k])) for i in range(len(d) - k + 1)]
+    return any(med[j] >= (1 + shift) * min(med[:j - k + 1]) for j in range(k, len(med)))
 
 
 def test_a_healthy_real_job_names_nobody(healthy):
     """Real CPU noise (a 1-3 ms data loader on a ~100 ms step, sampled CPU operators that differ per
-    rank) is informational at most: no window's verdict names a rank."""
+    rank) is informational at most: no window's verdict names a rank. The job is "healthy", unless
+    it really got slower (the pace level, naming nobody, on a host loaded by other work): then the
+    training script's own clock must show that slowdown too."""
     windows, job = analyse(healthy["records"])
     assert windows and all(not v.ranks for v in windows), "\n".join(v.summary for v in windows)
-    assert job.state == "healthy", job.summary
+    if job.state != "healthy":
+        flagged = {(d.level, d.kind) for v in windows for d in v.findings if not d.informational}
+        assert job.state == "degraded" and not job.ranks and flagged <= {("pace", "job_slowdown")}, job.summary
+        assert own_clock_slowed(healthy["times"]), (job.summary, healthy["times"])
+        print(f"\nthe job slowed on its own clock too (host load): {job.summary}")
     for v in windows:
         for d in v.findings:
             assert not d.suspects or d.kind == "missing_rank", (d.kind, d.scope)
