@@ -159,6 +159,9 @@ def test_readme_layout_table_matches_the_tree():
         assert (ROOT / folder).is_dir(), f"README layout names {folder}/ which is not in the tree"
     present = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))
                and not p.name.endswith(".egg-info")}
+    # folders .gitignore names (build/ left by the README's own `pip install .`, dist/) are not the tree's
+    ignore = (ROOT / ".gitignore").read_text().split() if (ROOT / ".gitignore").exists() else []
+    present -= {g.strip("/") for g in ignore if g.endswith("/") and not any(c in g for c in "*?[")}
     assert present <= named, f"folders missing from the README layout: {sorted(present - named)}"
 
 
