@@ -59,3 +59,22 @@ def test_replay_force_refuses_the_store_of_a_running_processor(tmp_path):
     res = cli(tmp_path, "replay", str(traces), "--no-analyze", "--home", str(home), "--force")
     assert res.returncode == 0, res.stderr
     assert not os.listdir(tmp_path / "tmp")
+
+
+def test_a_store_is_in_use_while_another_process_holds_it_and_free_once_it_dies(tmp_path):
+    """The store's lock is the kernel's (flock): a process SIGKILLed while holding the store lets go
+    of it, so a later ``--force`` is not refused for ever (moved from the unit tier: it starts one)."""
+    from trainscope.processor.store import store_in_use
+
+    path = str(tmp_path / "store.sqlite")
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                              "from trainscope.processor.store import SqliteStore\n"
+                              f"s = SqliteStore({path!r}); print('open', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "open"
+        assert store_in_use(path)
+    finally:
+        child.kill()
+        child.wait()
+    assert not store_in_use(path)

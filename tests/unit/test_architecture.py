@@ -269,3 +269,19 @@ def test_no_re_export_shims():
     """A 0.1.0 tree has no importers to keep happy: import a name from the module that defines it."""
     bad = [f"{path}" for path, _ in _sources(tests=True) if "re-export" in (ROOT / path).read_text().lower()]
     assert not bad, "re-export shims:\n" + "\n".join(bad)
+
+
+def test_the_unit_tier_starts_no_process():
+    """tests/unit starts no processes (tests/conftest.py's tiers): no subprocess or multiprocessing
+    import and no os.fork there; such tests belong in tests/integration."""
+    bad = []
+    for path in sorted((ROOT / "tests" / "unit").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n.split(".")[0] in ("subprocess", "multiprocessing") for n in names):
+                bad.append(f"{path.name}:{node.lineno}")
+            if (isinstance(node, ast.Attribute) and node.attr in ("fork", "forkpty")
+                    and isinstance(node.value, ast.Name) and node.value.id == "os"):
+                bad.append(f"{path.name}:{node.lineno}")
+    assert not bad, "processes started in the unit tier:\n" + "\n".join(bad)
