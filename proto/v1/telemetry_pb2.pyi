@@ -123,7 +123,7 @@ class CollectiveGroup(_message.Message):
     def __init__(self, id: _Optional[str] = ..., members: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CollectiveRecord(_message.Message):
-    __slots__ = ("group", "seq", "op", "bytes", "dtype", "enqueue_ns", "start_ns", "end_ns", "iteration", "ring_steps", "ring_next", "send_busy_ns", "recv_wait_ns")
+    __slots__ = ("group", "seq", "op", "bytes", "dtype", "enqueue_ns", "start_ns", "end_ns", "iteration", "ring_steps", "ring_next", "send_busy_ns", "recv_wait_ns", "algo", "step_index", "step_dst", "step_bytes", "step_start_ns", "step_end_ns")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,12 @@ class CollectiveRecord(_message.Message):
     RING_NEXT_FIELD_NUMBER: _ClassVar[int]
     SEND_BUSY_NS_FIELD_NUMBER: _ClassVar[int]
     RECV_WAIT_NS_FIELD_NUMBER: _ClassVar[int]
+    ALGO_FIELD_NUMBER: _ClassVar[int]
+    STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STEP_DST_FIELD_NUMBER: _ClassVar[int]
+    STEP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEP_START_NS_FIELD_NUMBER: _ClassVar[int]
+    STEP_END_NS_FIELD_NUMBER: _ClassVar[int]
     group: int
     seq: int
     op: str
@@ -150,7 +156,13 @@ class CollectiveRecord(_message.Message):
     ring_next: int
     send_busy_ns: int
     recv_wait_ns: int
-    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., op: _Optional[str] = ..., bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., enqueue_ns: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., iteration: _Optional[int] = ..., ring_steps: _Optional[int] = ..., ring_next: _Optional[int] = ..., send_busy_ns: _Optional[int] = ..., recv_wait_ns: _Optional[int] = ...) -> None: ...
+    algo: str
+    step_index: _containers.RepeatedScalarFieldContainer[int]
+    step_dst: _containers.RepeatedScalarFieldContainer[int]
+    step_bytes: _containers.RepeatedScalarFieldContainer[int]
+    step_start_ns: _containers.RepeatedScalarFieldContainer[int]
+    step_end_ns: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., op: _Optional[str] = ..., bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., enqueue_ns: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., iteration: _Optional[int] = ..., ring_steps: _Optional[int] = ..., ring_next: _Optional[int] = ..., send_busy_ns: _Optional[int] = ..., recv_wait_ns: _Optional[int] = ..., algo: _Optional[str] = ..., step_index: _Optional[_Iterable[int]] = ..., step_dst: _Optional[_Iterable[int]] = ..., step_bytes: _Optional[_Iterable[int]] = ..., step_start_ns: _Optional[_Iterable[int]] = ..., step_end_ns: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CollectiveBatch(_message.Message):
     __slots__ = ("groups", "records", "now_ns", "dropped_records")
