@@ -90,3 +90,31 @@ INGEST_METHOD = f"/{INGEST_SERVICE}/Stream"
 BOOT_METADATA = "trainscope-boot"
 SENDER_METADATA = "trainscope-sender"
 REPLAY_METADATA = "trainscope-replay"
+
+
+# --- The control path of a triggered deep dive (issue #14, ``v1/control.proto``) ---------
+# analyzer / ``trainscope profile`` → processor (``Request``) → every collector of the job on
+# that host (``Subscribe``, a server stream the collector opens; the training process listens
+# on no port). Registered by hand on both ends, like the ingest stream.
+
+#: The gRPC service of ``v1/control.proto`` (on the processor's port, beside ``Ingest``).
+CONTROL_SERVICE = "trainscope.v1.Control"
+CONTROL_SUBSCRIBE = f"/{CONTROL_SERVICE}/Subscribe"
+CONTROL_REPORT = f"/{CONTROL_SERVICE}/Report"
+CONTROL_REQUEST = f"/{CONTROL_SERVICE}/Request"
+CONTROL_STATUS = f"/{CONTROL_SERVICE}/Status"
+#: Version of the control messages a collector speaks (``ControlHello.protocol``).
+CONTROL_PROTOCOL = 1
+
+
+class Trigger(_StrEnum):
+    """Why a deep dive was opened (``DeepDiveCommand.trigger``; a label of the analyzer's metrics)."""
+
+    MANUAL = "manual"             # ``trainscope profile``
+    DEGRADATION = "degradation"   # iteration time >= 5 % over the recent minimum (EROICA §4.1 (1))
+    STALL = "stall"               # no iteration for 5x the mean iteration (EROICA §4.1 (2))
+    VERDICT = "verdict"           # a verdict named suspects (ARGUS §6.3: L4 confirms L1-L3)
+
+
+#: A deep dive's id names its trace directory: letters, digits, ``_ . -``, at most 64.
+DIVE_ID_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}"

@@ -29,6 +29,15 @@ def runtime_dir(environ: Mapping[str, str] = os.environ) -> str:
     return os.path.join(tempfile.gettempdir(), f"trainscope-{os.geteuid()}")
 
 
+def deep_dive_dir(environ: Mapping[str, str] = os.environ) -> str:
+    """Root of the deep-dive traces (issue #14): ``TRAINSCOPE_DEEP_DIVE_DIR``, else ``<runtime dir>/deepdive``.
+
+    A local directory shared by the ranks, the processor and the analyzer of one host (the
+    "object storage" of the deep dive; an S3-style location is future work). Not created here.
+    """
+    return environ.get(DEEP_DIVE_DIR) or os.path.join(runtime_dir(environ), "deepdive")
+
+
 #: The processor's default listen address and the collector's default target (per user).
 DEFAULT_PROCESSOR_TARGET = "unix://" + os.path.join(runtime_dir(), "processor.sock")
 #: Seconds of stack sampling per window (collector/stacks.py, launch.py).
@@ -62,6 +71,8 @@ SHUTDOWN_TIMEOUT_S = "TRAINSCOPE_SHUTDOWN_TIMEOUT_S"
 SHIP_INTERVAL_S = "TRAINSCOPE_SHIP_INTERVAL_S"  # phases/iterations handed to the exporter at most this often
 DDP_COMM_HOOK = "TRAINSCOPE_DDP_COMM_HOOK"  # "0": leave DDP modules alone (collector/torch_ddp.py)
 REPLAY_MAX_BYTES = "TRAINSCOPE_REPLAY_MAX_BYTES"  # cap on a trace file and its gzip content (sources/replay.py)
+DEEP_DIVE = "TRAINSCOPE_DEEP_DIVE"        # "0": the collector opens no control stream (no triggered profiling)
+DEEP_DIVE_DIR = "TRAINSCOPE_DEEP_DIVE_DIR"  # where deep-dive traces go (default <runtime dir>/deepdive)
 # Network security (proto/security.py; issue #11 item 8). Secrets come from a file
 # (the *_FILE variables, preferred) or the variable itself, never from argv.
 TLS_CA = "TRAINSCOPE_TLS_CA"                  # exporter: CA bundle that signed the processor's certificate
