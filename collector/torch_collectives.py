@@ -34,18 +34,29 @@ COLLECTIVES = {
     "all_to_all_single": "alltoall", "barrier": "barrier", "gather": "gather", "scatter": "scatter",
     "send": "send", "recv": "recv", "isend": "send", "irecv": "recv",
     "all_gather_object": "allgather", "broadcast_object_list": "broadcast",
+    # torch >= 2.10's single-tensor entry points (FSDP2's all-gather and reduce-scatter call these:
+    # without them a fully_shard job produced no collective record) and the coalesced ones
+    "all_gather_single": "allgather", "reduce_scatter_single": "reducescatter",
+    "all_reduce_coalesced": "allreduce", "all_gather_coalesced": "allgather",
+    "_all_gather_base": "allgather", "_reduce_scatter_base": "reducescatter",
 }
+#: Argument names holding this rank's input where the output comes first (all-gather, reduce-scatter).
+INPUT_ARGS = ("input_tensor", "input", "input_tensor_list", "input_list", "tensor")
 #: Point-to-point calls: not collectives of the whole group (no group sequence number).
 P2P = frozenset({"send", "recv"})
 log = logging.getLogger(__name__)
 _tls = threading.local()  # "coll": inside a wrapped collective (a collective calling another is timed once)
 
 
-def _payload(a, k) -> tuple[int, str]:
-    """Bytes and dtype of a collective's first tensor argument (a list: summed)."""
+def _payload(a, k, ii: int | None = None, iname: str = "") -> tuple[int, str]:
+    """Bytes and dtype of a collective's input (argument ``ii``/``iname`` when the signature has one,
+    else its first tensor argument; a list: summed)."""
     import torch
 
-    first = a[0] if a else next(iter(k.values()), None)
+    if ii is not None and (ii < len(a) or iname in k):
+        first = a[ii] if ii < len(a) else k[iname]
+    else:
+        first = a[0] if a else next(iter(k.values()), None)
     tensors = first if isinstance(first, (list, tuple)) else [first]
     tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
     if not tensors:
@@ -92,6 +103,8 @@ class CollectiveHooks:
         hooks = self
         gi = params.index("group") if "group" in params else None
         ai = params.index("async_op") if "async_op" in params else None
+        iname = next((n for n in INPUT_ARGS if n in params), "")
+        ii = params.index(iname) if iname else None
 
         @functools.wraps(fn)
         def wrapper(*a, **k):
@@ -100,21 +113,21 @@ class CollectiveHooks:
             _tls.coll = 1
             try:
                 group = k.get("group", a[gi] if gi is not None and gi < len(a) else None)
-                return hooks._timed_call(fn, op, group, ai, a, k)
+                return hooks._timed_call(fn, op, group, ai, a, k, (ii, iname))
             finally:
                 _tls.coll = 0
 
         wrapper.__trainscope__ = True
         return wrapper
 
-    def _timed_call(self, fn, op: str, group, ai: int | None, a, k):
+    def _timed_call(self, fn, op: str, group, ai: int | None, a, k, inp=(None, "")):
         prep = self._guard(self._prepare_collective, op, group, ai is not None)
         if prep is None:
             return fn(*a, **k)
         name, mode = prep
         if mode == "capturing":  # inside CUDA-graph capture: no events, no handle juggling
             return fn(*a, **k)
-        rec = self._guard(self._record_begin, op, group, a, k)
+        rec = self._guard(self._record_begin, op, group, a, k, inp)
         if mode == "nccl_timing":  # async internally, so the group's NCCL-stream events time it
             wall = time.time_ns()
             if ai < len(a):
@@ -167,16 +180,16 @@ class CollectiveHooks:
             w.get_future().add_done_callback(done)
 
     # ------------------------------------------- collective records (Mycroft §4.2)
-    def _record_begin(self, op: str, group, a, k):
+    def _record_begin(self, op: str, group, a, k, inp=(None, "")):
         """A record for ``collective_log`` (``collective_log.py``): group id and members,
-        the group's next sequence number, bytes and dtype of the first tensor argument."""
+        the group's next sequence number, bytes and dtype of the rank's input tensor(s)."""
         clog = getattr(self, "collective_log", None)
         if clog is None or op in P2P:
             return None
         info = self._group_info(group)
         if info is None:
             return None   # this rank is not a member: torch makes the call a no-op
-        nbytes, dtype = _payload(a, k)
+        nbytes, dtype = _payload(a, k, *inp)
         it = self._current_iteration() if self.config.iterations else 0
         return clog.begin(info[0], info[1], op, nbytes, dtype, it)
 
