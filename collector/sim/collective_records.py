@@ -30,6 +30,16 @@
    and ``batch(r)`` parses them. bench_sim's 1,024-rank job has ~70,000 records
    per iteration: one Python message per record took 2.3x the simulation's
    time, this 0.7x (most of it the parse and serialisation protobuf does anyway).
+5. Step decomposition (Vedrfolnir §III-B, opt-in: ``use_step_records`` or
+   ``CollectivePlan.build(steps=True)``): every collective as the textbook
+   steps of its algorithm (``decompose``: ring all-reduce, reduce-scatter,
+   all-gather; binary-tree all-reduce; pairwise all-to-all): per step and
+   member its flows (dst, bytes).
+6. Step times (``step_times``, ``time_steps``): a flow's step lasts its bytes
+   at the slower of its two ends' links; a member starts a step once its own
+   flows of the previous step ended and the data sent to it then arrived; the
+   steps are scaled to fill the engine's transfer. Sent as fields 14-19 of
+   each record (start/end offsets from the record's start, the rank's clock).
 """
 from __future__ import annotations
 
@@ -74,9 +84,14 @@ class CollectivePlan:
     groups_pb: tuple[bytes, ...]  # per rank: its groups as CollectiveBatch field 1 (wire bytes)
     slot_pb: np.ndarray          # (Kc, w) uint8: fields 3-5 (op, bytes, dtype) of each slot, encoded
     slot_len: np.ndarray         # (Kc,) their lengths
+    #: Step 5 (``build(steps=True)``): per slot its StepPlan and its groups' members in ring
+    #: order (G, n), per rank its row there and position in it (W,) each; None: no step records.
+    step_plans: tuple | None = None
+    step_groups: tuple | None = None
 
     @classmethod
-    def build(cls, topo: Topology, tmpl: wl.Template) -> "CollectivePlan":
+    def build(cls, topo: Topology, tmpl: wl.Template, *, steps: bool = False,
+              algos: dict[str, str] | None = None) -> "CollectivePlan":
         from trainscope.collector.sim.engine import ring_successor
 
         W = topo.world
@@ -107,6 +122,7 @@ class CollectivePlan:
         ring_steps = np.zeros((W, len(slots)), dtype=np.int64)
         gid_col: dict[str, np.ndarray] = {}
         members_of: dict[str, dict[int, list[int]]] = {}
+        rows_of: dict[str, tuple] = {}
         for d in dict.fromkeys(dims):
             shape = topo.shape
             ax = topo.axes(d, stage=False)
@@ -118,6 +134,9 @@ class CollectivePlan:
             row_of[flat.ravel()] = np.repeat(np.arange(len(flat)), flat.shape[1])
             gid_col[d] = low[row_of]
             members_of[d] = {int(lo): flat[i].tolist() for i, lo in enumerate(low)}
+            pos_of = np.empty(W, dtype=np.int64)
+            pos_of[flat.ravel()] = np.tile(np.arange(flat.shape[1]), len(flat))
+            rows_of[d] = (flat, row_of, pos_of)
             nxt = topo.rank_of[ring_successor(topo, d)][topo.canon_of]   # rank -> next rank
             for i, dd in enumerate(dims):
                 if dd == d:
@@ -137,7 +156,13 @@ class CollectivePlan:
         slot_pb = np.zeros((len(slots), max(map(len, consts), default=0)), dtype=np.uint8)
         for i, c in enumerate(consts):
             slot_pb[i, :len(c)] = np.frombuffer(c, dtype=np.uint8)
+        step_plans = step_groups = None
+        if steps:
+            step_plans = tuple(decompose(o, topo.size(d), int(b), (algos or {}).get(o))
+                               for o, d, b in zip(ops, dims, nbytes.tolist()))
+            step_groups = tuple(rows_of[d] for d in dims)
         return cls(slots=slots, ops=ops, dtypes=dtypes, nbytes=nbytes, groups=tuple(groups),
+                   step_plans=step_plans, step_groups=step_groups,
                    group_of=group_of, seq_index=seq_index[st], per_iteration=per_it[st],
                    ring_next=ring_next, ring_steps=ring_steps,
                    groups_pb=tuple(CollectiveBatch(groups=g).SerializeToString() for g in groups),
@@ -156,6 +181,9 @@ class CollectiveColumns:
     done: np.ndarray         # (W, I*Kc) it completed
     busy: np.ndarray         # (W, I*Kc) ns
     wait: np.ndarray         # (W, I*Kc) ns
+    #: Step 6 (plans with steps): per slot index, (start, end) offsets from each member's own
+    #: start, int64 ns (I, G, S, n, k) in the slot's group rows (``plan.step_groups``); −1: none.
+    steps: dict | None = None
     #: Step 4, made on the first ``payload``: every record's bytes, per-rank offsets, ``now_ns``.
     _wire: tuple[memoryview, np.ndarray, np.ndarray] | None = dataclasses.field(default=None, repr=False)
 
@@ -171,7 +199,31 @@ class CollectiveColumns:
         lo, hi = int(off[r]), int(off[r + 1])
         if lo == hi:
             return None
-        return b"".join((self.plan.groups_pb[r], buf[lo:hi], b"\x18", _varint(int(now[r]))))
+        data = b"".join((self.plan.groups_pb[r], buf[lo:hi], b"\x18", _varint(int(now[r]))))
+        return data if self.steps is None else self._with_steps(r, data)
+
+    def _with_steps(self, r: int, data: bytes) -> bytes:
+        """Step 6: the rank's batch with every record's flows (fields 14-19), by protobuf."""
+        b = CollectiveBatch.FromString(data)
+        Kc = len(self.plan.slots)
+        for rec, v in zip(b.records, np.flatnonzero(self.valid[r]).tolist()):
+            it, col = divmod(v, Kc)
+            got = self.steps.get(col)
+            if got is None:
+                continue
+            sp = self.plan.step_plans[col]
+            flat, row_of, pos_of = self.plan.step_groups[col]
+            g, i = int(row_of[r]), int(pos_of[r])
+            st, en = got[0][it, g, :, i], got[1][it, g, :, i]     # (S, k)
+            dst = sp.dst[:, i]
+            s_idx, j = np.nonzero(dst >= 0)
+            rec.algo = sp.algo
+            rec.step_index.extend(s_idx.tolist())
+            rec.step_dst.extend(flat[g, dst[s_idx, j]].tolist())
+            rec.step_bytes.extend(sp.nbytes[s_idx, i, j].tolist())
+            rec.step_start_ns.extend(st[s_idx, j].tolist())
+            rec.step_end_ns.extend(en[s_idx, j].tolist())
+        return b.SerializeToString()
 
     def batch(self, r: int) -> CollectiveBatch | None:
         data = self.payload(r)
@@ -282,8 +334,197 @@ def build_columns(plan: CollectivePlan, outs, topo: Topology, clocks) -> Collect
     s = np.where(valid, start, 0.0)
     enq = clocks.local(s, hosts)
     end = np.maximum(clocks.local(np.where(valid, s + dur, 0.0), hosts), enq + 1)
+    its = np.asarray([o.it for o in outs], dtype=np.int64)
+    steps = None if plan.step_plans is None else step_times(plan, its, start, dur, busy, xfer, valid)
     with np.errstate(invalid="ignore"):
-        return CollectiveColumns(plan=plan, iterations=np.asarray([o.it for o in outs], dtype=np.int64),
+        return CollectiveColumns(plan=plan, iterations=its,
                                  enqueue=enq, end=end, valid=valid, done=done,
                                  busy=np.where(done, np.rint(busy), 0.0),
-                                 wait=np.where(done, np.maximum(np.rint(xfer - busy), 0.0), 0.0))
+                                 wait=np.where(done, np.maximum(np.rint(xfer - busy), 0.0), 0.0), steps=steps)
+
+
+#: Step 6: log-spread of one flow step's time around its link's (healthy step-to-step jitter).
+STEP_NOISE = 0.03
+
+
+def step_times(plan: CollectivePlan, its: np.ndarray, start, dur, busy, xfer, valid) -> dict:
+    """Step 6 from the engine's ring (rank order, global ns, (W, I*Kc) each): every flow's start
+    and end, as offsets from its rank's own start (arrival).
+
+    1. Each member's link multiplier: the ring's flow r → next(r) is busy in proportion to
+       the slower of its two ends (engine step 4), so member r's own link is the smaller of
+       its outgoing and incoming flows' busy times, relative to the group's fastest.
+    2. The algorithm's steps timed from when every member has arrived (``time_steps``, with
+       ``STEP_NOISE`` per flow step), then scaled so that they fill the engine's transfer.
+    """
+    W, Kc = valid.shape[0], len(plan.slots)
+    I = len(its)
+    out = {}
+    shape = (W, I, Kc)
+    start, dur, busy, xfer, valid = (a.reshape(shape) for a in (start, dur, busy, xfer, valid))
+    for col, sp in enumerate(plan.step_plans):
+        if sp.steps == 0:
+            continue
+        flat = plan.step_groups[col][0]                    # (G, n) ranks
+        G, n = flat.shape
+        ok = valid[flat, :, col].all(axis=1)               # (G, I): complete on every member
+        a = start[flat, :, col].transpose(2, 0, 1)          # (I, G, n)
+        e = a + dur[flat, :, col].transpose(2, 0, 1)
+        x = xfer[flat, :, col].transpose(2, 0, 1)
+        b = busy[flat, :, col].transpose(2, 0, 1)
+        okc = ok.T.reshape(-1)
+        with np.errstate(invalid="ignore"):
+            rel = np.minimum(b, np.roll(b, 1, axis=2))                         # 1.
+            mult = rel / np.nanmin(rel, axis=2, keepdims=True)
+            t0 = np.nanmax(e - x, axis=2, keepdims=True)                       # everyone arrived
+        C = I * G
+        mult = np.where(np.isfinite(mult), mult, 1.0).reshape(C, n)
+        rng = np.random.default_rng([int(its[0]) if I else 0, col, W])
+        noise = rng.lognormal(0.0, STEP_NOISE, (C,) + sp.dst.shape)
+        st, en = time_steps(sp, np.zeros((C, n)), mult, np.ones(C), noise)    # 2.
+        with np.errstate(invalid="ignore"):
+            scale = x[..., 0].reshape(C) / np.nanmax(en.reshape(C, -1), axis=1)
+            base = (t0 - a).reshape(C, n)[:, None, :, None]
+            so = base + st * scale[:, None, None, None]
+            eo = base + en * scale[:, None, None, None]
+        bad = ~np.isfinite(so) | ~okc[:, None, None, None]
+        so = np.where(bad, -1, np.rint(so)).astype(np.int64).reshape((I, G) + sp.dst.shape)
+        eo = np.where(bad, -1, np.rint(eo)).astype(np.int64).reshape((I, G) + sp.dst.shape)
+        out[col] = (so, eo)
+    return out
+
+
+# ---------------------------------------------------------------- step records (Vedrfolnir §III-B)
+
+#: Algorithms a collective is decomposed with; the default per op is the first that fits.
+ALGORITHMS = ("ring", "tree", "pairwise")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class StepPlan:
+    """Step 5: one collective's algorithm as steps of flows (group-rank indices).
+
+    ``dst[s, i, j]``: the j-th flow member ``i`` sends in step ``s`` (−1: none);
+    ``nbytes`` its bytes; ``inc[s, i]``: the flows of step ``s`` that send to
+    ``i`` (flat ``i*k + j`` indices, −1 padding), the data its step ``s+1`` waits for."""
+
+    op: str
+    algo: str
+    n: int
+    dst: np.ndarray     # (S, n, k) int64
+    nbytes: np.ndarray  # (S, n, k) int64
+    inc: np.ndarray     # (S, n, kin) int64
+
+    @property
+    def steps(self) -> int:
+        return self.dst.shape[0]
+
+
+def default_algo(op: str) -> str:
+    return "pairwise" if op == "alltoall" else "ring"
+
+
+def decompose(op: str, n: int, nbytes: int, algo: str | None = None) -> StepPlan:
+    """Step 5: the textbook decomposition of ``op`` over ``n`` members (``nbytes``: each member's input).
+
+    * ring all-reduce: 2(n−1) steps, each member sends a chunk of nbytes/n to the next
+      (reduce-scatter then all-gather phase): 2(n−1)/n·nbytes per member;
+    * ring reduce-scatter: n−1 steps of nbytes/n; ring all-gather: n−1 steps of nbytes
+      (the input is one member's chunk): (n−1)·nbytes per member;
+    * tree all-reduce (binary tree, heap order: parent of i is (i−1)//2, depth d = ⌊log2 n⌋):
+      d reduce steps (the deepest level first, each child sends nbytes to its parent) then
+      d broadcast steps (each parent sends nbytes to each child): 2d steps, 2(n−1)·nbytes in all;
+    * pairwise all-to-all: n−1 steps, in step s (1-based) member i sends nbytes/n to
+      (i+s) mod n and receives from (i−s) mod n: (n−1)/n·nbytes per member.
+    """
+    algo = algo or default_algo(op)
+    if n < 2:
+        z = np.zeros((0, n, 1), dtype=np.int64)
+        return StepPlan(op, algo, n, z, z, z)
+    i = np.arange(n)
+    if algo == "ring" and op in ("allreduce", "reducescatter", "allgather"):
+        S = 2 * (n - 1) if op == "allreduce" else n - 1
+        dst = np.broadcast_to(((i + 1) % n)[None, :, None], (S, n, 1)).copy()
+        b = nbytes if op == "allgather" else nbytes // n
+        nb = np.full((S, n, 1), b, dtype=np.int64)
+    elif algo == "pairwise" and op == "alltoall":
+        s = np.arange(1, n)
+        dst = ((i[None, :] + s[:, None]) % n)[:, :, None]
+        nb = np.full(dst.shape, nbytes // n, dtype=np.int64)
+    elif algo == "tree" and op == "allreduce":
+        depth = np.floor(np.log2(i + 1)).astype(np.int64)
+        D = int(depth[-1])
+        dst = np.full((2 * D, n, 2), -1, dtype=np.int64)
+        for s in range(D):                    # reduce: level D−s sends up
+            up = depth == D - s
+            dst[s, up, 0] = (i[up] - 1) // 2
+        for s in range(D):                    # broadcast: level s sends down
+            lvl = depth == s
+            for j in (0, 1):
+                ch = 2 * i + 1 + j
+                ok = lvl & (ch < n)
+                dst[D + s, ok, j] = ch[ok]
+        nb = np.where(dst >= 0, nbytes, 0).astype(np.int64)
+    else:
+        raise ValueError(f"no {algo} decomposition of {op}")
+    return StepPlan(op, algo, n, dst, np.where(dst >= 0, nb, 0), _incoming(dst))
+
+
+def _incoming(dst: np.ndarray) -> np.ndarray:
+    """(S, n, kin): per step and member the flat indices of the flows sending to it (−1 padding)."""
+    S, n, k = dst.shape
+    flat = dst.reshape(S, n * k)
+    s_idx, f_idx = np.nonzero(flat >= 0)
+    d = flat[s_idx, f_idx]
+    order = np.lexsort((f_idx, d, s_idx))
+    s_idx, f_idx, d = s_idx[order], f_idx[order], d[order]
+    key = s_idx * n + d
+    first = np.searchsorted(key, key, side="left")
+    pos = np.arange(len(key)) - first
+    kin = int(pos.max(initial=-1)) + 1
+    out = np.full((S, n, max(kin, 1)), -1, dtype=np.int64)
+    out[s_idx, d, pos] = f_idx
+    return out
+
+
+def time_steps(sp: StepPlan, t0: np.ndarray, mult: np.ndarray, ns_per_byte: np.ndarray,
+               noise: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Step 6: start and end (C, S, n, k) of every flow of C collectives of plan ``sp``.
+
+    A flow's step lasts its bytes × ``ns_per_byte`` (C,) × the slower of its two ends'
+    link multipliers ``mult`` (C, n) × ``noise`` (C, S, n, k). Member i starts step s when
+    its own flows of step s−1 ended and the data of step s−1 sent to it arrived (Vedrfolnir
+    Fig. 4: F2S2 waits for F2S1 and F1S1); step 0 at ``t0`` (C, n). NaN where no flow."""
+    S, n, k = sp.dst.shape
+    C = t0.shape[0]
+    start = np.full((C, S, n, k), np.nan)
+    end = np.full((C, S, n, k), np.nan)
+    ready = np.asarray(t0, dtype=float).copy()
+    rows = np.arange(C)[:, None, None]
+    for s in range(S):
+        dst = sp.dst[s]
+        ok = dst >= 0
+        m = np.maximum(mult[:, :, None], mult[rows, np.where(ok, dst, 0)[None]])
+        d = sp.nbytes[s][None] * ns_per_byte[:, None, None] * m
+        if noise is not None:
+            d = d * noise[:, s]
+        st = np.broadcast_to(ready[:, :, None], (C, n, k))
+        en = st + d
+        start[:, s] = np.where(ok, st, np.nan)
+        end[:, s] = np.where(ok, en, np.nan)
+        sent = np.where(ok, en, -np.inf).max(axis=2)
+        inc = sp.inc[s]
+        got = np.where(inc >= 0, end[:, s].reshape(C, n * k)[:, np.maximum(inc, 0)], -np.inf)
+        ready = np.maximum(ready, np.maximum(sent, np.nan_to_num(got, nan=-np.inf).max(axis=2)))
+    return start, end
+
+
+def use_step_records(topo: Topology, tmpl: wl.Template, algos: dict[str, str] | None = None) -> CollectivePlan:
+    """Step 5 switched on for one job: its chunks (``emit.build_chunk``, which keeps one plan per
+    job) carry step records from now on. Off by default: they multiply the records' volume
+    (``tests/benchmarks/bench_collectives.py`` measures it)."""
+    from trainscope.collector.sim import emit
+
+    plan = CollectivePlan.build(topo, tmpl, steps=True, algos=algos)
+    emit._PLANS[:] = [(topo, tmpl, plan)] + [x for x in emit._PLANS if not (x[0] is topo and x[1] is tmpl)][:3]
+    return plan
