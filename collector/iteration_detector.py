@@ -95,6 +95,18 @@ class IterationDetector:
         """Number of the iteration in progress (to tag phases with)."""
         return self.iterations
 
+    def opening(self) -> int | None:
+        """The number of the iteration a ``D`` arriving now would open, None when it falls inside one.
+
+        Read just before a ``dataloader.next()`` (the deep-dive boundary, ``collector/deep_dive.py``):
+        the same number on every rank that runs the same loop.
+        """
+        if self.pattern is None:
+            if not self._cur:
+                return self.iterations
+            return self.iterations + 1 if self._cur[-1][0] == OPTIMIZER else None
+        return self.iterations if self._pos == 0 else None
+
     # ------------------------------------------------------------------ input
     def event(self, symbol: str, start_ns: int, end_ns: int) -> None:
         """One ``dataloader.next()`` (``"D"``) or ``optimizer.step()`` (``"O"``)."""

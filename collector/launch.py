@@ -45,7 +45,7 @@ from trainscope.collector.bootstrap import AfterImport
 from trainscope.collector.exporter_socket import reachable
 from trainscope.proto import env
 from trainscope.proto.env import (
-    AUTOSTART, CPU_OPS, CUPTI, HOOKS, RANK_PID, RUN_DIR, SHIP_INTERVAL_S, SHUTDOWN_TIMEOUT_S, STACKS,
+    AUTOSTART, CPU_OPS, CUPTI, DEEP_DIVE, HOOKS, RANK_PID, RUN_DIR, SHIP_INTERVAL_S, SHUTDOWN_TIMEOUT_S, STACKS,
     STACKS_WINDOW_S, identity, runtime_dir)
 from trainscope.proto.errors import ConfigError
 
@@ -63,6 +63,10 @@ class InProcess:
     hooks: Any = None
     source: Any = None
     sidecar: Any = None
+    deep_dive: Any = None
+    """``collector.deep_dive.DeepDiveWindow`` (issue #14), fed by ``control``."""
+    control: Any = None
+    """``collector.control.ControlClient``: the stream this rank opens to its processor for commands."""
     notes: list = dataclasses.field(default_factory=list)
 
     def stats(self) -> dict:
@@ -76,6 +80,9 @@ class InProcess:
                             "collectives": h.collective_log.stats() if h.collective_log else {}}
         if self.source is not None:
             out["kernel_source"] = {"name": self.source.name, **dict(getattr(self.source, "stats", {}))}
+        if self.deep_dive is not None:
+            out["deep_dive"] = {**dict(self.deep_dive.stats),
+                                **{f"control_{k}": v for k, v in (self.control.stats if self.control else {}).items()}}
         return out
 
     def shutdown(self) -> None:
@@ -89,7 +96,9 @@ class InProcess:
         target = getattr(getattr(self.collector, "exporter", None), "config", None)
         if target is not None and not reachable(target.target):
             timeout = min(timeout, 0.2)  # nobody to flush to: count the rest as dropped, exit now
-        for step in (lambda: self.source and self.source.stop(),
+        for step in (lambda: self.deep_dive and self.deep_dive.close_at_exit(),
+                     lambda: self.control and self.control.stop(min(timeout, 2.0)),
+                     lambda: self.source and self.source.stop(),
                      lambda: self.hooks and self.hooks.phases.stop(min(timeout, 2.0)),
                      lambda: self.hooks and self.hooks.stop_collectives(),
                      lambda: self.collector.shutdown(timeout)):
@@ -187,6 +196,24 @@ def _on_torch(state: InProcess, environ) -> None:
     state.source = _kernel_source(state, environ)
     if state.source is not None:
         state.collector.add_kernel_source(state.source)
+    if state.hooks is not None and env.switch(DEEP_DIVE, environ=environ):
+        _start_deep_dive(state, environ)
+
+
+def _start_deep_dive(state: InProcess, environ) -> None:
+    """The deep-dive window on the hooks' iteration boundaries and the control stream to the processor."""
+    from trainscope.collector.control import ControlClient
+    from trainscope.collector.deep_dive import DeepDiveWindow
+
+    target = getattr(getattr(state.collector, "exporter", None), "config", None)
+    if target is None:
+        return
+    col = state.collector
+    window = DeepDiveWindow(env.deep_dive_dir(environ), col.resource.to_pb(), lambda rep: client.report(rep))
+    client = ControlClient(target.target, lambda: col.resource, window)
+    state.deep_dive, state.control = window, client
+    state.hooks.deep_dive = window
+    client.start()
 
 
 def _kernel_source(state: InProcess, environ):

@@ -118,6 +118,8 @@ class TorchHooks(CollectiveHooks):
         self._global_module_hooks: list = []
         self.first_step = threading.Event()
         """Set when the first optimizer step ends: training has begun."""
+        self.deep_dive = None
+        """A ``collector.deep_dive.DeepDiveWindow`` whose boundaries are the iterations' first batches."""
 
     # -------------------------------------------------------------- install
     def install(self) -> "TorchHooks":
@@ -205,6 +207,9 @@ class TorchHooks(CollectiveHooks):
         def __next__(it):
             if not hooks.active:
                 return orig(it)
+            dd = hooks.deep_dive
+            if dd is not None and dd.busy:  # a deep-dive window opens/closes before the iteration's first batch
+                hooks._guard(hooks._deep_dive_boundary, dd)
             span = hooks.phases.begin("dataloader", device_side=False)
             wall = time.time_ns()
             batch = orig(it)  # StopIteration and loader errors pass through untouched
@@ -212,6 +217,10 @@ class TorchHooks(CollectiveHooks):
             return batch
 
         self._patch(dl._BaseDataLoaderIter, "__next__", __next__)
+
+    def _deep_dive_boundary(self, dd) -> None:
+        if self._owner in (None, threading.get_ident()):  # the training loop's thread only
+            dd.before_batch(self.detector.opening())
 
     def _after_next(self, span, wall: int) -> None:
         self._event(DATALOADER, wall, time.time_ns())  # first: a D may open the next iteration

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from trainscope.proto import env
 from trainscope.processor.bus import EmbeddedBus, BusSink
 from trainscope.processor.durability import Durability, stored_until
+from trainscope.processor.control import ControlConfig, ControlHub, ControlServicer
 from trainscope.processor.ingest import IngestServicer
 from trainscope.processor.limits import IngestLimits
 from trainscope.proto.securefs import private_dir
@@ -71,6 +72,8 @@ class ProcessorConfig:
     """``PrometheusConfig`` or None (no /metrics endpoint)."""
     perfetto: Any = None
     """``PerfettoConfig`` or None (no trace files)."""
+    control: ControlConfig = dataclasses.field(default_factory=ControlConfig)
+    """The deep-dive control path (``processor/control.py``): collectors' Subscribe streams, requests."""
     security: ServerSecurity = dataclasses.field(default_factory=ServerSecurity)
     """TLS (server certificate, optionally required client certificates) and bearer token of the
     gRPC port (``proto/security.py``); the default is neither, fit for the per-user unix socket."""
@@ -136,7 +139,22 @@ class Processor:
             config.window, Summarizer(config.summary), self.sinks, self.metrics,
             queue_max=config.queue_max_batches,
         )
-        self.servicer = IngestServicer(self.pipeline.accept, self.metrics, config.limits,
+        # control streams hold handler threads too: at most half of them, ingest keeps the rest
+        self.control = ControlHub(dataclasses.replace(
+            config.control, max_subscribers=max(1, min(config.control.max_subscribers, config.grpc_workers // 2))))
+        self.control_servicer = ControlServicer(self.control, config.security)
+        accept, observe = self.pipeline.accept, self.control.observe
+
+        def accept_and_observe(d) -> bool:
+            ok = accept(d)
+            if ok:
+                try:
+                    observe(d)  # the job's latest iteration: where a deep dive can start
+                except Exception:
+                    log.debug("control observe failed", exc_info=True)
+            return ok
+
+        self.servicer = IngestServicer(accept_and_observe, self.metrics, config.limits,
                                        stream_idle_s=config.stream_idle_s, stream_max_s=config.stream_max_s,
                                        stream_max_malformed=config.stream_max_malformed,
                                        security=config.security,
@@ -200,7 +218,7 @@ class Processor:
             raise ConfigError("processor.listen", listen, "expected unix:///path or host:port")
         self._server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="ingest"),
-            handlers=[self.servicer.handler()],
+            handlers=[self.servicer.handler(), self.control_servicer.handler()],
             # beyond the handler threads, refuse at once (RESOURCE_EXHAUSTED, retried by the
             # exporter) rather than queue a stream behind idle ones until the sender times out
             maximum_concurrent_rpcs=cfg.grpc_workers,
@@ -285,6 +303,7 @@ class Processor:
         return self.pipeline.drain(timeout_s)
 
     def stop(self, grace_s: float = 2.0) -> None:
+        self.control_servicer.close()  # the collectors' control streams end now, not at the grace
         if self._server is not None:
             self._server.stop(grace_s).wait(grace_s + 1)
             self._server = None

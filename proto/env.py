@@ -38,6 +38,14 @@ def deep_dive_dir(environ: Mapping[str, str] = os.environ) -> str:
     return environ.get(DEEP_DIVE_DIR) or os.path.join(runtime_dir(environ), "deepdive")
 
 
+def deep_dive_trace_dir(root: str, job_id: str, dive_id: str) -> str:
+    """``<root>/<job>/<dive>``: one deep dive's traces and manifest (the job id made one safe path
+    component: ``[A-Za-z0-9_.-]``, at most 64 characters, no leading dot)."""
+    import re
+    job = re.sub(r"[^A-Za-z0-9_.-]", "_", job_id)[:64].lstrip(".") or "job"
+    return os.path.join(root, job, dive_id)
+
+
 #: The processor's default listen address and the collector's default target (per user).
 DEFAULT_PROCESSOR_TARGET = "unix://" + os.path.join(runtime_dir(), "processor.sock")
 #: Seconds of stack sampling per window (collector/stacks.py, launch.py).
