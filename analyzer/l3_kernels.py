@@ -372,9 +372,16 @@ def _categories(t: KernelTable, cfg: L3Config) -> np.ndarray:
 
 
 def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Config(),
-                  iterations: np.ndarray | None = None, host_timed: bool = False) -> L3Result:
+                  iterations: np.ndarray | None = None, host_timed: bool = False,
+                  w1_everywhere: bool = False) -> L3Result:
     """Steps 2-6 over flat arrays; ``rank_group[i]`` is the group of ``t.ranks[i]`` (−1: none),
-    ``iterations[i]`` the iterations ``t.ranks[i]`` ran in the window (default 1)."""
+    ``iterations[i]`` the iterations ``t.ranks[i]`` ran in the window (default 1).
+
+    The decision (step 5) needs only the times per iteration, so the CDFs and
+    W1 (steps 2-4, the evidence) are rebuilt only for the segments where a
+    rank is flagged: a healthy window costs no CDF at all. ``w1_everywhere``
+    scores every segment as before issue #15 (same findings; for benchmarks
+    and the equivalence test)."""
     rank_group = np.asarray(rank_group, dtype=np.int64)
     if t.dist_rank.size == 0:
         return L3Result([], [], 0, 0)
@@ -446,11 +453,20 @@ def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Conf
     G = cfg.grid_points
     for n in np.unique(seg_n[scored]).tolist():
         segs = np.flatnonzero(scored & (seg_n == n))
+        d_all = order[(seg_first[segs][:, None] + np.arange(n)).ravel()].reshape(segs.size, n)
+        # the decision first (step 5, time per iteration): W1 is evidence, rebuilt only where a rank is flagged
+        if not w1_everywhere:
+            z, _, _ = robust_z(x_all[d_all], np.sqrt(se2_all[d_all]), cfg.rel_floor)
+            zs = z_for(n)
+            hit = (z >= zs) | ((z <= -zs) & comm_key[seg_key[segs]][:, None])
+            keep = hit.any(axis=1)
+            segs, d_all = segs[keep], d_all[keep]
         per_chunk = max(1, cfg.block_elements // (n * G))
         gb = G if per_chunk > 1 else max(1, min(G, cfg.block_elements // n))
         for c0 in range(0, segs.size, per_chunk):
             chunk = segs[c0:c0 + per_chunk]
-            dists = order[(seg_first[chunk][:, None] + np.arange(n)).ravel()]
+            d2 = d_all[c0:c0 + per_chunk]
+            dists = d2.ravel()
             gslot = dist_slot[dists]
             wk = wgrid[slot_of_key[seg_key[chunk]]]
             acc = np.zeros((chunk.size, n))
@@ -460,7 +476,6 @@ def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Conf
                 f = f.reshape(chunk.size, n, g1 - g0).transpose(0, 2, 1)
                 acc += abs_dev_sums(f, wk[:, g0:g1])
             scores = acc / (n - 1)
-            d2 = dists.reshape(chunk.size, n)
             outliers += _flag(t, seg_key[chunk], seg_group[chunk], d2, scores, x_all[d2],
                               np.sqrt(se2_all[d2]), comm_key[seg_key[chunk]], z_for(n), cfg)
     for g, m in cat_groups:
