@@ -164,8 +164,9 @@ def _add_run_parser(sub, handlers: Handlers) -> None:
     ru.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
     ru.set_defaults(func=handlers["run"])
 
-    from trainscope.deploy import report_cmd
+    from trainscope.deploy import profile_cmd, report_cmd
     report_cmd.add_parser(sub)
+    profile_cmd.add_parser(sub)
 
 
 def _add_query_parser(sub, handlers: Handlers) -> None:
