@@ -298,7 +298,8 @@ class DeepDiveWindow:
         """Open the window (split from ``_start`` so tests without torch can drive it)."""
         try:
             directory = trace_dir(self.root, cmd.job_id or self.resource_pb.job_id, cmd.dive_id)
-            private_dir(directory, "deep_dive.dir")
+            for d in (self.root, os.path.dirname(directory), directory):  # every level 0700, ours
+                private_dir(d, "deep_dive.dir")
             prof = self._factory(cmd.with_stack)
             prof.start(it)
         except Exception as e:

@@ -251,7 +251,8 @@ class ControlHub:
         dive_id = req.dive_id or time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
         directory = env.deep_dive_trace_dir(cfg.directory, job, dive_id)
         try:
-            private_dir(directory, "control.directory")
+            for d in (cfg.directory, os.path.dirname(directory), directory):  # every level 0700, ours
+                private_dir(d, "control.directory")
         except (OSError, ConfigError) as e:
             return self._refuse(ack, f"cannot create {directory}: {e}")
         cmd = control_pb2.DeepDiveCommand(
