@@ -193,4 +193,190 @@ def _finding(job_id, window, rank, ev, impact_ns, step_ns, extra) -> Finding:
                              **extra})
 
 
-__all__ = ["KIND", "WaitingGraphConfig", "slow_links"]
+# ------------------------------------------------------------ step records (Vedrfolnir §III-B, §III-D1)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class StepBlock:
+    """Collectives of one shape, their flows stacked (C, S, n, k): same op, algorithm, member
+    count, span (inside a host or across hosts), size class and step structure, so that the
+    waiting graph of all of them is one array recurrence. Times are offsets on each rank's
+    own clock (only durations and one rank's own differences are used: clock-free)."""
+
+    op: str
+    algo: str
+    spans: bool
+    gid: list            # (C,) group ids
+    seq: np.ndarray      # (C,)
+    iteration: np.ndarray  # (C,)
+    members: np.ndarray  # (C, n) global ranks, group order
+    dst: np.ndarray      # (C, S, n, k) global rank, −1: no flow
+    nbytes: np.ndarray   # (C, S, n, k)
+    start: np.ndarray    # (C, S, n, k) ns from the rank's record start (NaN: no flow)
+    end: np.ndarray
+    inc: np.ndarray      # (S, n, kin) flat (i*k + j) flows of step s sending to member i (−1: none)
+
+    @property
+    def dur(self) -> np.ndarray:
+        return self.end - self.start
+
+    @property
+    def key(self) -> tuple:
+        """The class a step's baseline is taken over (``provenance`` step 1)."""
+        return (self.op, self.algo, self.members.shape[1], self.spans, int(np.nanmax(self.nbytes)).bit_length())
+
+
+def step_blocks(collectives: Iterable[tuple[str, tuple[int, ...], int, Mapping[int, object]]],
+                hosts: Mapping[int, str]) -> list[StepBlock]:
+    """Step records of joined collectives, (group id, members, seq, {rank: CollectiveRecord}) each,
+    stacked into ``StepBlock`` s. A collective some member of which sent no steps is left out."""
+    groups: dict[tuple, list] = collections.defaultdict(list)
+    for gid, members, seq, recs in collectives:
+        n = len(members)
+        if n < 2 or any(m not in recs or not len(getattr(recs[m], "step_index", ())) for m in members):
+            continue
+        pos = {int(m): i for i, m in enumerate(members)}
+        per = []
+        for m in members:
+            r = recs[m]
+            si = np.asarray(r.step_index, dtype=np.int64)
+            d = np.asarray([pos.get(int(x), -1) for x in r.step_dst], dtype=np.int64)
+            if len(d) != len(si) or (d < 0).any():
+                break
+            per.append((si, d, np.asarray(r.step_bytes, dtype=np.int64), np.asarray(r.step_start_ns, dtype=float),
+                        np.asarray(r.step_end_ns, dtype=float)))
+        else:
+            S = 1 + max(int(p[0].max()) for p in per)
+            slot = []
+            for si, *_ in per:        # j: the flow's place among the member's flows of its step
+                first = np.searchsorted(si, si, side="left")
+                slot.append(np.arange(len(si)) - first)
+            k = 1 + max(int(j.max()) for j in slot)
+            dst = np.full((S, n, k), -1, dtype=np.int64)
+            arr = np.full((4, S, n, k), np.nan)
+            for i, ((si, d, b, st, en), j) in enumerate(zip(per, slot)):
+                dst[si, i, j] = d
+                arr[0, si, i, j], arr[1, si, i, j], arr[2, si, i, j] = b, st, en
+            r0 = recs[members[0]]
+            spans = len({hosts.get(int(m), "") for m in members}) > 1
+            key = (r0.op, r0.algo, n, spans, int(np.nanmax(arr[0])).bit_length(), dst.tobytes())
+            groups[key].append((gid, seq, int(r0.iteration), np.asarray(members, dtype=np.int64), dst, arr))
+    out = []
+    for key, xs in groups.items():
+        pd = xs[0][4]
+        members = np.stack([x[3] for x in xs])
+        dst_pos = np.broadcast_to(pd, (len(xs),) + pd.shape)
+        dst = np.where(dst_pos >= 0, np.take_along_axis(
+            members[:, None, :, None].repeat(pd.shape[0], 1).repeat(pd.shape[2], 3).reshape(len(xs), -1),
+            np.maximum(dst_pos, 0).reshape(len(xs), -1), axis=1).reshape(dst_pos.shape), -1)
+        arr = np.stack([x[5] for x in xs], axis=1)
+        out.append(StepBlock(op=key[0], algo=key[1], spans=key[3], gid=[x[0] for x in xs],
+                             seq=np.asarray([x[1] for x in xs], dtype=np.int64),
+                             iteration=np.asarray([x[2] for x in xs], dtype=np.int64), members=members, dst=dst,
+                             nbytes=np.nan_to_num(arr[0]).astype(np.int64), start=arr[1], end=arr[2],
+                             inc=incoming(pd)))
+    return out
+
+
+def incoming(dst_pos: np.ndarray) -> np.ndarray:
+    """(S, n, kin): per step and member the flat indices (i*k + j) of the flows sending to it."""
+    S, n, k = dst_pos.shape
+    flat = dst_pos.reshape(S, n * k)
+    s_idx, f_idx = np.nonzero(flat >= 0)
+    d = flat[s_idx, f_idx]
+    key = s_idx * n + d
+    order = np.argsort(key, kind="stable")
+    s_idx, f_idx, d, key = s_idx[order], f_idx[order], d[order], key[order]
+    pos = np.arange(len(key)) - np.searchsorted(key, key, side="left")
+    out = np.full((S, n, int(pos.max(initial=0)) + 1), -1, dtype=np.int64)
+    out[s_idx, d, pos] = f_idx
+    return out
+
+
+def critical_path(b: StepBlock) -> tuple[np.ndarray, np.ndarray]:
+    """Steps 6-7 (Vedrfolnir §III-B graph, §III-D1 critical path), every collective of the block at once.
+
+    6. The waiting graph: a vertex per flow step; its dark edge weighs the step's duration
+       (its own clock); light edges (weight 0) from the member's own previous flows and
+       from the flows of the previous step that sent it data. ``L`` is the longest path
+       to each flow step's end, one step at a time over the whole block: member i starts
+       step s after ``ready_i``, the longest of its own and its incoming flows so far.
+    7. The critical path: from the flow step with the longest ``L``, back along the edge
+       that set each step's ``ready`` (pruning the vertices nobody waited on).
+
+    Returns ``L`` (C, S, n, k) and the critical mask (C, S, n, k)."""
+    dur = b.dur
+    C, S, n, k = dur.shape
+    L = np.full(dur.shape, np.nan)
+    ready = np.zeros((C, n))
+    arg_s = np.full((C, n), -1, dtype=np.int64)        # the flow step that set ready: step, flat flow
+    arg_f = np.full((C, n), -1, dtype=np.int64)
+    pred_s = np.full((C, S, n), -1, dtype=np.int64)
+    pred_f = np.full((C, S, n), -1, dtype=np.int64)
+    rows = np.arange(C)[:, None]
+    for s in range(S):
+        ok = b.dst[:, s] >= 0
+        pred_s[:, s], pred_f[:, s] = arg_s, arg_f
+        L[:, s] = np.where(ok, ready[:, :, None] + np.where(ok, dur[:, s], 0.0), np.nan)
+        Ls = np.where(ok, L[:, s], -np.inf).reshape(C, n * k)
+        own = Ls.reshape(C, n, k)
+        j_own = own.argmax(axis=2)
+        v_own = own.max(axis=2)
+        inc = b.inc[s]
+        v_in_all = np.where(inc >= 0, Ls[:, np.maximum(inc, 0)], -np.inf)         # (C, n, kin)
+        j_in = np.take_along_axis(np.broadcast_to(inc, v_in_all.shape), v_in_all.argmax(axis=2)[..., None],
+                                  axis=2)[..., 0]
+        v_in = v_in_all.max(axis=2)
+        best = np.maximum(v_own, v_in)
+        upd = best > ready
+        from_own = v_own >= v_in
+        arg_s = np.where(upd, s, arg_s)
+        arg_f = np.where(upd, np.where(from_own, np.arange(n)[None] * k + j_own, j_in), arg_f)
+        ready = np.where(upd, best, ready)
+    crit = np.zeros(dur.shape, dtype=bool)
+    flat = np.where(np.isfinite(L), L, -np.inf).reshape(C, -1)
+    at = flat.argmax(axis=1)
+    cs, cf = at // (n * k), at % (n * k)
+    live = np.isfinite(flat[np.arange(C), at])
+    for _ in range(S):
+        if not live.any():
+            break
+        c = np.flatnonzero(live)
+        crit[c, cs[c], cf[c] // k, cf[c] % k] = True
+        ps, pf = pred_s[c, cs[c], cf[c] // k], pred_f[c, cs[c], cf[c] // k]
+        cs[c], cf[c] = ps, pf
+        live[c] = ps >= 0
+    del rows
+    return L, crit
+
+
+def waits(b: StepBlock, L: np.ndarray, *, tol_ns: float = 0.0) -> list[tuple[str, int, int, int, int, float]]:
+    """Step 8 (Vedrfolnir Table I, waiting status): who waited for whom at which step.
+
+    Member i waited before step s when it started s later, on its own clock, than its own
+    flows of earlier steps ended (by more than ``tol_ns``); it waited for the member whose
+    data of the step before, by the waiting graph's ``L``, came last. Returns
+    (group, seq, step, waiter, waited for, wait ns) tuples."""
+    C, S, n, k = b.dst.shape
+    out = []
+    own_end = np.full((C, n), np.nan)
+    for s in range(S):
+        ok = b.dst[:, s] >= 0
+        st = np.where(ok, b.start[:, s], np.inf).min(axis=2)
+        w = st - own_end
+        if s:
+            inc = b.inc[s - 1]
+            Lp = np.where(b.dst[:, s - 1] >= 0, L[:, s - 1], -np.inf).reshape(C, n * k)
+            v = np.where(inc >= 0, Lp[:, np.maximum(inc, 0)], -np.inf)
+            j = np.take_along_axis(np.broadcast_to(inc, v.shape), v.argmax(axis=2)[..., None], axis=2)[..., 0]
+            src = np.where(j >= 0, j // k, -1)
+            hit = np.isfinite(w) & (w > tol_ns) & (src >= 0)
+            for c, i in zip(*np.nonzero(hit)):
+                out.append((b.gid[c], int(b.seq[c]), s, int(b.members[c, i]), int(b.members[c, src[c, i]]),
+                            float(w[c, i])))
+        en = np.where(ok, b.end[:, s], -np.inf).max(axis=2)
+        own_end = np.where(ok.any(axis=2), np.fmax(own_end, en), own_end)
+    return out
+
+
+__all__ = ["KIND", "StepBlock", "WaitingGraphConfig", "critical_path", "slow_links", "step_blocks", "waits"]
