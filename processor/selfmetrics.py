@@ -42,6 +42,10 @@ COUNTERS = {
     "auth_rejected": ("Requests refused for a missing or wrong bearer token, by endpoint", ("endpoint",)),
     "thread_restarts": ("Daemon threads restarted after an unexpected error, by thread", ("thread",)),
     "job_series_refused": ("Per-job series not made because max_job_series were there already", ()),
+    "collective_triggers": ("Mycroft triggers on sampled ranks' collective records, by kind (hang, straggler)",
+                            ("kind",)),
+    "collective_raw_records": ("Raw collective records by fate (kept: emitted with their window; pulled: "
+                               "emitted by a trigger; summarised: summaries only)", ("fate",)),
 }
 GAUGES = {
     "lag_seconds": ("Now minus the send time of the newest batch, by signal", ("signal",)),
