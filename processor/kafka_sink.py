@@ -26,6 +26,12 @@ Design (why it looks like this):
    connection broke may be sent again.
 5. ``flush`` waits for the spool to drain; ``close`` flushes with a bound and
    stops the thread. What is left stays in the spool for the next start.
+   Giving up is bounded once, not once per call: a shutdown flushes several
+   times (final drain, pipeline stop, close) and a dead broker cost each the
+   caller's whole timeout (replay: 15 + 30 + 10 s). Now the flushes share one
+   budget of ``close_timeout_s`` spent waiting with nothing acknowledged; when
+   it is used up the sink says once what stays spooled, and later flushes return
+   at once until a record is delivered again (which refills the budget).
 """
 from __future__ import annotations
 
@@ -127,6 +133,10 @@ class KafkaSink:
         self._errors_logged: set[int] = set()  # error codes already logged in this outage
         self._outage_logged = False
         self._flushing = 0
+        self._idle_flush_s = 0.0  # time spent in flush() with nothing acknowledged (see flush)
+        self._idle_counted_to = 0.0  # monotonic time up to which it is counted (concurrent flushes)
+        self._acked_at = 0.0  # monotonic time of the last spool commit
+        self._gave_up_said = False
         self._closed = False
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -208,18 +218,38 @@ class KafkaSink:
             self.metrics.inc("drops", where="kafka_direct")
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every spooled record is acknowledged; True if none is left."""
+        """Wait until every spooled record is acknowledged; True if none is left.
+
+        1. Wait at most ``timeout_s``, waking the sender (it probes a down broker every 0.2 s
+           while someone flushes).
+        2. Count the time waited with nothing acknowledged in ``_idle_flush_s``, across calls
+           (a shutdown flushes three times) and without double counting concurrent callers;
+           a spool commit resets it to zero.
+        3. Stop once that count reaches ``close_timeout_s``: a dead broker holds a shutdown that
+           long in all, not once per call. The first time, say what stays in the spool.
+        """
         deadline = time.monotonic() + timeout_s
+        budget = self.config.close_timeout_s
         with self._drained:
             self._flushing += 1
         try:
             self._wake.set()
             with self._drained:
+                mark = time.monotonic()
                 while self._spool.frames and self._thread.is_alive():
-                    left = deadline - time.monotonic()
+                    now = time.monotonic()
+                    self._idle_flush_s += max(0.0, now - max(mark, self._idle_counted_to, self._acked_at))
+                    self._idle_counted_to = mark = now
+                    left = min(deadline - now, budget - self._idle_flush_s)
                     if left <= 0:
                         break
                     self._drained.wait(min(left, 0.1))
+                if self._spool.frames and self._idle_flush_s >= budget and not self._gave_up_said:
+                    self._gave_up_said = True
+                    log.warning("kafka sink: nothing delivered to %s in %.1f s of flushing; giving up: "
+                                "%d records (%s bytes) stay in the spool %s for the next start",
+                                self.config.bootstrap, budget, self._spool.frames, f"{self._spool.bytes:,}",
+                                self.config.spool_dir)
             self._set_gauge()  # the sender may not have refreshed it since its last commit
             return self._spool.frames == 0
         finally:
@@ -227,7 +257,8 @@ class KafkaSink:
                 self._flushing -= 1
 
     def close(self) -> None:
-        """Flush for at most ``close_timeout_s``, stop the sender; keeps the rest on disk."""
+        """Flush for at most ``close_timeout_s`` (less when earlier flushes already waited on a
+        broker that took nothing: see :meth:`flush`), stop the sender; keeps the rest on disk."""
         if self._closed:
             return
         self.flush(self.config.close_timeout_s)
@@ -377,6 +408,9 @@ class KafkaSink:
             self._spool.commit(n)
             self._set_gauge()
             with self._drained:
+                self._acked_at = time.monotonic()
+                self._idle_flush_s = 0.0  # delivering again: a later flush gets its whole budget
+                self._gave_up_said = False
                 self._drained.notify_all()
 
     def _check_health(self) -> None:
