@@ -1,0 +1,257 @@
+"""Localise abnormal function behaviour across ranks (EROICA §4.3, eq. 6-11).
+
+Input: every rank's behaviour patterns P_{f,w} = (β, μ, σ) (``patterns.py``).
+Ranks are compared within their role (ranks running the same code: one role
+for a data-parallel job; a pipeline stage each otherwise).
+
+Steps:
+1. Matrices β, μ, σ of shape (ranks, functions), with (0, 0, 0) where a
+   function never reached a rank's critical path.
+2. Expected range R_f (eq. 6). Given (``expected``: per function name or per
+   kind, e.g. ``PAPER_RANGES``, EROICA's production ranges: Python β ≤ 0.01,
+   collectives β ≤ 0.3, compute unbounded) or, when not, from the job itself:
+   the median over the role's ranks plus max(``floor``, k·1.4826·MAD) per
+   dimension (one-sided: being *more* on the path, or slower per execution,
+   is what costs time). ``floor`` = 0.01 is EROICA's "within 1 % is
+   measurement noise"; 1.4826·MAD estimates a standard deviation robustly.
+3. Distance from expectation D_{f,w} (eq. 7): the Manhattan distance from
+   P_{f,w} to R_f, every dimension in shares of the window: μ and σ times
+   the role's median executions per window (what that much time per
+   execution costs over a typical window). So the three dimensions are
+   comparable and the 1 % floor means the same thing in each: a
+   per-execution excess that costs under 1 % of the window is noise.
+4. Differential distance Δ_{f,w} (eq. 8-10): patterns max-normalised per
+   function over the role's ranks; Δ = the share of N = min(100, |W|)
+   sampled ranks (seeded: the same input gives the same answer) whose
+   normalised pattern is at Manhattan distance ≥ δ = 0.4.
+5. Abnormal (eq. 11): β > 0.01 ∧ (D > 0 ∨ Δ > M_f + k·MAD_f), k = 5,
+   M_f and MAD_f the median and median absolute deviation of Δ over the role.
+   Δ is a share of N ranks, so MAD_f is taken as at least 1/N (its
+   resolution): without it, a job where every Δ is 0 but two ranks differ
+   from each other would call both outliers (MAD = 0).
+6. Impact, s per iteration: (β_w − median β) × the rank's mean iteration
+   time (the extra critical-path time the function costs the rank per step),
+   when the traces have iteration marks.
+Assumption: ranks of one role run the same code, so a function's pattern
+differs between them only when something is wrong (§3 of the paper).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from trainscope.analyzer.deepdive.patterns import Patterns
+from trainscope.proto.errors import ConfigError
+
+INF = math.inf
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExpectedRange:
+    """R_f of eq. 6: closed intervals per dimension (β share; μ, σ in seconds)."""
+
+    beta: tuple[float, float] = (0.0, 1.0)
+    mu: tuple[float, float] = (0.0, INF)
+    sigma: tuple[float, float] = (0.0, INF)
+
+
+#: EROICA §4.3's production ranges, by kind of function.
+PAPER_RANGES: Mapping[str, ExpectedRange] = {
+    "python": ExpectedRange(beta=(0.0, 0.01)),
+    "cpu": ExpectedRange(beta=(0.0, 0.01)),
+    "runtime": ExpectedRange(beta=(0.0, 0.01)),
+    "communication": ExpectedRange(beta=(0.0, 0.3)),
+    "memory": ExpectedRange(beta=(0.0, 1.0)),
+    "compute": ExpectedRange(beta=(0.0, 1.0)),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LocalizeConfig:
+    n_sample: int = 100
+    """N of eq. 9: ranks sampled per comparison (min(N, |W|))."""
+    delta: float = 0.4
+    """δ of eq. 10: normalised Manhattan distance at which two patterns differ."""
+    k: float = 5.0
+    """k of eq. 11: MAD multiplier for Δ, and for the self-derived expected range."""
+    min_beta: float = 0.01
+    """Eq. 11: a function must take more than this share of the window to matter."""
+    floor: float = 0.01
+    """Smallest half-width of a self-derived expected range (1 % noise, §4.3)."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n_sample < 1:
+            raise ConfigError("deepdive.n_sample", self.n_sample, "must be >= 1")
+        if not 0 < self.delta <= 3:
+            raise ConfigError("deepdive.delta", self.delta, "must be in (0, 3]")
+        if self.k <= 0:
+            raise ConfigError("deepdive.k", self.k, "must be > 0")
+        if not 0 <= self.min_beta < 1:
+            raise ConfigError("deepdive.min_beta", self.min_beta, "must be in [0, 1)")
+        if self.floor < 0:
+            raise ConfigError("deepdive.floor", self.floor, "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Outlier:
+    """One function found abnormal on one or more ranks (step 5), best first within."""
+
+    function: str
+    kind: str
+    role: str
+    ranks: tuple[int, ...]
+    d: tuple[float, ...]            # D_{f,w} per rank
+    delta: tuple[float, ...]        # Δ_{f,w} per rank
+    beta: tuple[float, ...]
+    mu: tuple[float, ...]           # s
+    sigma: tuple[float, ...]        # s
+    impact_s: tuple[float | None, ...]   # s per iteration (step 6), None without iteration marks
+    slower: tuple[bool, ...]
+    expected: tuple[float, float, float]      # the role's median (β, μ, σ)
+    delta_threshold: float                    # M_f + k·MAD_f
+    common: bool                    # on more than half the role's ranks: a problem of the whole job (§4.3 type 1)
+    launched_by: str = ""
+    evidence: str = ""
+
+
+def _mad(x: np.ndarray, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    m = np.median(x, axis=axis)
+    return m, np.median(np.abs(x - np.expand_dims(m, axis)), axis=axis)
+
+
+def _matrices(pats: Sequence[Patterns]) -> tuple[list[str], list[str], list[str], np.ndarray, np.ndarray,
+                                                np.ndarray, np.ndarray]:
+    """Step 1."""
+    index: dict[str, int] = {}
+    kinds: list[str] = []
+    launched: list[str] = []
+    for p in pats:
+        for f, kd, lb in zip(p.functions, p.kinds, p.launched_by):
+            if f not in index:
+                index[f] = len(index)
+                kinds.append(kd)
+                launched.append(lb)
+    B = np.zeros((len(pats), len(index)))
+    MU = np.zeros_like(B)
+    SG = np.zeros_like(B)
+    N = np.zeros_like(B)
+    for i, p in enumerate(pats):
+        cols = np.fromiter((index[f] for f in p.functions), dtype=np.int64, count=len(p.functions))
+        B[i, cols], MU[i, cols], SG[i, cols], N[i, cols] = p.beta, p.mu, p.sigma, p.count
+    return list(index), kinds, launched, B, MU, SG, N
+
+
+def differential_distance(B: np.ndarray, MU: np.ndarray, SG: np.ndarray, cfg: LocalizeConfig,
+                          rng: np.random.Generator) -> np.ndarray:
+    """Step 4 for one role: Δ (ranks, functions). Chunked over functions to bound memory."""
+    R, F = B.shape
+    out = np.zeros((R, F))
+    if R < 2 or F == 0:
+        return out
+    n = min(cfg.n_sample, R)
+    sample = np.arange(R) if n == R else rng.choice(R, size=n, replace=False)
+    chunk = max(1, int(4e6 // (R * n)))
+    for a in range(0, F, chunk):
+        acc = np.zeros((R, n, min(chunk, F - a)), dtype=np.float32)
+        for M in (B, MU, SG):
+            m = M[:, a:a + chunk]
+            hi = m.max(axis=0)
+            x = np.divide(m, hi, out=np.zeros_like(m), where=hi > 0).astype(np.float32)
+            acc += np.abs(x[:, None, :] - x[sample][None, :, :])
+        out[:, a:a + chunk] = (acc >= cfg.delta).mean(axis=1)
+    return out
+
+
+def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | None = None,
+             expected: Mapping[str, ExpectedRange] | None = None,
+             cfg: LocalizeConfig = LocalizeConfig()) -> list[Outlier]:
+    """Steps 1-6 for every role; outliers sorted by their largest impact (then D, Δ)."""
+    by_role: dict[str, list[int]] = {}
+    for r in sorted(patterns):
+        by_role.setdefault((roles or {}).get(r, "job"), []).append(r)
+    rng = np.random.default_rng(cfg.seed)
+    out: list[Outlier] = []
+    for role, ranks in sorted(by_role.items()):
+        pats = [patterns[r] for r in ranks]
+        funcs, kinds, launched, B, MU, SG, N = _matrices(pats)
+        if not funcs:
+            continue
+        R = len(ranks)
+        # 2. expected range
+        mB, madB = _mad(B)
+        present = np.where(MU > 0, MU, np.nan)
+        with np.errstate(all="ignore"):
+            ref_mu = np.nan_to_num(np.nanmedian(present, axis=0), nan=0.0)
+            win = np.array([p.window_s for p in pats])[:, None]
+            per = np.nanmedian(np.where(N > 0, win / np.maximum(N, 1), np.nan), axis=0)
+        # μ, σ in window shares: what that much per execution costs at the role's typical executions per window
+        scale = np.where(np.isfinite(per) & (per > 0), per, 1.0)
+        mu_r, sg_r = MU / scale, SG / scale
+        mM, madM = _mad(mu_r)
+        mS, madS = _mad(sg_r)
+        w = cfg.k * 1.4826
+        hiB = mB + np.maximum(cfg.floor, w * madB)
+        hiM = mM + np.maximum(cfg.floor, w * madM)
+        hiS = mS + np.maximum(cfg.floor, w * madS)
+        loB = np.zeros_like(hiB)
+        loM = np.zeros_like(hiM)
+        loS = np.zeros_like(hiS)
+        if expected:
+            for j, (f, kd) in enumerate(zip(funcs, kinds)):
+                e = expected.get(f) or expected.get(kd)
+                if e is not None:
+                    loB[j], hiB[j] = e.beta
+                    loM[j], hiM[j] = e.mu[0] / scale[j], e.mu[1] / scale[j]
+                    loS[j], hiS[j] = e.sigma[0] / scale[j], e.sigma[1] / scale[j]
+        # 3. distance from expectation (a function absent from a rank's path is at the origin)
+        D = (np.maximum(0, B - hiB) + np.maximum(0, loB - B)
+             + np.maximum(0, mu_r - hiM) + np.maximum(0, loM - mu_r) * (MU > 0)
+             + np.maximum(0, sg_r - hiS) + np.maximum(0, loS - sg_r) * (MU > 0))
+        # 4. differential distance
+        Dl = differential_distance(B, MU, SG, cfg, rng)
+        mD, madD = _mad(Dl)
+        # Δ moves in steps of 1/N: its spread cannot be told finer than one sampled rank
+        thr = mD + cfg.k * np.maximum(madD, 1.0 / min(cfg.n_sample, R))
+        # 5. abnormal
+        bad = (B > cfg.min_beta) & ((D > 0) | (Dl > thr))
+        # 6. impact per iteration
+        per_iter = np.array([p.window_s / p.iterations if p.iterations else np.nan for p in pats])
+        impact = (B - mB) * per_iter[:, None]
+        slower = (B > mB) | ((MU > ref_mu) & (B >= mB))
+        for j in np.flatnonzero(bad.any(axis=0)):
+            rows = np.flatnonzero(bad[:, j])
+            imp = impact[rows, j]
+            rows = rows[np.argsort(-np.nan_to_num(imp, nan=-np.inf), kind="stable")]
+            out.append(_outlier(funcs[j], kinds[j], role, [ranks[i] for i in rows], rows, j, D, Dl, B, MU, SG,
+                                impact, slower, (float(mB[j]), float(ref_mu[j]), float(np.median(SG[:, j]))),
+                                float(thr[j]), R, launched[j], expected is not None and (
+                                    funcs[j] in expected or kinds[j] in expected)))
+    out.sort(key=lambda o: (-max((x for x in o.impact_s if x is not None), default=0.0), -max(o.d), -max(o.delta)))
+    return out
+
+
+def _outlier(func, kind, role, ranks, rows, j, D, Dl, B, MU, SG, impact, slower, ref, thr, R, launched,
+             given) -> Outlier:
+    imp = tuple(None if not np.isfinite(impact[i, j]) else float(impact[i, j]) for i in rows)
+    why = []
+    r0, i0 = ranks[0], rows[0]
+    if D[i0, j] > 0:
+        why.append(f"D={D[i0, j]:.3f} from the {'given' if given else 'job median'} expected range")
+    if Dl[i0, j] > thr:
+        why.append(f"Δ={Dl[i0, j]:.2f} > M+kMAD={thr:.2f} (differs from {Dl[i0, j]:.0%} of sampled ranks)")
+    cost = f", costs {imp[0] * 1e3:.2f} ms per iteration" if imp[0] is not None and imp[0] > 0 else ""
+    text = (f"{kind} function {func[:80]!r} on rank {r0}: β={B[i0, j]:.3f} of the window on the critical path "
+            f"(median {ref[0]:.3f}), μ={MU[i0, j] * 1e3:.3f} ms per execution (median {ref[1] * 1e3:.3f} ms), "
+            f"σ={SG[i0, j] * 1e3:.3f} ms; " + "; ".join(why) + cost
+            + (f"; {len(ranks)} ranks in all" if len(ranks) > 1 else "")
+            + (f"; launched by {launched[:60]!r}" if launched else ""))
+    return Outlier(function=func, kind=kind, role=role, ranks=tuple(int(r) for r in ranks),
+                   d=tuple(float(D[i, j]) for i in rows), delta=tuple(float(Dl[i, j]) for i in rows),
+                   beta=tuple(float(B[i, j]) for i in rows), mu=tuple(float(MU[i, j]) for i in rows),
+                   sigma=tuple(float(SG[i, j]) for i in rows), impact_s=imp,
+                   slower=tuple(bool(slower[i, j]) for i in rows), expected=ref, delta_threshold=thr,
+                   common=len(ranks) > R / 2, launched_by=launched, evidence=text)

@@ -1,0 +1,163 @@
+"""Read one rank's PyTorch profiler (Kineto) Chrome trace into numpy columns.
+
+The deep dive's input (ARGUS §6.3, L4; EROICA §4.1) is what
+``torch.profiler.profile(...).export_chrome_trace(path)`` writes, gzipped or
+not: ``traceEvents`` of complete events (``ph == "X"``) with ``cat``
+``kernel`` / ``gpu_memcpy`` / ``gpu_memset`` / ``cuda_runtime`` / ``cpu_op`` /
+``python_function`` / ``user_annotation``, ``ts`` and ``dur`` in microseconds,
+``args.stream`` and ``args.correlation`` on device and runtime events.
+
+Steps:
+1. Load the JSON (``gzip`` by magic number, not by suffix); anything that is
+   not a trace object with a ``traceEvents`` list is a ``TraceError`` that
+   names the file and says what to do.
+2. Keep the complete events of the known categories; everything else
+   (flow arrows, metadata, the profiler's own span) is dropped.
+3. Columns: category code, interned name id, ``ts``/``dur`` (µs, float64),
+   ``tid`` (the device stream for device events, the thread otherwise), the
+   correlation id (-1 when none). ``ProfilerStep#N`` annotations are kept
+   apart as the iteration marks.
+The JSON decode itself is one C call; turning the decoded dicts into columns
+is one pass of list comprehensions (the only per-event Python on this path).
+"""
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import os
+import zlib
+from typing import Any
+
+import numpy as np
+
+from trainscope.proto.errors import BadInput
+
+#: Category codes (the order is not the critical-path priority: see critical_path.LEVEL_OF).
+KERNEL, MEMCPY, MEMSET, RUNTIME, CPU_OP, PYTHON, ANNOTATION = range(7)
+CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cpu_op", "python_function",
+              "user_annotation")
+_CAT_CODE = {c: i for i, c in enumerate(CATEGORIES)}
+_CAT_CODE["cuda_driver"] = RUNTIME
+_CAT_CODE["gpu_user_annotation"] = -1     # device-side copies of annotations: not work
+_DEVICE = (KERNEL, MEMCPY, MEMSET)
+
+
+class TraceError(BadInput):
+    """A trace file that cannot be analysed; the message names the file and what to do."""
+
+    def __init__(self, path: str, detail: str) -> None:
+        super().__init__("bad_trace", f"{path}: {detail}")
+        self.path = path
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TraceColumns:
+    """One rank's events as columns (row i is one complete event), sorted by ``ts``."""
+
+    path: str
+    cat: np.ndarray          # int8 category code (CATEGORIES)
+    name: np.ndarray         # int32 index into ``names``
+    names: tuple[str, ...]
+    ts: np.ndarray           # float64 µs
+    dur: np.ndarray          # float64 µs, >= 0
+    tid: np.ndarray          # int64: stream for device events, thread id otherwise
+    correlation: np.ndarray  # int64, -1 when none
+    steps: np.ndarray        # float64 (n, 2): ProfilerStep spans [start, end) µs, sorted
+    rank: int = -1           # distributedInfo.rank when the trace has it
+    world_size: int = 0
+    step_tid: int = -1       # the thread the ProfilerStep marks are on (the training thread), -1 when none
+    step_ids: tuple[int, ...] = ()   # N of each ProfilerStep#N span, in time order
+
+    def __len__(self) -> int:
+        return int(self.ts.size)
+
+    def subset(self, mask: np.ndarray) -> "TraceColumns":
+        return dataclasses.replace(self, cat=self.cat[mask], name=self.name[mask], ts=self.ts[mask],
+                                   dur=self.dur[mask], tid=self.tid[mask], correlation=self.correlation[mask])
+
+
+def _load(path: str) -> Any:
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(2)
+            fh.seek(0)
+            raw = gzip.GzipFile(fileobj=fh).read() if head == b"\x1f\x8b" else fh.read()
+    except FileNotFoundError:
+        raise TraceError(path, "no such file: pass the path of a torch.profiler trace (.json or .json.gz)") from None
+    except IsADirectoryError:
+        raise TraceError(path, "is a directory: pass one trace file per rank") from None
+    except PermissionError:
+        raise TraceError(path, "not readable by this user: check its permissions") from None
+    except (EOFError, OSError, zlib.error) as e:
+        raise TraceError(path, f"truncated or corrupt gzip ({e}): copy the trace again from the rank "
+                               "(it may still have been being written)") from None
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise TraceError(path, f"not valid JSON ({str(e)[:80]}): the file is truncated or not a "
+                               "torch.profiler export_chrome_trace file; export it again") from None
+
+
+def read_trace(path: str | os.PathLike) -> TraceColumns:
+    """Steps 1-3 for one file. Raises ``TraceError`` (never a decoder traceback)."""
+    p = os.fspath(path)
+    doc = _load(p)
+    if isinstance(doc, list):      # the bare-array Chrome trace form
+        events, info = doc, {}
+    elif isinstance(doc, dict) and isinstance(doc.get("traceEvents"), list):
+        events, info = doc["traceEvents"], doc.get("distributedInfo") or {}
+    else:
+        raise TraceError(p, "no 'traceEvents' list: not a torch.profiler Chrome trace")
+    try:
+        xs = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"
+              and _CAT_CODE.get(e.get("cat"), -1) >= 0 and "ts" in e]
+        cat = np.fromiter((_CAT_CODE[e["cat"]] for e in xs), dtype=np.int8, count=len(xs))
+        ts = np.fromiter((float(e["ts"]) for e in xs), dtype=np.float64, count=len(xs))
+        dur = np.fromiter((float(e.get("dur", 0.0)) for e in xs), dtype=np.float64, count=len(xs))
+        args = [e.get("args") or {} for e in xs]
+        tid = np.fromiter((_int(a.get("stream", e.get("tid"))) if c in _DEVICE else _int(e.get("tid"))
+                           for e, a, c in zip(xs, args, cat.tolist())), dtype=np.int64, count=len(xs))
+        corr = np.fromiter((_int(a.get("correlation", -1)) for a in args), dtype=np.int64, count=len(xs))
+        raw_names = [str(e.get("name", "")) for e in xs]
+    except (TypeError, ValueError, AttributeError) as e:
+        raise TraceError(p, f"malformed event ({e}): not a torch.profiler Chrome trace") from None
+    if not xs:
+        raise TraceError(p, "no complete events of a known category (kernel, cpu_op, python_function ...): "
+                            "was the profiler active for at least one step?")
+    if not (np.isfinite(ts).all() and np.isfinite(dur).all()):
+        raise TraceError(p, "non-finite ts or dur in events: the trace is corrupt; export it again")
+    names, name_id = np.unique(np.asarray(raw_names, dtype=object), return_inverse=True)
+    is_step = np.fromiter((n.startswith("ProfilerStep#") for n in raw_names), dtype=bool, count=len(xs))
+    steps = np.stack([ts[is_step], ts[is_step] + dur[is_step]], axis=1) if is_step.any() else np.zeros((0, 2))
+    so = np.argsort(steps[:, 0], kind="stable")
+    steps = steps[so]
+    step_names = [n for n, st in zip(raw_names, is_step.tolist()) if st]
+    step_ids = tuple(_int(step_names[i].rpartition("#")[2]) for i in so.tolist())
+    keep = ~is_step
+    order = np.argsort(ts[keep], kind="stable")
+    sel = np.flatnonzero(keep)[order]
+    step_tids = tid[is_step]
+    if step_tids.size:
+        u, n = np.unique(step_tids, return_counts=True)
+        step_tid = int(u[n.argmax()])
+    else:
+        step_tid = -1
+    rank = info.get("rank", -1) if isinstance(info, dict) else -1
+    ws = info.get("world_size", 0) if isinstance(info, dict) else 0
+    return TraceColumns(path=p, cat=cat[sel], name=name_id.astype(np.int32)[sel], names=tuple(names.tolist()),
+                        ts=ts[sel], dur=np.maximum(dur[sel], 0.0), tid=tid[sel], correlation=corr[sel],
+                        steps=steps, rank=_int(rank), world_size=_int(ws), step_tid=step_tid,
+                        step_ids=step_ids)
+
+
+def _int(v: Any) -> int:
+    """Kineto writes ids as ints, sometimes as strings; anything else is -1."""
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, int):
+        return v
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return -1
