@@ -46,6 +46,9 @@ class AnalyzerDaemonConfig:
     """Kafka consumer session timeout: how long a vanished analyzer holds its partitions."""
     metrics_security: Any = None
     """``proto.security.ServerSecurity`` of the metrics endpoint (TLS, bearer token); None: plain."""
+    deep_dive_processors: tuple[str, ...] = ()
+    """Processors (one per host of the jobs) the deep-dive triggers send their requests to
+    (``analyzer/triggers.py``); empty: decisions are made and counted, nothing is requested."""
 
     def __post_init__(self) -> None:
         if self.prometheus_port is not None and not 0 <= self.prometheus_port <= 65535:
@@ -93,6 +96,10 @@ class AnalyzerDaemon:
         else:
             self.source = StoreSource(config.store_path)
             self.where = f"store {config.store_path}"
+        from trainscope.analyzer.triggers import DeepDiveTriggers, processor_sender
+        self.triggers = DeepDiveTriggers(sender=processor_sender(config.deep_dive_processors)
+                                         if config.deep_dive_processors else None)
+        sinks.append(self.triggers)
         self.metrics = AnalyzerMetrics()
         self.analyzer = Analyzer(AnalyzerConfig(window_timeout_s=config.window_timeout_s), self.source, sinks,
                                  metrics=self.metrics)
@@ -105,6 +112,7 @@ class AnalyzerDaemon:
             from trainscope.processor.prom_exporter import start_metrics_server
             registry = CollectorRegistry()
             registry.register(self.metrics)
+            registry.register(self.triggers)
             try:
                 self.metrics_server = start_metrics_server(registry, "127.0.0.1", self.config.prometheus_port,
                                                            security=self.config.metrics_security)

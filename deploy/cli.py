@@ -182,7 +182,8 @@ def cmd_analyzer(args) -> int:
         kafka_bootstrap=args.kafka_bootstrap or env.text(env.KAFKA_BOOTSTRAP) or None,
         group_id=args.group_id, window_timeout_s=args.window_timeout_s, prometheus_port=args.prometheus_port,
         kafka_extra=secure_flags.kafka_extra(args), metrics_security=secure_flags.metrics_security(args),
-        group_instance_id=args.group_instance_id or default_instance_id(home), session_timeout_s=args.session_timeout_s)
+        group_instance_id=args.group_instance_id or default_instance_id(home), session_timeout_s=args.session_timeout_s,
+        deep_dive_processors=tuple(args.deep_dive_processor or ()))
     daemon = AnalyzerDaemon(cfg)
     try:
         daemon.start()

@@ -44,6 +44,9 @@ def build_parser(handlers: Handlers, description: str) -> argparse.ArgumentParse
     an.add_argument("--window-timeout-s", type=float, default=60.0,
                     help="analyse a window this long after its first record even if ranks are missing")
     an.add_argument("--home", help=f"state directory (env {env.HOME}; default ./.trainscope)")
+    an.add_argument("--deep-dive-processor", action="append", metavar="ADDR",
+                    help="send triggered deep dives (degradation, stall, verdict) to this processor; repeat "
+                         "for each host (default: triggers are counted, nothing is requested)")
     secure_flags.add_kafka_flags(an)
     secure_flags.add_tls_flags(an, grpc=False)
     an.set_defaults(func=handlers["analyzer"])
