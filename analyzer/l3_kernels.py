@@ -57,6 +57,7 @@ from scipy.special import ndtr
 
 from trainscope.analyzer.cdf import lognormal_params, mixture_moments
 from trainscope.analyzer.impact import WindowScale, window_scale
+from trainscope.analyzer.kernel_columns import WireError, kernel_columns
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
 from trainscope.analyzer.significance import robust_z, small_group_threshold, z_threshold
 from trainscope.analyzer.topology import (
@@ -180,7 +181,23 @@ class KernelTable:
 
 
 def flatten_kernels(kernels: Mapping[int, records_pb2.KernelWindow]) -> KernelTable:
-    """The window's ``KernelWindow`` messages as one ``KernelTable`` (step 1; one pass)."""
+    """The window's ``KernelWindow`` messages as one ``KernelTable`` (step 1).
+
+    Read from their wire format for all ranks at once (``kernel_columns``: no
+    Python object per rank, kernel or cluster); bytes that reader does not
+    handle fall back to reading the messages (``flatten_messages``), with the
+    same result.
+    """
+    try:
+        c = kernel_columns(kernels)
+    except WireError:
+        return flatten_messages(kernels)
+    return _table(c.keys, sorted(kernels), c.dist_rank, c.dist_key, c.dist_total_ns, np.diff(c.cl_start),
+                  c.cl_count, c.cl_p50, c.cl_p99, c.cl_max)
+
+
+def flatten_messages(kernels: Mapping[int, records_pb2.KernelWindow]) -> KernelTable:
+    """Step 1 message by message (the reference ``flatten_kernels`` is checked against; ~2 µs per kernel)."""
     key_id: dict[tuple[str, int], int] = {}
     d_rank, d_key, d_total, lens = [], [], [], []
     cnt, p50, p99, mx = [], [], [], []
@@ -202,15 +219,21 @@ def flatten_kernels(kernels: Mapping[int, records_pb2.KernelWindow]) -> KernelTa
                 p50.append(c.p50_ns)
                 p99.append(c.p99_ns)
                 mx.append(c.max_ns)
+    return _table(sorted(key_id, key=key_id.get), sorted(kernels), d_rank, d_key, d_total, lens,
+                  cnt, p50, p99, mx)
+
+
+def _table(keys, ranks, d_rank, d_key, d_total, lens, cnt, p50, p99, mx) -> KernelTable:
+    """Drop empty or malformed clusters, and distributions left with none; then ``from_arrays``."""
     cl_count = np.asarray(cnt, dtype=np.float64)
     cl_p50, cl_p99 = np.asarray(p50, np.float64), np.asarray(p99, np.float64)
-    # drop empty or malformed clusters, and distributions left with none
     keep_cl = (cl_count > 0) & (cl_p50 > 0) & np.isfinite(cl_p50) & np.isfinite(cl_p99)
-    owner = np.repeat(np.arange(len(lens)), np.asarray(lens, dtype=np.int64))
-    new_lens = np.bincount(owner[keep_cl], minlength=len(lens))
+    lens = np.asarray(lens, dtype=np.int64)
+    owner = np.repeat(np.arange(lens.size), lens)
+    new_lens = np.bincount(owner[keep_cl], minlength=lens.size)
     keep_d = new_lens > 0
     return KernelTable.from_arrays(
-        keys=sorted(key_id, key=key_id.get), ranks=sorted(kernels),
+        keys=keys, ranks=ranks,
         dist_rank=np.asarray(d_rank, np.int64)[keep_d], dist_key=np.asarray(d_key, np.int64)[keep_d],
         cl_start=np.r_[0, np.cumsum(new_lens[keep_d])], cl_count=cl_count[keep_cl],
         cl_p50=cl_p50[keep_cl], cl_p99=cl_p99[keep_cl],
