@@ -32,8 +32,8 @@ the time its flows spent beyond their step's baseline.
    over the flows that step triggered.
 4. Rating (eq. 3): R(e) = Σ_i R(e, cf_i) × (exec(i) − expect(i)) / Σ_k (exec(k) −
    expect(k)) over the critical path's steps i of every collective of the
-   window (exec: the critical flow's duration; expect: its baseline); the
-   element's impact is the unnormalised sum, per iteration.
+   window that triggered (exec: the critical flow's duration; expect: its
+   baseline).
 5. Verdict: elements by rating; one is named when it was slow in
    ``min_slow`` collectives and ``min_share`` of those it took part in, and
    rates ``min_rating``. A rank is named (its NIC or NVLink) when it rates
@@ -43,7 +43,9 @@ the time its flows spent beyond their step's baseline.
    directions are slow and the two ends rate alike (a 2-member ring: a
    degraded NVLink of either GPU slows both flows alike; the pair and its
    host are the answer, not one GPU). Each named element carries the steps
-   it slowed (group, seq, step) and its impact in seconds per iteration;
+   it slowed (group, seq, step) and its impact: the critical excess of those
+   steps (shared with any other element named for the same step), in
+   seconds per iteration;
    findings of kind ``slow_link``, role ``link``.
 """
 from __future__ import annotations
@@ -211,7 +213,7 @@ def rate(blocks: list[StepBlock], cfg: ProvenanceConfig = ProvenanceConfig(),
     at = np.searchsorted(uk, crit_key)
     hit = (at < len(uk)) & (uk[np.minimum(at, len(uk) - 1)] == crit_key)
     step_excess[at[hit]] = f.excess[cr[hit]]
-    total_excess = float(f.excess[cr].sum())
+    total_excess = float(step_excess.sum())      # over the steps that triggered (collected ones)
     w = step_excess[uinv] / ucnt[uinv]              # each triggered flow's weight in eq. (3)
     if total_excess <= 0 or not (w > 0).any():
         return []
@@ -235,7 +237,7 @@ def rate(blocks: list[StepBlock], cfg: ProvenanceConfig = ProvenanceConfig(),
     cand = [("rank", int(e), r_rank[e] / norm) for e in np.flatnonzero(r_rank > 0)]
     cand += [("link", int(e), r_link[e] / norm) for e in np.flatnonzero(r_link > 0)]
     cand.sort(key=lambda x: -x[2])
-    named: list[RootCause] = []
+    named: list[tuple] = []
     used: set[int] = set()
     for what, e, score in cand:
         if score < cfg.min_rating:
@@ -254,8 +256,8 @@ def rate(blocks: list[StepBlock], cfg: ProvenanceConfig = ProvenanceConfig(),
             ends = {x[0] if x[1] == r else x[1] for x in mine if slow_link.get(x[3], 0) >= cfg.min_slow}
             alike = len(ends) < 2 and any(r_rank[2 * o + kd] / norm * cfg.margin > score for o in ends)
             if not rivals and not alike:
-                named.append(_cause(f, t, "rank", (r,), kd, False, score, r_rank[e], it,
-                                    slow_rank.get(e, 0), part_rank.get(e, 0), (src_t == r) | (dst_t == r), blocks))
+                named.append(("rank", (r,), kd, False, score, slow_rank.get(e, 0), part_rank.get(e, 0),
+                              ((src_t == r) | (dst_t == r)) & (kind[t] == kd)))
                 used.add(r)
                 continue
             # ambiguous: name the slow link(s) at r, the strongest first; both ways -> a <-> b
@@ -277,9 +279,7 @@ def rate(blocks: list[StepBlock], cfg: ProvenanceConfig = ProvenanceConfig(),
             n_part = sum(part_link.get(y, 0) for y in xs)
             if not persistent(n_slow, n_part):
                 continue
-            imp = sum(float(r_link[y]) for y in xs) + float(r_rank[2 * a + kd] + r_rank[2 * b_ + kd])
-            named.append(_cause(f, t, "link", (a, b_), kd, both, score, imp, it, n_slow, n_part,
-                                sel & (kind[t] == kd), blocks))
+            named.append(("link", (a, b_), kd, both, score, n_slow, n_part, sel & (kind[t] == kd)))
             used.update((a, b_))
         else:
             kd = int(lk[e]) % 2
@@ -287,19 +287,26 @@ def rate(blocks: list[StepBlock], cfg: ProvenanceConfig = ProvenanceConfig(),
             if a in used or b_ in used or not persistent(slow_link.get(e, 0), part_link.get(e, 0)):
                 continue
             sel = (src_t == a) & (dst_t == b_) & (kind[t] == kd)
-            imp = float(r_link[e] + r_rank[2 * a + kd] + r_rank[2 * b_ + kd])
-            named.append(_cause(f, t, "link", (a, b_), kd, False, score, imp, it, slow_link.get(e, 0),
-                                part_link.get(e, 0), sel, blocks))
+            named.append(("link", (a, b_), kd, False, score, slow_link.get(e, 0), part_link.get(e, 0), sel))
             used.update((a, b_))
-    return named
+    # impact: the excess of the triggered steps an element's flows slowed, shared by the named
+    # elements slowing the same step (what removing it gives back, per iteration)
+    share = np.zeros(len(uk))
+    for x in named:
+        share[np.unique(uinv[x[7]])] += 1
+    return [_cause(f, t, what, ranks, kd, both, score,
+                   float((step_excess[u] / share[u]).sum()) if len(u := np.unique(uinv[sel])) else 0.0,
+                   it, n_slow, n_part, sel, blocks)
+            for what, ranks, kd, both, score, n_slow, n_part, sel in named]
 
 
 def _distinct(elem: np.ndarray, key: np.ndarray) -> dict[int, int]:
     """Per element, the number of distinct keys (collectives) it occurs with."""
     if not len(elem):
         return {}
-    pair = np.unique(np.stack([elem.astype(np.int64), key.astype(np.int64)]), axis=1)
-    e, n = np.unique(pair[0], return_counts=True)
+    _, kid = np.unique(key, return_inverse=True)
+    pair = np.unique(elem.astype(np.int64) * (int(kid.max()) + 1) + kid)
+    e, n = np.unique(pair // (int(kid.max()) + 1), return_counts=True)
     return dict(zip(e.tolist(), n.tolist()))
 
 
@@ -307,8 +314,7 @@ def _cause(f: _Flows, t: np.ndarray, element: str, ranks: tuple, kd: int, both: 
            impact_ns: float, it: float, slow_n: int, judged: int, sel: np.ndarray, blocks) -> RootCause:
     """A named element with the steps its triggered flows slowed and its impact per iteration.
 
-    The impact is the share of the window's critical excess the element and the hardware at its
-    ends explain (eq. 3 unnormalised): what removing it would give back, per iteration."""
+    ``impact_ns``: the critical excess of the steps it slowed (step 5), over the window."""
     idx = t[sel]
     steps = sorted({(blocks[int(f.block[x])].gid[int(f.c[x])], int(blocks[int(f.block[x])].seq[int(f.c[x])]),
                      int(f.s[x])) for x in idx[:4096]})
