@@ -30,8 +30,8 @@
    and ``batch(r)`` parses them. bench_sim's 1,024-rank job has ~70,000 records
    per iteration: one Python message per record took 2.3x the simulation's
    time, this 0.7x (most of it the parse and serialisation protobuf does anyway).
-5. Step decomposition (Vedrfolnir §III-B, opt-in: ``use_step_records`` or
-   ``CollectivePlan.build(steps=True)``): every collective as the textbook
+5. Step decomposition (Vedrfolnir §III-B, opt-in: ``CollectivePlan.build(steps=True)``;
+   tests/support/step_records.py switches a simulated job to it): every collective as the textbook
    steps of its algorithm (``decompose``: ring all-reduce, reduce-scatter,
    all-gather; binary-tree all-reduce; pairwise all-to-all): per step and
    member its flows (dst, bytes).
@@ -518,13 +518,3 @@ def time_steps(sp: StepPlan, t0: np.ndarray, mult: np.ndarray, ns_per_byte: np.n
         ready = np.maximum(ready, np.maximum(sent, np.nan_to_num(got, nan=-np.inf).max(axis=2)))
     return start, end
 
-
-def use_step_records(topo: Topology, tmpl: wl.Template, algos: dict[str, str] | None = None) -> CollectivePlan:
-    """Step 5 switched on for one job: its chunks (``emit.build_chunk``, which keeps one plan per
-    job) carry step records from now on. Off by default: they multiply the records' volume
-    (``tests/benchmarks/bench_collectives.py`` measures it)."""
-    from trainscope.collector.sim import emit
-
-    plan = CollectivePlan.build(topo, tmpl, steps=True, algos=algos)
-    emit._PLANS[:] = [(topo, tmpl, plan)] + [x for x in emit._PLANS if not (x[0] is topo and x[1] is tmpl)][:3]
-    return plan

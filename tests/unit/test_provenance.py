@@ -19,10 +19,11 @@ import pytest
 from trainscope.analyzer.provenance import ProvenanceConfig, rate, root_cause
 from trainscope.analyzer.waiting_graph import StepBlock, critical_path, incoming, step_blocks, waits
 from trainscope.collector.sim import SimConfig, parse_fault
-from trainscope.collector.sim.collective_records import decompose, time_steps, use_step_records
+from trainscope.collector.sim.collective_records import decompose, time_steps
 from trainscope.collector.sim.simulate import Simulation
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import records_pb2
+from support.step_records import joined, use_step_records
 
 WINDOW = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=1, first_iteration=0, last_iteration=9)
 
@@ -197,18 +198,9 @@ def _sim(fault: str | None, ranks: int = 32, iterations: int = 10):
     cfg = SimConfig(ranks=ranks, tp=2, pp=2, iterations=iterations, seed=3,
                     faults=(parse_fault(fault),) if fault else ())
     sim = Simulation(cfg)
-    use_step_records(sim.topo, sim.tmpl)
-    recs: dict = collections.defaultdict(dict)
-    members = {}
-    for ch in sim.chunks():
-        for r in range(ranks):
-            b = ch.collectives.batch(r)
-            for x in (b.records if b is not None else ()):
-                g = b.groups[x.group]
-                recs[(g.id, x.seq)][r] = x
-                members[(g.id, x.seq)] = tuple(g.members)
+    use_step_records(sim)
+    colls, _ = joined(sim)
     hosts = {r: f"host{int(sim.topo.host[r])}" for r in range(ranks)}
-    colls = [(gid, members[(gid, seq)], seq, rr) for (gid, seq), rr in recs.items()]
     return step_blocks(colls, hosts), hosts, sim.topo
 
 
