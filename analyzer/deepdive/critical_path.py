@@ -7,19 +7,17 @@ communication kernels (NCCL) > host functions (CPU ops, Python functions,
 CUDA runtime calls). Host functions count only on the training thread and
 only when innermost (no executing child call) — EROICA's rule for Python.
 
-Steps (all vectorised: sorts, ``searchsorted`` and prefix sums, no loop over
-events; the loops below run over priority levels, CPU threads and nesting
-depths):
+Steps (vectorised: sorts, ``searchsorted`` and prefix sums; the one loop over
+events is step 3's stack pass over host events):
 1. Window: from the first ``ProfilerStep`` start to the last one's end (the
    iterations the deep dive covers on every rank); without marks, the span
    of the events. Events are clipped to it.
 2. Levels: every event gets its priority (0 = not a candidate: other
    threads' host events, runtime calls off the training thread).
-3. Host nesting, per CPU thread: depth = intervals still open at an event's
-   start; parent = the last earlier event one level up (one
-   ``searchsorted`` per depth). Assumption: a thread's events nest (Kineto
-   records them as a call tree); a child that outlives its parent by a few
-   ns is still attributed by the time checks of step 5.
+3. Host nesting, per CPU thread: parent = the nearest enclosing event still
+   open at an event's start (one stack pass). Assumption: a thread's events
+   nest (Kineto records them as a call tree); a child that outlives its
+   parent by a few ns is still attributed by the time checks of step 5.
 4. Elementary segments: the sorted, distinct start/end times of all
    candidates. At each segment's midpoint, the number of running events of
    each level (two ``searchsorted``); the segment's level is the highest with
@@ -92,23 +90,31 @@ def _training_tid(tr: TraceColumns) -> int:
 
 
 def _nesting(start: np.ndarray, end: np.ndarray, tid: np.ndarray) -> np.ndarray:
-    """Step 3: parent index (into the given arrays) of each host event, -1 at the top."""
+    """Step 3: parent index (into the given arrays) of each host event, -1 at the top.
+
+    One pass with a stack per thread over the events in (start, longest first)
+    order. This is the one per-event Python loop of the analysis (about
+    50 ns per event): the nearest enclosing open event is a stack question,
+    and numpy has no scan that answers it exactly.
+    """
     parent = np.full(start.size, -1, dtype=np.int64)
     for t in np.unique(tid):
         idx = np.flatnonzero(tid == t)
-        o = idx[np.lexsort((-(end[idx] - start[idx]), start[idx]))]   # by start, longest first
-        s, e = start[o], end[o]
-        ends_sorted = np.sort(e)
-        depth = np.arange(o.size) - np.searchsorted(ends_sorted, s, side="right")
-        depth = np.maximum(depth, 0)
-        for d in range(1, int(depth.max(initial=0)) + 1):
-            kids = np.flatnonzero(depth == d)
-            ups = np.flatnonzero(depth == d - 1)
-            if kids.size == 0 or ups.size == 0:
-                continue
-            j = np.searchsorted(ups, kids) - 1
-            ok = j >= 0
-            parent[o[kids[ok]]] = o[ups[j[ok]]]
+        o = idx[np.lexsort((-(end[idx] - start[idx]), start[idx]))]
+        par = [-1] * o.size
+        stack_i: list[int] = []
+        stack_e: list[float] = []
+        for i, (s, e) in enumerate(zip(start[o].tolist(), end[o].tolist())):
+            while stack_e and stack_e[-1] <= s:
+                stack_e.pop()
+                stack_i.pop()
+            if stack_i:
+                par[i] = stack_i[-1]
+            stack_i.append(i)
+            stack_e.append(e)
+        par_a = np.asarray(par, dtype=np.int64)
+        has = par_a >= 0
+        parent[o[has]] = o[par_a[has]]
     return parent
 
 
@@ -201,6 +207,11 @@ def critical_path(tr: TraceColumns) -> CriticalPath:
         j = np.clip(np.searchsorted(rc, tr.correlation[dev]), 0, rc.size - 1)
         hit = rc[j] == tr.correlation[dev]
         caller = parent[rt[o[j[hit]]]]
+        for _ in range(8):              # a runtime call inside a runtime call: up to the op around them
+            inner = (caller >= 0) & (tr.cat[np.maximum(caller, 0)] == RUNTIME)
+            if not inner.any():
+                break
+            caller[inner] = parent[caller[inner]]
         launcher[dev[hit]] = np.where(caller >= 0, tr.name[np.maximum(caller, 0)], -1)
     return CriticalPath(trace=tr, t0=t0, t1=t1, iterations=iterations, level=level, seg_start=seg_s,
                         seg_end=seg_e, seg_level=seg_level, seg_owner=owner, critical=critical,
