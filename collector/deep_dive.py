@@ -27,9 +27,9 @@ every worker starts and stops at the same iteration ids, not the same wall time)
    ``tests/benchmarks/bench_deep_dive.py``). The result is saved by a worker
    thread into ``<root>/<job>/<dive>/rank-<R>.json`` (directories 0700, the
    file 0600 before it gets its name); a trace over ``max_bytes`` is removed
-   (``OVERSIZE``); a columnar summary (per (category, name): count, total and
-   max duration) goes beside it as ``rank-<R>.summary.json``. The report is
-   handed to the control client.
+   (``OVERSIZE``). The report is handed to the control client; the columnar
+   summary of the trace is made by the processor (``processor/control.py``),
+   out of the training process: parsing a 5 MB trace holds the GIL ~0.2 s.
 Never raises into the training job; without ``torch.profiler`` every command is
 answered ``UNAVAILABLE`` and that is said once in the log.
 """
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import os
 import queue
@@ -49,7 +48,7 @@ from typing import Callable
 from trainscope.proto.contracts import DIVE_ID_PATTERN
 from trainscope.proto.env import deep_dive_trace_dir
 from trainscope.proto.errors import ConfigError
-from trainscope.proto.securefs import private_dir, write_private
+from trainscope.proto.securefs import private_dir
 from trainscope.proto.v1 import control_pb2
 
 log = logging.getLogger(__name__)
@@ -68,8 +67,6 @@ class DeepDiveLimits:
     """Wall time of one window; it closes at the first boundary past it."""
     max_bytes: int = 1 << 30
     """Largest trace kept (the smaller of this and the command's)."""
-    summary_names: int = 2000
-    """Rows of the columnar summary (the names with the most total time)."""
 
     def __post_init__(self) -> None:
         if type(self.max_iterations) is not int or self.max_iterations < 1:
@@ -144,39 +141,7 @@ class _Open:
     t0: float
     wall0: int
     directory: str
-
-
-def summarize_trace(path: str, limit: int = 2000) -> dict:
-    """Columnar summary of a Chrome trace: per (category, name) count, total and max duration (us).
-
-    Columns are parallel lists (``cat``, ``name``, ``count``, ``total_us``, ``max_us``), the
-    ``limit`` rows with the most total time, and the ``ProfilerStep#`` iterations seen.
-    """
-    with open(path, "rb") as f:
-        doc = json.load(f)
-    agg: dict[tuple[str, str], list] = {}
-    steps = []
-    for e in doc.get("traceEvents", ()):
-        if e.get("ph") != "X":
-            continue
-        name, cat, dur = str(e.get("name", "")), str(e.get("cat", "")), float(e.get("dur", 0) or 0)
-        if name.startswith("ProfilerStep#"):
-            try:
-                steps.append(int(name[13:]))
-            except ValueError:
-                pass
-        a = agg.get((cat, name))
-        if a is None:
-            agg[(cat, name)] = [1, dur, dur]
-        else:
-            a[0] += 1
-            a[1] += dur
-            a[2] = max(a[2], dur)
-    rows = sorted(agg.items(), key=lambda kv: -kv[1][1])[:limit]
-    return {"cat": [k[0] for k, _ in rows], "name": [k[1] for k, _ in rows],
-            "count": [v[0] for _, v in rows], "total_us": [round(v[1], 3) for _, v in rows],
-            "max_us": [round(v[2], 3) for _, v in rows], "iterations": sorted(set(steps)),
-            "rows_total": len(agg)}
+    last: int = 0   # the iteration in progress (the last ProfilerStep opened)
 
 
 class DeepDiveWindow:
@@ -267,6 +232,7 @@ class DeepDiveWindow:
                 self._close(Outcome.DEEP_DIVE_OUTCOME_TRUNCATED, it - 1, "duration cap")
             else:
                 w.profiler.step(it)
+                w.last = it
             return
         cmd = self._armed
         if cmd is None or it < cmd.start_iteration:
@@ -307,7 +273,7 @@ class DeepDiveWindow:
             self._send(self._make_report(cmd, Outcome.DEEP_DIVE_OUTCOME_FAILED, detail=f"could not start: {e}"))
             return
         self.stats["windows"] += 1
-        self._open = _Open(cmd, prof, it, self._clock(), time.time_ns(), directory)
+        self._open = _Open(cmd, prof, it, self._clock(), time.time_ns(), directory, it)
 
     def _close(self, outcome, last: int, detail: str = "") -> None:
         w, self._open = self._open, None
@@ -339,7 +305,7 @@ class DeepDiveWindow:
         w = self._open
         if w is not None:
             try:
-                self._close(Outcome.DEEP_DIVE_OUTCOME_TRUNCATED, -1, "the job ended")
+                self._close(Outcome.DEEP_DIVE_OUTCOME_TRUNCATED, w.last, "the job ended")
             except Exception:
                 log.debug("deep dive close at exit failed", exc_info=True)
         self.wait_written(10.0)
@@ -389,24 +355,12 @@ class DeepDiveWindow:
         rep.trace_path = path
         self.stats["traces"] += 1
         self.stats["trace_bytes"] += size
-        try:
-            summary = summarize_trace(path, self.limits.summary_names)
-            if rep.last_iteration == (1 << 64) - 1 or rep.last_iteration < rep.first_iteration:
-                its = summary["iterations"]  # closed at exit: the last ProfilerStep the trace holds
-                rep.last_iteration = its[-1] if its else rep.first_iteration
-            spath = os.path.join(w.directory, f"rank-{rank}.summary.json")
-            write_private(spath, json.dumps(summary))
-            rep.summary_path = spath
-        except Exception as e:  # the trace is there; only its summary is missing
-            self.stats["summary_errors"] += 1
-            rep.detail = (rep.detail + "; " if rep.detail else "") + f"no summary: {e}"
 
     # ------------------------------------------------------------------ reports
     def _make_report(self, cmd, outcome, *, first: int = 0, last: int = 0, detail: str = ""):
         rep = control_pb2.DeepDiveReport(resource=self.resource_pb, dive_id=cmd.dive_id, outcome=outcome,
                                          detail=detail)
-        rep.first_iteration = max(first, 0)
-        rep.last_iteration = last if last >= 0 else (1 << 64) - 1
+        rep.first_iteration, rep.last_iteration = first, last
         return rep
 
     def _send(self, rep) -> None:
@@ -418,5 +372,4 @@ class DeepDiveWindow:
             log.debug("deep dive report failed", exc_info=True)
 
 
-__all__ = ["DeepDiveLimits", "DeepDiveWindow", "TorchProfiler", "probe_profiler",
-           "summarize_trace", "trace_dir"]
+__all__ = ["DeepDiveLimits", "DeepDiveWindow", "TorchProfiler", "probe_profiler", "trace_dir"]

@@ -115,8 +115,9 @@ def cmd_profile(args) -> int:
             st = deep_dive_status(t, args.job, first.dive_id)
             if st.dives:
                 records[t] = st.dives[0]
-        if len(records) == len(targets) and all(r.complete for r in records.values()):
-            break
+        if len(records) == len(targets) and all(r.complete for r in records.values()) and all(
+                rep.summary_path for r in records.values() for rep in r.reports if rep.trace_path):
+            break  # every rank reported and the processor summarized each trace
         if time.monotonic() >= deadline:
             break
         if sys.stderr.isatty():

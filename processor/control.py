@@ -25,7 +25,10 @@ The ``trainscope.v1.Control`` service sits on the processor's gRPC port beside
 4. ``Report`` (collector → processor): each rank's outcome, iterations and
    trace path are kept with the deep dive and written to ``manifest.json`` in
    its trace directory (0600): what the analysis (``localize_traces``) and
-   ``trainscope query deep-dive`` read. A dive is complete when every rank it
+   ``trainscope query deep-dive`` read. A worker thread here (not the training
+   process: parsing a 5 MB trace holds a GIL for ~0.2 s) writes each trace's
+   columnar summary, ``rank-<R>.summary.json`` (:func:`summarize_trace`), for a
+   trace inside the dive's directory and under ``max_bytes`` only. A dive is complete when every rank it
    was sent to reported, or ``report_timeout_s`` after its expected end
    (then ``partial``).
 5. ``Status``: the deep dives this processor knows (bounded: ``max_dives``).
@@ -154,6 +157,8 @@ class ControlHub:
         self._pace: dict[str, _JobPace] = {}
         self._dives: "collections.OrderedDict[str, Dive]" = collections.OrderedDict()
         self.stats: collections.Counter[str] = collections.Counter()
+        self._summaries: queue.Queue = queue.Queue(maxsize=64)
+        self._summarizer: threading.Thread | None = None
 
     # ------------------------------------------------------------ subscribers
     def subscribe(self, hello: control_pb2.ControlHello) -> _Subscriber | None:
@@ -330,9 +335,55 @@ class ControlHub:
                 del d.record.reports[i]
             d.record.reports.append(rep)
         self.stats["reports"] += 1
+        if rep.trace_path and not rep.summary_path:
+            self._summarize_later(d, rep.resource.rank, rep.trace_path)
         self._settle(d, self._clock())
         self._write_manifest(rep.dive_id)
         return control_pb2.ControlAck(ok=True)
+
+    def _summarize_later(self, d: Dive, rank: int, trace: str) -> None:
+        """Queue a trace for its columnar summary (only one inside the dive's directory, under the cap)."""
+        try:
+            if os.path.dirname(os.path.realpath(trace)) != os.path.realpath(d.directory):
+                self.stats["summaries_refused"] += 1
+                return
+            if self._summarizer is None or not self._summarizer.is_alive():
+                self._summarizer = threading.Thread(target=self._summarize_loop, name="deep-dive-summaries",
+                                                    daemon=True)
+                self._summarizer.start()
+            self._summaries.put_nowait((d.record.dive_id, rank, trace))
+        except (OSError, queue.Full):
+            self.stats["summaries_dropped"] += 1
+
+    def _summarize_loop(self) -> None:
+        while True:
+            dive_id, rank, trace = self._summaries.get()
+            try:
+                if os.path.getsize(trace) > self.config.max_bytes:
+                    self.stats["summaries_refused"] += 1
+                    continue
+                out = os.path.join(os.path.dirname(trace), f"rank-{rank}.summary.json")
+                write_private(out, json.dumps(summarize_trace(trace)))
+            except Exception as e:  # a trace we cannot parse: said in its report, never fatal
+                self.stats["summary_errors"] += 1
+                log.warning("deep dive %s rank %d: no summary of %s: %s", dive_id, rank, trace, e)
+                continue
+            finally:
+                self._summaries.task_done()
+            with self._lock:
+                d = self._dives.get(dive_id)
+                for r in (d.record.reports if d is not None else ()):
+                    if r.resource.rank == rank and r.trace_path == trace:
+                        r.summary_path = out
+            self.stats["summaries"] += 1
+            self._write_manifest(dive_id)
+
+    def wait_summaries(self, timeout_s: float = 10.0) -> bool:
+        """Tests and shutdown: wait until the queued summaries are written (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        while self._summaries.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return not self._summaries.unfinished_tasks
 
     def status(self, q: control_pb2.DeepDiveQuery) -> control_pb2.DeepDiveStatus:
         now = self._clock()
@@ -354,6 +405,39 @@ class ControlHub:
         except OSError as e:
             self.stats["manifest_errors"] += 1
             log.warning("deep dive %s: cannot write its manifest: %s", dive_id, e)
+
+
+def summarize_trace(path: str, limit: int = 2000) -> dict:
+    """Columnar summary of a Chrome trace: per (category, name) count, total and max duration (us).
+
+    Columns are parallel lists (``cat``, ``name``, ``count``, ``total_us``, ``max_us``), the
+    ``limit`` rows with the most total time first, and the ``ProfilerStep#`` iterations seen.
+    """
+    with open(path, "rb") as f:
+        doc = json.load(f)
+    agg: dict[tuple[str, str], list] = {}
+    steps = set()
+    for e in doc.get("traceEvents", ()) if isinstance(doc, dict) else ():
+        if not isinstance(e, dict) or e.get("ph") != "X":
+            continue
+        name, cat = str(e.get("name", "")), str(e.get("cat", ""))
+        try:
+            dur = float(e.get("dur", 0) or 0)
+        except (TypeError, ValueError):
+            continue
+        if name.startswith("ProfilerStep#") and name[13:].isdigit():
+            steps.add(int(name[13:]))
+        a = agg.get((cat, name))
+        if a is None:
+            agg[(cat, name)] = [1, dur, dur]
+        else:
+            a[0] += 1
+            a[1] += dur
+            a[2] = max(a[2], dur)
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][1])[:limit]
+    return {"cat": [k[0] for k, _ in rows], "name": [k[1] for k, _ in rows],
+            "count": [v[0] for _, v in rows], "total_us": [round(v[1], 3) for _, v in rows],
+            "max_us": [round(v[2], 3) for _, v in rows], "iterations": sorted(steps), "rows_total": len(agg)}
 
 
 def manifest_of(rec: control_pb2.DeepDiveRecord) -> dict:
@@ -480,4 +564,4 @@ def deep_dive_status(target: str, job_id: str = "", dive_id: str = "", **kw) -> 
 
 
 __all__ = ["ControlConfig", "ControlHub", "ControlServicer", "deep_dive_status", "manifest_of",
-           "request_all", "request_deep_dive"]
+           "request_all", "request_deep_dive", "summarize_trace"]

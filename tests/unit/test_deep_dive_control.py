@@ -18,7 +18,8 @@ import pytest
 
 from trainscope.collector.control import ControlClient
 from trainscope.collector.deep_dive import DeepDiveWindow
-from trainscope.processor.control import ControlConfig, ControlHub, ControlServicer, deep_dive_status, request_all
+from trainscope.processor.control import (
+    ControlConfig, ControlHub, ControlServicer, deep_dive_status, request_all, summarize_trace)
 from trainscope.proto import contracts
 from trainscope.proto.contracts import (
     CONTROL_REPORT, CONTROL_REQUEST, CONTROL_SERVICE, CONTROL_STATUS, CONTROL_SUBSCRIBE, Signal, Trigger)
@@ -208,3 +209,37 @@ def test_a_command_reaches_a_collector_through_the_real_stream(tmp_path):
         client.stop(1.0)
         servicer.close()
         server.stop(0)
+
+
+def test_the_processor_summarizes_each_trace_in_columns_0600_and_only_inside_the_dive(tmp_path):
+    h, _ = hub(tmp_path)
+    h.subscribe(hello(rank=0))
+    h.subscribe(hello(rank=1))
+    h.observe(marks("j", 0, range(30)))
+    a = h.request(control_pb2.DeepDiveRequest(job_id="j", iterations=2))
+    trace = os.path.join(a.directory, "rank-0.json")
+    ev = [{"ph": "X", "name": f"ProfilerStep#{i}", "cat": "user_annotation", "dur": 5.0} for i in (40, 41)]
+    ev += [{"ph": "X", "name": "aten::mm", "cat": "cpu_op", "dur": 2.0}] * 3 + [{"ph": "i", "name": "x"}]
+    with open(trace, "w") as f:
+        json.dump({"traceEvents": ev}, f)
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text(json.dumps({"traceEvents": ev}))
+    for rank, path in ((0, trace), (1, str(outside))):
+        h.report(control_pb2.DeepDiveReport(resource=Resource(job_id="j", rank=rank, world_size=2).to_pb(),
+                                            dive_id=a.dive_id, outcome=O.DEEP_DIVE_OUTCOME_DONE, trace_path=path))
+    assert h.wait_summaries(10)
+    man = json.load(open(os.path.join(a.directory, "manifest.json")))
+    out = man["ranks"]["0"]["summary"]
+    assert out == os.path.join(a.directory, "rank-0.summary.json")
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
+    s = json.load(open(out))
+    assert s["iterations"] == [40, 41] and s["count"][s["name"].index("aten::mm")] == 3
+    assert man["ranks"]["1"]["summary"] == "" and h.stats["summaries_refused"] == 1   # not its file to read
+
+
+def test_summary_is_bounded(tmp_path):
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"traceEvents": [{"ph": "X", "name": f"f{i}", "cat": "cpu_op", "dur": i}
+                                             for i in range(100)]}))
+    s = summarize_trace(str(p), limit=10)
+    assert len(s["name"]) == 10 and s["name"][0] == "f99" and s["rows_total"] == 100

@@ -13,7 +13,7 @@ import stat
 
 import pytest
 
-from trainscope.collector.deep_dive import DeepDiveLimits, DeepDiveWindow, summarize_trace, trace_dir
+from trainscope.collector.deep_dive import DeepDiveLimits, DeepDiveWindow, trace_dir
 from trainscope.collector.iteration_detector import DATALOADER, OPTIMIZER, IterationDetector, IterationDetectorConfig
 from trainscope.proto.model import Resource
 from trainscope.proto.v1 import control_pb2
@@ -89,13 +89,10 @@ def test_window_opens_at_the_start_iteration_and_covers_exactly_n(tmp_path):
     assert (rep.first_iteration, rep.last_iteration) == (10, 12)
     assert rep.trace_path == os.path.join(trace_dir(str(tmp_path / "dd"), "j/1", "d1"), "rank-1.json")
     assert "j_1" in rep.trace_path                       # the job id made one safe path component
-    for p in (rep.trace_path, rep.summary_path):
-        assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(rep.trace_path).st_mode) == 0o600
     for d in (tmp_path / "dd", tmp_path / "dd" / "j_1", os.path.dirname(rep.trace_path)):
         assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
-    s = json.loads(open(rep.summary_path).read())
-    assert s["iterations"] == [10, 11, 12]
-    assert s["count"][s["name"].index("aten::mm")] == 3
+    assert os.listdir(os.path.dirname(rep.trace_path)) == ["rank-1.json"]   # no .part left
     assert rep.trace_bytes == os.path.getsize(rep.trace_path)
     assert not w.busy
     run_iterations(w, range(14, 30))                     # nothing more happens
@@ -198,15 +195,7 @@ def test_close_at_exit_writes_what_was_traced(tmp_path):
     w.close_at_exit()
     (rep,) = reports
     assert rep.outcome == O.DEEP_DIVE_OUTCOME_TRUNCATED
-    assert (rep.first_iteration, rep.last_iteration) == (4, 6)   # from the trace's ProfilerStep marks
-
-
-def test_summary_is_bounded(tmp_path):
-    p = tmp_path / "t.json"
-    p.write_text(json.dumps({"traceEvents": [{"ph": "X", "name": f"f{i}", "cat": "cpu_op", "dur": i}
-                                             for i in range(100)]}))
-    s = summarize_trace(str(p), limit=10)
-    assert len(s["name"]) == 10 and s["name"][0] == "f99" and s["rows_total"] == 100
+    assert (rep.first_iteration, rep.last_iteration) == (4, 6)   # the last ProfilerStep opened
 
 
 @pytest.mark.parametrize("pattern", ["DO", "DDO", "DOO"])
