@@ -94,6 +94,7 @@ class CollectivePlan:
               algos: dict[str, str] | None = None) -> "CollectivePlan":
         from trainscope.collector.sim.engine import ring_successor
 
+        with_steps = steps            # (``steps`` is reused below for a program's steps)
         W = topo.world
         slots = np.flatnonzero(tmpl.cat == wl.CAT_COLL)
         dims = [tmpl.dim[k] for k in slots]
@@ -157,7 +158,7 @@ class CollectivePlan:
         for i, c in enumerate(consts):
             slot_pb[i, :len(c)] = np.frombuffer(c, dtype=np.uint8)
         step_plans = step_groups = None
-        if steps:
+        if with_steps:
             step_plans = tuple(decompose(o, topo.size(d), int(b), (algos or {}).get(o))
                                for o, d, b in zip(ops, dims, nbytes.tolist()))
             step_groups = tuple(rows_of[d] for d in dims)
