@@ -256,3 +256,28 @@ def columns_from_bytes(data, ranks: np.ndarray, bounds: np.ndarray) -> KernelCol
         keys=keys, dist_rank=ranks[ks_msg][has], dist_key=key_id, dist_total_ns=total,
         dist_count=st[5][has], cl_start=np.r_[0, np.cumsum(n_cl[has])].astype(np.int64),
         cl_count=cl[1].astype(np.float64), cl_p50=double(cl[2]), cl_p99=double(cl[3]), cl_max=double(cl[5]))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class KernelTotals:
+    """Per ``KernelStats`` of the messages (ranks in order, kernels in wire order): its name's index into
+    ``names`` (streams merged), its message, and its count and total_ns as sent."""
+
+    names: list[str]
+    name_id: np.ndarray
+    message: np.ndarray
+    count: np.ndarray
+    total_ns: np.ndarray
+
+
+def totals_from_bytes(data, bounds: np.ndarray) -> KernelTotals:
+    """Steps 2-5 without the clusters: what ``trainscope query kernels`` sums per (kernel, rank)."""
+    buf = _Buffer(data)
+    bounds = np.asarray(bounds, dtype=np.int64)
+    msg, a, b = scan(buf, bounds[:-1], bounds[1:], KERNELS)[3]
+    st = scan(buf, a, b, (Field(1, 2), Field(5, 0), Field(6, 1)))
+    name_a, name_b = st[1]
+    name_id, first = _name_ids(buf, name_a, name_b, np.zeros(name_a.size, dtype=np.int64))
+    names = [bytes(buf.bytes[name_a[i]:name_b[i]]).decode("utf-8", "replace") for i in first.tolist()]
+    total = np.where(st[6] >= 0, buf.doubles[np.maximum(st[6], 0)], 0.0)
+    return KernelTotals(names, name_id, msg, st[5], total)

@@ -28,6 +28,7 @@ import urllib.parse
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
+import numpy as np
 from google.protobuf.json_format import MessageToDict
 
 from trainscope.analyzer.prom_client import PrometheusClient
@@ -134,11 +135,10 @@ class Query:
         records, diagnoses = self._open()
         rows = []
         for job in self.job_ids():
-            its = list(records.records(Signal.ITERATIONS, job))
             latest = diagnoses.latest_verdict(job)
-            rows.append(JobRow(job=job, ranks=len({r.resource.rank for r in its}),
-                               windows=len({(r.window.kind, r.window.index) for r in its}),
-                               diagnoses=sum(1 for _ in diagnoses.diagnoses(job)),
+            rows.append(JobRow(job=job, ranks=len(records.ranks(Signal.ITERATIONS, job)),
+                               windows=len(records.windows(Signal.ITERATIONS, job)),
+                               diagnoses=diagnoses.count_diagnoses(job),
                                latest=latest.summary if latest is not None else ""))
         if not rows:
             raise QueryError(f"the store {self.config.store_path} holds no jobs yet")
@@ -152,11 +152,12 @@ class Query:
         _, diagnoses = self._open()
         if window is not None and window < 0:
             raise ConfigError("--window", window, "must be >= 0 (the window index that query iterations shows)")
+        stored = diagnoses.verdicts(job)
         if window is None:
-            v = merge_windows(list(diagnoses.verdicts(job)))
+            v = merge_windows(list(stored))
         else:
-            held = sorted({x.window.index for x in diagnoses.verdicts(job)})
-            v = next((x for x in diagnoses.verdicts(job) if x.window.index == window), None)
+            held = sorted({x.window.index for x in stored})
+            v = next((x for x in stored if x.window.index == window), None)
             if v is None and held:  # the job has verdicts, not this one: wrong input
                 raise ConfigError("--window", window, f"job {job!r} has verdicts for windows {held[0]}-{held[-1]}")
         if v is None:
@@ -173,7 +174,7 @@ class Query:
                 levels=tuple(ev.get("levels", ())), where=tuple(ev.get("where", ()))))
         its = window_span(v.window) if window is not None else None
         since = v.since_window if v.HasField("since_window") else None
-        since_span = next((window_span(x.window) for x in diagnoses.verdicts(job) if x.window.index == since),
+        since_span = next((window_span(x.window) for x in stored if x.window.index == since),
                           None) if since is not None else None
         return VerdictView(job=job, window=window, iterations=its, summary=v.summary, state=v.state or "healthy",
                            confidence=v.confidence, host=v.host, since_window=since, since_span=since_span,
@@ -185,7 +186,7 @@ class Query:
     def _stack_note(self, job: str) -> str:
         """Whether L5 had py-spy stacks to read for the job: ranks sampled, or why none (issue #12 item 4)."""
         records, _ = self._open()
-        sampled = {r.resource.rank for r in records.records(Signal.STACKS, job)}
+        sampled = records.ranks(Signal.STACKS, job)
         if sampled:
             return f"stack sampling (py-spy): {len(sampled)} rank(s) sampled"
         return ("stack sampling (py-spy) was off for this job: no stacks recorded (py-spy not found, "
@@ -200,55 +201,61 @@ class Query:
         latest = diagnoses.latest_verdict(job)
         now = {s.rank for d in (latest.findings if latest else ()) if d.kind in STRAGGLER_KINDS for s in d.suspects}
         tally = _Tally()
-        for kind in STRAGGLER_KINDS:
-            for d in diagnoses.diagnoses(job, since_ns=since_ns, kind=kind):
-                for s in d.suspects:
-                    tally.add(s.rank, s.impact_s, d.kind, d.scope.phase, d.window, d.created_unix_ns, s.rank in now)
+        for d in diagnoses.diagnoses(job, since_ns=since_ns, kinds=STRAGGLER_KINDS):
+            for s in d.suspects:
+                tally.add(s.rank, s.impact_s, d.kind, d.scope.phase, d.window, d.created_unix_ns, s.rank in now)
         hosts = {r.rank: r.host for r in self._rank_infos(job)}
         rows = sorted(_straggler_rows(tally, hosts), key=lambda x: (-x.windows, -x.max_impact_s, x.rank))
         return Rows(query="stragglers", job=job, rows=tuple(rows),
                     params={"since": _iso(since_ns) if since_ns else None, "source": "store"})
 
-    def kernels(self, job: str | None, rank: int, top: int = 10, since_ns: int = 0) -> Rows:
-        """A rank's kernels, flagged by L3 since ``since_ns`` first, then by its ratio to its peers."""
+    def kernels(self, job: str | None, rank: int, top: int = 10, since_ns: int = 0, last: int = 0) -> Rows:
+        """A rank's kernels, flagged by L3 since ``since_ns`` first, then by its ratio to its peers
+        (calls and busy time summed over the job's last ``last`` kernel windows; 0: every window)."""
         if top < 1:
             raise ConfigError("--top", top, "must be >= 1")
+        if last < 0:
+            raise ConfigError("--last", last, "must be >= 0 (0 = every window)")
         if self.prometheus is not None:
             return self._prom_kernels(job, rank, since_ns, top)
         job = self.resolve_job(job)
         self._check_rank(job, rank)
         records, diagnoses = self._open()
         flagged = _Tally()
-        for kind in KERNEL_KINDS:
-            for d in diagnoses.diagnoses(job, since_ns=since_ns, kind=kind):
-                for s in d.suspects:
-                    if s.rank == rank and d.scope.kernel:
-                        flagged.add(d.scope.kernel, s.impact_s, d.kind, window=d.window)
-        # per kernel, per rank: (calls, busy ns) summed over the stored windows
-        busy: dict[str, dict[int, list[float]]] = {}
-        ranks = set()
-        for rec in records.records(Signal.KERNELS, job):
-            ranks.add(rec.resource.rank)
-            for k in rec.kernels:
-                c = busy.setdefault(k.kernel, {}).setdefault(rec.resource.rank, [0, 0.0])
-                c[0], c[1] = c[0] + k.count, c[1] + k.total_ns
-        if rank not in ranks and not flagged.by:
+        for d in diagnoses.diagnoses(job, since_ns=since_ns, kinds=KERNEL_KINDS):
+            for s in d.suspects:
+                if s.rank == rank and d.scope.kernel:
+                    flagged.add(d.scope.kernel, s.impact_s, d.kind, window=d.window)
+        first = None
+        if last:
+            held = records.windows(Signal.KERNELS, job)
+            first = held[-last][1] if len(held) >= last else None
+        busy = _kernel_busy(records.raw(Signal.KERNELS, job, first_window=first))
+        if rank not in busy.ranks and not flagged.by:
             raise QueryError(f"job {job!r} has no kernel records or kernel findings for rank {rank}")
         rows = []
-        for kernel in set(flagged.by) | {k for k, per in busy.items() if rank in per}:
-            per = busy.get(kernel, {})
-            own = per.get(rank)
-            mean = own[1] / own[0] / 1e9 if own and own[0] else None
-            peers = [t / n / 1e9 for r, (n, t) in per.items() if r != rank and n]
-            peer = statistics.median(peers) if peers else None
+        for kernel in set(flagged.by) | busy.kernels_of(rank):
+            n, t = busy.per_rank(kernel)
+            own = busy.rank_index.get(rank)
+            has_own = own is not None and n is not None and n[own] > 0
+            mean = float(t[own] / n[own] / 1e9) if has_own else None
+            peers = None
+            if n is not None:
+                sel = n > 0
+                if own is not None:
+                    sel[own] = False
+                peers = t[sel] / n[sel] / 1e9
+            peer = float(np.median(peers)) if peers is not None and peers.size else None
             f = flagged.by.get(kernel)
+            calls = int(n[own]) if own is not None and n is not None else 0
             rows.append(KernelRow(kernel=kernel, kinds=tuple(sorted(f.kinds)) if f else (),
                                   flagged_windows=len(f.windows) if f else 0, max_impact_s=f.score if f else None,
-                                  calls=int(own[0]) if own else 0, rank_mean_s=mean, peer_mean_s=peer,
+                                  calls=calls, rank_mean_s=mean, peer_mean_s=peer,
                                   ratio=mean / peer if mean and peer else None))
         rows.sort(key=lambda x: (-(x.max_impact_s or 0.0), -x.flagged_windows, -(x.ratio or 0.0), x.kernel))
         return Rows(query="kernels", job=job, rows=tuple(rows[:top]),
-                    params={"rank": rank, "since": _iso(since_ns) if since_ns else None, "source": "store"})
+                    params={"rank": rank, "since": _iso(since_ns) if since_ns else None, "source": "store",
+                            **({"last": last} if last else {})})
 
     def iterations(self, job: str | None, rank: int | None = None, last: int = 20) -> Rows:
         if last < 0:
@@ -289,17 +296,14 @@ class Query:
     def _rank_infos(self, job: str) -> list[RankInfo]:
         """Each rank's newest resource: from iteration and phase records, else kernel records."""
         records, _ = self._open()
-        newest: dict[int, tuple[int, Any]] = {}
+        newest: dict[int, Any] = {}
         for signals in ((Signal.ITERATIONS, Signal.PHASES), (Signal.KERNELS, Signal.STACKS)):
-            for signal in signals:
-                for rec in records.records(signal, job):
-                    r = rec.resource
-                    if r.rank not in newest or rec.window.index >= newest[r.rank][0]:
-                        newest[r.rank] = (rec.window.index, r)
+            newest = records.newest_per_rank(signals, job)   # one indexed query, not every record
             if newest:
                 break
         out = []
-        for rank, (_, r) in sorted(newest.items()):
+        for rank, rec in sorted(newest.items()):
+            r = rec.resource
             c = r.coords
             out.append(RankInfo(rank=rank, host=r.host, pid=r.pid, local_rank=r.local_rank, device=r.device,
                                 dp=c.dp, tp=c.tp, pp=c.pp, ep=c.ep, cp=c.cp))
@@ -345,6 +349,49 @@ class Query:
                                  calls=0, rank_mean_s=None, peer_mean_s=None, ratio=None)
                        for k, a in tally.by.items()), key=lambda x: (-(x.max_impact_s or 0.0), x.kernel))
         return Rows(query="kernels", job=job, rows=tuple(rows[:top]), params={"rank": rank, **params})
+
+
+class _Busy:
+    """Per (kernel, rank): calls and busy ns summed over the records, in record order (so the sums
+    are the ones adding the records one by one gives), read from the wire format at once
+    (``kernel_columns.totals_from_bytes``)."""
+
+    def __init__(self, rows) -> None:
+        from trainscope.analyzer.kernel_columns import totals_from_bytes
+
+        ranks = np.array([r[0] for r in rows], dtype=np.int64)
+        bounds = np.cumsum([0] + [len(r[3]) for r in rows])
+        self.ranks = set(ranks.tolist())
+        order = sorted(self.ranks)
+        self.rank_index = {r: i for i, r in enumerate(order)}
+        tot = totals_from_bytes(b"".join(r[3] for r in rows), bounds)
+        self.names = {name: i for i, name in enumerate(tot.names)}
+        R = len(order)
+        pos = np.searchsorted(np.asarray(order, dtype=np.int64), ranks[tot.message]) if order else tot.message
+        cell = tot.name_id * R + pos
+        size = len(tot.names) * R
+        self.calls = np.bincount(cell, weights=tot.count, minlength=size).reshape(-1, R) if R else None
+        self.busy = np.bincount(cell, weights=tot.total_ns, minlength=size).reshape(-1, R) if R else None
+        present = np.zeros(size, dtype=bool)
+        present[cell] = True
+        self.present = present.reshape(-1, R) if R else None
+
+    def kernels_of(self, rank: int) -> set[str]:
+        i = self.rank_index.get(rank)
+        if i is None:
+            return set()
+        return {name for name, k in self.names.items() if self.present[k, i]}
+
+    def per_rank(self, kernel: str):
+        """(calls, busy ns) of every rank for ``kernel``, or (None, None) when no record has it."""
+        k = self.names.get(kernel)
+        if k is None:
+            return None, None
+        return self.calls[k], self.busy[k]
+
+
+def _kernel_busy(rows) -> _Busy:
+    return _Busy(rows)
 
 
 class _Tally:

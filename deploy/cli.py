@@ -288,7 +288,7 @@ def cmd_query(args) -> int:
         "jobs": lambda q: q.jobs(),
         "verdict": lambda q: q.verdict(args.job, args.window),
         "stragglers": lambda q: q.stragglers(args.job, since_ns),
-        "kernels": lambda q: q.kernels(args.job, args.rank, args.top, since_ns),
+        "kernels": lambda q: q.kernels(args.job, args.rank, args.top, since_ns, args.last),
         "iterations": lambda q: q.iterations(args.job, args.rank, args.last),
         "ranks": lambda q: q.ranks(args.job, args.rank, args.host),
     }[args.what]

@@ -192,6 +192,8 @@ def _add_query_parser(sub, handlers: Handlers) -> None:
     k = qs.add_parser("kernels", parents=[common, job, prom], help="a rank's degraded kernels (L3) against its peers")
     k.add_argument("--rank", type=int, required=True, help="the rank whose kernels are compared with its peers'")
     k.add_argument("--top", type=int, default=10, help="show this many kernels (default 10)")
+    k.add_argument("--last", type=int, default=0,
+                   help="compare over the job's last N kernel windows (default 0 = all; 1 answers fastest)")
     i = qs.add_parser("iterations", parents=[common, job], help="iteration time per window (job, or one --rank)")
     i.add_argument("--rank", type=int, help="one rank's windows instead of the job's")
     i.add_argument("--last", type=int, default=20, help="the last N windows (default 20; 0 = all)")

@@ -12,8 +12,17 @@ counted. What the backlog's bound pushes out is counted as
 
 The embedded default's answer to "what did the pipeline produce": replay
 writes its ``--stats-out`` from here, ``trainscope query`` reads it. Rows are
-the protobuf records as blobs plus the columns queries filter on. Retention is
-bounded by ``max_rows`` per signal (oldest deleted first).
+the protobuf records as blobs plus the columns queries filter on, indexed by
+(signal, job, window) and by (signal, job, rank, window), so a question about
+one rank or a few windows of a 10,000-rank job reads only those rows
+(``records(..., rank=, first_window=)``, ``newest_per_rank``, ``ranks``,
+``windows``).
+
+Retention: ``max_rows`` per signal (oldest deleted first) bounds the file; and
+``keep_windows`` (default None: never) ages out, per job and window kind, the
+records of windows older than the newest ``keep_windows`` — only when set,
+checked every 10,000 rows written and by ``age_out()``; what it deletes is
+counted in ``aged_out`` (rows) and logged.
 """
 from __future__ import annotations
 
@@ -48,6 +57,7 @@ CREATE TABLE IF NOT EXISTS records (
     value BLOB NOT NULL
 );
 CREATE INDEX IF NOT EXISTS records_by_job ON records (signal, job, window_index, rank);
+CREATE INDEX IF NOT EXISTS records_by_rank ON records (signal, job, rank, window_index);
 """
 #: The processor's tables in a store file (the analyzer adds ``analyzer.store.TABLES``).
 TABLES = frozenset({"records"})
@@ -130,9 +140,13 @@ def store_in_use(path: str) -> bool:
 
 class SqliteStore:
     def __init__(self, path: str, *, max_rows: int = 2_000_000, busy_timeout_s: float = 2.0,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, keep_windows: int | None = None) -> None:
+        if keep_windows is not None and not (isinstance(keep_windows, int) and keep_windows >= 1):
+            raise ConfigError("store.keep_windows", keep_windows, "must be an integer >= 1 (or None: keep every window)")
         self.path = path
         self.max_rows = max_rows
+        self.keep_windows = keep_windows
+        self.aged_out = 0  # rows deleted by keep_windows
         self._lock = threading.Lock()
         # short: a store locked by another process must not stall the processing thread for
         # long; the sink keeps the window and retries
@@ -184,6 +198,8 @@ class SqliteStore:
             raise
 
     def _trim(self, db: sqlite3.Connection) -> None:
+        if self.keep_windows is not None:
+            self._age_out(db, self.keep_windows)
         for signal in SIGNALS:
             db.execute(
                 "DELETE FROM records WHERE signal = ? AND id <= ("
@@ -191,18 +207,85 @@ class SqliteStore:
                 (signal, signal, self.max_rows),
             )
 
-    def records(self, signal: str, job: str | None = None) -> Iterator:
-        """Stored records of one signal (optionally one job), in insertion order."""
-        cls = RECORD_TYPES[signal]
-        q = "SELECT value FROM records WHERE signal = ?"
-        args: tuple = (signal,)
-        if job is not None:
-            q += " AND job = ?"
-            args += (job,)
+    def _age_out(self, db: sqlite3.Connection, keep: int) -> int:
+        """Delete, per job and window kind, the records of windows before the newest ``keep``."""
+        deleted = 0
+        newest = db.execute("SELECT job, window_kind, MAX(window_index) FROM records"
+                            " GROUP BY job, window_kind").fetchall()
+        for job, kind, top in newest:
+            cur = db.execute("DELETE FROM records WHERE job = ? AND window_kind = ? AND window_index <= ?",
+                             (job, kind, top - keep))
+            deleted += max(cur.rowcount, 0)
+        if deleted:
+            self.aged_out += deleted
+            log.info("store %s: aged out %d records of windows older than the newest %d per job",
+                     self.path, deleted, keep)
+        return deleted
+
+    def age_out(self, keep_windows: int) -> int:
+        """Delete the records of every job's windows before its newest ``keep_windows`` (per window
+        kind) now; returns the rows deleted (also added to ``aged_out``)."""
+        if not (isinstance(keep_windows, int) and keep_windows >= 1):
+            raise ConfigError("store.keep_windows", keep_windows, "must be an integer >= 1")
+        out = []
         with self._lock:
-            rows = self._db.execute(q + " ORDER BY id", args).fetchall()
-        for (value,) in rows:
+            self._transaction(lambda db: out.append(self._age_out(db, keep_windows)))
+        return out[0]
+
+    def _select(self, columns: str, signal: str, job: str | None, rank: int | None,
+                first_window: int | None, tail: str = ""):
+        q = f"SELECT {columns} FROM records WHERE signal = ?"
+        args: tuple = (signal,)
+        for cond, val in (("job = ?", job), ("rank = ?", rank), ("window_index >= ?", first_window)):
+            if val is not None:
+                q += " AND " + cond
+                args += (val,)
+        with self._lock:
+            return self._db.execute(q + tail, args).fetchall()
+
+    def records(self, signal: str, job: str | None = None, *, rank: int | None = None,
+                first_window: int | None = None) -> Iterator:
+        """Stored records of one signal (optionally one job, one rank, windows from ``first_window``
+        on), in insertion order."""
+        cls = RECORD_TYPES[signal]
+        for (value,) in self._select("value", signal, job, rank, first_window, " ORDER BY id"):
             yield cls.FromString(value)
+
+    def raw(self, signal: str, job: str | None = None, *, rank: int | None = None,
+            first_window: int | None = None) -> list[tuple[int, int, int, bytes]]:
+        """(rank, window kind, window index, serialised record) of the records ``records`` yields,
+        unparsed (for readers that decode many at once, ``analyzer/kernel_columns.py``)."""
+        return self._select("rank, window_kind, window_index, value", signal, job, rank, first_window,
+                            " ORDER BY id")
+
+    def newest_per_rank(self, signals, job: str) -> dict[int, object]:
+        """Each rank's record with the highest window index among ``signals`` (the newest row on a tie)."""
+        signals = tuple(signals)
+        marks = ",".join("?" * len(signals))
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT r.rank, r.signal, r.value FROM records r JOIN ("
+                f" SELECT rank, MAX(window_index) AS w FROM records WHERE signal IN ({marks}) AND job = ?"
+                f" GROUP BY rank) m ON r.rank = m.rank AND r.window_index = m.w"
+                f" WHERE r.signal IN ({marks}) AND r.job = ? ORDER BY r.id",
+                (*signals, job, *signals, job)).fetchall()
+        out = {}
+        for rank, signal, value in rows:
+            out[rank] = RECORD_TYPES[signal].FromString(value)   # the newest row of the window wins
+        return out
+
+    def ranks(self, signal: str, job: str) -> list[int]:
+        """The ranks with records of ``signal`` (from the index alone)."""
+        with self._lock:
+            return [r[0] for r in self._db.execute(
+                "SELECT DISTINCT rank FROM records WHERE signal = ? AND job = ? ORDER BY rank", (signal, job))]
+
+    def windows(self, signal: str, job: str) -> list[tuple[int, int]]:
+        """The (window kind, index) pairs with records of ``signal``, ascending."""
+        with self._lock:
+            return [tuple(r) for r in self._db.execute(
+                "SELECT DISTINCT window_kind, window_index FROM records WHERE signal = ? AND job = ?"
+                " ORDER BY window_index, window_kind", (signal, job))]
 
     def jobs(self) -> list[str]:
         with self._lock:

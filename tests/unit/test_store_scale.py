@@ -1,0 +1,110 @@
+"""The local store at scale (issue #15 item 5): rank and window filters, the newest record per rank,
+retention of old windows (only when asked, counted), and ``query kernels --last``.
+
+Real SQLite files in tmp_path; records are real protobufs.
+"""
+from __future__ import annotations
+
+import pytest
+
+from trainscope.analyzer.merge import merge
+from trainscope.analyzer.query import Query, QueryConfig
+from trainscope.analyzer.store import DiagnosisStore
+from trainscope.processor.store import SqliteStore
+from trainscope.proto.errors import ConfigError
+from trainscope.proto.model import Resource
+from trainscope.proto.v1 import records_pb2
+
+
+def _win(i: int, kind=records_pb2.WINDOW_KIND_ITERATIONS) -> records_pb2.Window:
+    return records_pb2.Window(kind=kind, index=i, first_iteration=5 * i, last_iteration=5 * i + 4)
+
+
+def _fill(path: str, job="j", ranks=4, windows=5, slow_from=3, **kw) -> SqliteStore:
+    """``ranks`` ranks, ``windows`` windows; rank 1's gemm is 2x slower from window ``slow_from`` on."""
+    st = SqliteStore(path, **kw)
+    for w in range(windows):
+        for r in range(ranks):
+            res = Resource(job_id=job, rank=r, world_size=ranks, host=f"h{r // 2}-w{w}").to_pb()
+            f = 2.0 if (r == 1 and w >= slow_from) else 1.0
+            st.put("kernels", records_pb2.KernelWindow(resource=res, window=_win(w), kernels=[
+                records_pb2.KernelStats(kernel="gemm", stream=7, count=10, total_ns=10 * 1000.0 * f),
+                records_pb2.KernelStats(kernel="gemm", stream=8, count=5, total_ns=5 * 1000.0 * f),
+                records_pb2.KernelStats(kernel="copy", stream=7, count=1, total_ns=50.0)]))
+            st.put("iterations", records_pb2.IterationWindow(resource=res, window=_win(w), mean_ns=1e6))
+    return st
+
+
+def test_rank_and_window_filters_read_only_those_rows(tmp_path):
+    st = _fill(str(tmp_path / "s.sqlite"))
+    assert len(list(st.records("kernels", "j"))) == 20
+    one = list(st.records("kernels", "j", rank=2))
+    assert [r.window.index for r in one] == [0, 1, 2, 3, 4] and {r.resource.rank for r in one} == {2}
+    late = list(st.records("kernels", "j", first_window=3))
+    assert {(r.resource.rank, r.window.index) for r in late} == {(r, w) for r in range(4) for w in (3, 4)}
+    assert [x[:3] for x in st.raw("kernels", "j", rank=0, first_window=4)] == [(0, 1, 4)]
+    assert st.ranks("kernels", "j") == [0, 1, 2, 3] and st.ranks("stacks", "j") == []
+    assert st.windows("iterations", "j") == [(1, w) for w in range(5)]
+    newest = st.newest_per_rank(("iterations", "phases"), "j")
+    assert sorted(newest) == [0, 1, 2, 3] and {r.resource.host[-2:] for r in newest.values()} == {"w4"}
+    st.close()
+
+
+def test_retention_deletes_only_when_asked_and_counts_it(tmp_path):
+    # default: nothing is aged out, however many windows
+    st = _fill(str(tmp_path / "keep.sqlite"), windows=6)
+    assert st.keep_windows is None and st.aged_out == 0
+    assert len(st.windows("kernels", "j")) == 6
+    st.close()
+    # keep the newest 2 windows per job and window kind; a time-window job is judged on its own indices
+    st = _fill(str(tmp_path / "age.sqlite"), windows=6, keep_windows=2)
+    st.put("kernels", records_pb2.KernelWindow(resource=Resource(job_id="t", rank=0, world_size=1).to_pb(),
+                                               window=_win(10**6, records_pb2.WINDOW_KIND_TIME)))
+    assert st.age_out(2) == 4 * 4 * 2          # windows 0-3 of 4 ranks, kernels and iterations
+    assert st.aged_out == 32
+    assert st.windows("kernels", "j") == [(1, 4), (1, 5)] and st.windows("kernels", "t") == [(0, 10**6)]
+    assert st.age_out(2) == 0 and st.aged_out == 32
+    with pytest.raises(ConfigError):
+        st.age_out(0)
+    st.close()
+    with pytest.raises(ConfigError):
+        SqliteStore(str(tmp_path / "x.sqlite"), keep_windows=0)
+    # the automatic trim (every 10,000 rows written) applies keep_windows too
+    st = SqliteStore(str(tmp_path / "auto.sqlite"), keep_windows=3)
+    res = Resource(job_id="a", rank=0, world_size=1).to_pb()
+    st.put_many([("iterations", records_pb2.IterationWindow(resource=res, window=_win(i // 1000)))
+                 for i in range(10_000)])
+    assert st.windows("iterations", "a") == [(1, 7), (1, 8), (1, 9)] and st.aged_out == 7000
+    st.close()
+
+
+def test_diagnosis_retention_per_job(tmp_path):
+    path = str(tmp_path / "d.sqlite")
+    ds = DiagnosisStore(path, keep_windows=2)
+    for job in ("a", "b"):
+        for w in range(4 if job == "a" else 2):
+            v = merge(job, _win(w), [], {})
+            ds.put([], v)
+    assert ds.age_out(2) == (0, 2) and ds.aged_out == {"diagnoses": 0, "verdicts": 2}
+    assert [v.window.index for v in ds.verdicts("a")] == [2, 3] and len(ds.verdicts("b")) == 2
+    ds.close()
+    with pytest.raises(ConfigError):
+        DiagnosisStore(path, keep_windows=-1)
+
+
+def test_kernels_query_over_the_last_windows_and_streams_merged(tmp_path):
+    path = str(tmp_path / "q.sqlite")
+    _fill(path).close()
+    DiagnosisStore(path).close()
+    with Query(QueryConfig(store_path=path)) as q:
+        every = {r.kernel: r for r in q.kernels("j", rank=1).rows}
+        assert every["gemm"].calls == 5 * 15 and every["gemm"].ratio == pytest.approx(7 / 5)
+        last = q.kernels("j", rank=1, last=2)
+        gemm = {r.kernel: r for r in last.rows}["gemm"]
+        assert gemm.calls == 2 * 15 and gemm.ratio == pytest.approx(2.0) and last.params["last"] == 2
+        assert gemm.rank_mean_s == pytest.approx(2e-6) and gemm.peer_mean_s == pytest.approx(1e-6)
+        assert {r.kernel: r.ratio for r in last.rows}["copy"] == pytest.approx(1.0)
+        with pytest.raises(ConfigError):
+            q.kernels("j", rank=1, last=-1)
+        assert [r.rank for r in q.ranks("j").rows] == [0, 1, 2, 3]
+        assert {r.host for r in q.ranks("j").rows} == {"h0-w4", "h1-w4"}     # each rank's newest record
