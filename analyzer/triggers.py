@@ -40,12 +40,14 @@ import threading
 import time
 from typing import Callable, Iterator, Sequence
 
+from trainscope.analyzer.model import MISSING, WAITER
 from trainscope.proto.contracts import Trigger
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import control_pb2, records_pb2
 
 log = logging.getLogger(__name__)
 
+STALLED = "stalled"   # Verdict.state of a stall (merge.py)
 DECISIONS = ("fired", "cooldown", "busy", "disabled", "sent", "refused", "unreachable", "dropped")
 
 
@@ -152,13 +154,13 @@ class DeepDiveTriggers:
         st = self._job(v.job_id)
         candidates: list[Decision] = []
         # 2. stall: the first verdict of a stall
-        stalled = v.state == "stalled"
+        stalled = v.state == STALLED
         if stalled and not st.stalled and cfg.on_stall:
             candidates.append(Decision(v.job_id, Trigger.STALL, "no iteration for 5x the mean iteration time",
                                        v.window.index, tuple(s.rank for s in v.ranks)))
         st.stalled = stalled
         # 3. verdict: the first naming a suspect that is not a waiter
-        named = tuple(s.rank for s in v.ranks if s.role not in ("waiter", "missing"))
+        named = tuple(s.rank for s in v.ranks if s.role not in (WAITER, MISSING))
         if named and not st.named and cfg.on_verdict and not stalled:
             candidates.append(Decision(v.job_id, Trigger.VERDICT,
                                        f"verdict names rank(s) {', '.join(map(str, named[:8]))}",

@@ -16,6 +16,7 @@ import sys
 import time
 
 from trainscope.proto import env
+from trainscope.proto.contracts import Trigger
 from trainscope.proto.errors import ConfigError
 
 
@@ -83,7 +84,7 @@ def cmd_profile(args) -> int:
     for t in targets:
         env.check_target("--processor", t)
     req = control_pb2.DeepDiveRequest(job_id=args.job, ranks=ranks, iterations=args.iterations or 0,
-                                      duration_s=duration, trigger="manual", reason=args.reason)
+                                      duration_s=duration, trigger=Trigger.MANUAL, reason=args.reason)
     try:
         acks = request_all(targets, req)
     except grpc.RpcError as e:

@@ -15,11 +15,13 @@ data loader boundary exactly as the torch hooks drive it. Per round:
    ``--window`` steps after it.
 2. Reported, medians over rounds: step time outside, inside (ratio to outside),
    the closing step's extra time (ms), the profiler stop on the training thread
-   (ms), the trace's bytes per window and per iteration, and the summary's bytes.
+   (ms), the trace's bytes per window and per iteration, and the columnar summary's
+   bytes and parse time (made by the processor, timed here after the rounds).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -43,6 +45,7 @@ def main() -> int:
 
     from train_small import TinyLM, Tokens
     from trainscope.collector.deep_dive import DeepDiveWindow
+    from trainscope.processor.control import summarize_trace
     from trainscope.proto.model import Resource
     from trainscope.proto.v1 import control_pb2
 
@@ -94,7 +97,10 @@ def main() -> int:
         med = statistics.median
         out_s, in_s = med(outside), med(inside)
         tb = med([x.trace_bytes for x in done]) if done else 0
-        sb = med([os.path.getsize(x.summary_path) for x in done if x.summary_path]) if done else 0
+        t = time.perf_counter()
+        sums = [json.dumps(summarize_trace(x.trace_path)) for x in done]   # what the processor does, timed here
+        sum_s = (time.perf_counter() - t) / max(len(done), 1)
+        sb = med([len(x) for x in sums]) if sums else 0
         stop_ms = med([x.profiler_stop_s for x in done]) * 1e3 if done else float("nan")
         print(f"with_stack={with_stack}: {len(done)}/{a.rounds} windows of {a.window} iterations written")
         print(f"  step outside a window   {out_s * 1e3:8.1f} ms (median of round medians)")
@@ -103,7 +109,8 @@ def main() -> int:
         print(f"  closing step, extra     {med(closing) * 1e3:8.1f} ms (profiler stop {stop_ms:.1f} ms on the "
               f"training thread; the write runs beside training)")
         print(f"  trace                   {tb / 1e6:8.2f} MB per window, {tb / a.window / 1e3:.0f} kB per iteration; "
-              f"summary {sb / 1e3:.0f} kB")
+              f"summary {sb / 1e3:.0f} kB\n"
+              f"  summary (by the processor, out of the training process) {sum_s * 1e3:.0f} ms per trace")
     print(f"traces left in {root} (delete it when done)")
     return 0
 
