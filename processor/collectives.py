@@ -24,6 +24,33 @@ Instead:
    processor's and 2 s of it would put a window's collectives after the
    iteration window they belong to.
 
+Triggers (Mycroft §4.3, Algorithm 1), ``Triggers``: on a sample of at most
+``sample_ranks`` members of each group (evenly spaced over the sorted members),
+
+4. hang: a sampled member reports a collective in flight (a state record) for
+   ``hang_s`` of its own clock without completing it → ``hang`` trigger for
+   that group (once per (group, seq));
+5. straggler: at each close of a sampled member's window, its completion
+   interval on the group = (rank clock now − the completion that opens the
+   span) / completions in the span, where the span reaches back to cover both
+   ``horizon_s`` and ``min_completions`` completions (a longer span than one step
+   keeps bunched collectives from looking irregular); throughput = their bytes
+   over their summed durations (end − start). The interval at least ``slow_factor`` (2: "doubles") times,
+   or the throughput at most 1/``slow_factor`` ("halves") of the baseline →
+   ``straggler`` trigger, at most one per group and ``hot_s``. The baseline is the median of the last
+   ``baseline_evals`` evaluations that did not trigger (Algorithm 1 line 9), at
+   least 3 of them; after ``relearn_evals`` triggered evaluations in a row the
+   new pace becomes the baseline (a lasting change is not an anomaly forever);
+6. with ``raw_records="triggered"`` a closed window carries its summaries only;
+   its raw records stay in the rank's ring of the last ``lookback_windows``
+   windows. A trigger on a group makes it hot for ``hot_s`` (processor clock)
+   and pulls that group's records of every member's ring at once (one extra
+   ``CollectiveWindow`` per member, no summaries: they were emitted already);
+   windows closing while their group is hot keep its raw records. The default,
+   ``"always"``, keeps every window's raw records (the analyzer's late-start
+   rule judges every window). Counted: ``collective_triggers{kind}``,
+   ``collective_raw_records{fate=kept|pulled|summarised}``.
+
 The closed window's ``raw`` part carries a window with ``end_ns = 0``, so
 ``processor/durability.py`` never counts a collective window as closing a
 rank's iteration windows; collective batches are admitted with end 0 for the
@@ -32,7 +59,9 @@ processor is killed, never kernels or phases).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import time
 from typing import Callable
 
@@ -50,6 +79,200 @@ MAX_COLLECTIVE_NS = 24 * 3600 * 10**9
 MAX_NAME = 64
 
 
+RAW_MODES = ("always", "triggered")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TriggerConfig:
+    """Steps 4-6 of the module docstring (Mycroft §4.3)."""
+
+    raw_records: str = "always"
+    """``always``: every window's raw records; ``triggered``: only around a trigger (step 6)."""
+    sample_ranks: int = 10
+    """Members of each group watched by the triggers (Mycroft samples at most 10)."""
+    hang_s: float = 10.0
+    """Step 4: in flight this long (rank clock) on a sampled member without completing."""
+    horizon_s: float = 10.0
+    """Step 5: shortest span a completion interval is measured over (Mycroft's Δ)."""
+    min_completions: int = 8
+    """Step 5: fewest completions in that span."""
+    slow_factor: float = 2.0
+    """Step 5: interval x this ("doubles") or throughput / this ("halves")."""
+    baseline_evals: int = 30
+    """Step 5: evaluations the baseline median is taken over (a minute of 2 s windows: the evaluations of a
+    ramp, which overlap the change, stay a minority of it)."""
+    relearn_evals: int = 30
+    """Step 5: triggered evaluations in a row after which the pace is the new baseline."""
+    hot_s: float = 30.0
+    """Step 6: processor seconds a triggered group's raw records are kept."""
+    lookback_windows: int = 5
+    """Step 6: closed windows per rank whose raw records a trigger can still pull (5 x 2 s: Mycroft's Δ)."""
+    max_series: int = 100_000
+    """Sampled (job, group, rank) series tracked; beyond it new ones are not watched."""
+
+    def __post_init__(self) -> None:
+        if self.raw_records not in RAW_MODES:
+            raise ConfigError("collectives.trigger.raw_records", self.raw_records, f"must be one of {RAW_MODES}")
+        for f in ("hang_s", "horizon_s", "hot_s"):
+            if not getattr(self, f) > 0:
+                raise ConfigError(f"collectives.trigger.{f}", getattr(self, f), "must be > 0")
+        if not self.slow_factor > 1:
+            raise ConfigError("collectives.trigger.slow_factor", self.slow_factor, "must be > 1")
+        for f in ("sample_ranks", "min_completions", "baseline_evals", "relearn_evals", "lookback_windows",
+                  "max_series"):
+            if not (isinstance(getattr(self, f), int) and getattr(self, f) >= 1):
+                raise ConfigError(f"collectives.trigger.{f}", getattr(self, f), "must be an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Trigger:
+    """One trigger: a suspicious moment on a group, seen on one sampled member (Mycroft Algorithm 1's output)."""
+
+    kind: str                    # hang | straggler
+    job_id: str
+    group: str
+    members: tuple[int, ...]
+    rank: int                    # the sampled member that saw it
+    at_ns: int                   # that member's clock
+    detail: dict
+
+
+def sample(members: tuple[int, ...], k: int) -> frozenset[int]:
+    """At most ``k`` members, evenly spaced over the sorted members (step 4)."""
+    m = sorted(members)
+    n = len(m)
+    if n <= k:
+        return frozenset(m)
+    return frozenset(m[(i * n) // k] for i in range(k))
+
+
+class _Series:
+    __slots__ = ("ends", "nbytes", "durs", "base_iv", "base_tp", "streak", "members")
+
+    def __init__(self, members: tuple[int, ...]) -> None:
+        self.ends: collections.deque = collections.deque(maxlen=4096)     # completion end_ns, in order
+        self.nbytes: collections.deque = collections.deque(maxlen=4096)
+        self.durs: collections.deque = collections.deque(maxlen=4096)      # end - start
+        self.base_iv: collections.deque = collections.deque()
+        self.base_tp: collections.deque = collections.deque()
+        self.streak = 0
+        self.members = members
+
+
+class Triggers:
+    """Steps 4-5 for one processor (all jobs); the processing thread owns it."""
+
+    def __init__(self, config: TriggerConfig, metrics: SelfMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self._samples: dict[tuple[str, str], frozenset[int]] = {}
+        self._series: dict[tuple[str, str, int], _Series] = {}
+        self._by_rank: dict[tuple[str, int], list[str]] = collections.defaultdict(list)
+        self._hung: dict[tuple[str, str], int] = {}     # (job, group) -> highest seq a hang fired for
+        self._fired: dict[tuple[str, str], int] = {}    # (job, group) -> rank clock of its last straggler trigger
+        self.recent: collections.deque[Trigger] = collections.deque(maxlen=256)
+
+    def sampled(self, job: str, gid: str, members, rank: int) -> bool:
+        key = (job, gid)
+        s = self._samples.get(key)
+        if s is None:
+            if len(self._samples) >= self.config.max_series:
+                return False
+            s = self._samples[key] = sample(tuple(members), self.config.sample_ranks)
+        return rank in s
+
+    def observe(self, job: str, rank: int, group: telemetry_pb2.CollectiveGroup,
+                r: telemetry_pb2.CollectiveRecord, now_ns: int) -> Trigger | None:
+        """Step 4, and the completions step 5 measures; call for every record of a sampled member."""
+        gid = group.id
+        if r.end_ns:
+            key = (job, gid, rank)
+            s = self._series.get(key)
+            if s is None:
+                if len(self._series) >= self.config.max_series:
+                    return None
+                s = self._series[key] = _Series(tuple(group.members))
+                self._by_rank[(job, rank)].append(gid)
+            if not s.ends or r.end_ns >= s.ends[-1]:
+                s.ends.append(r.end_ns)
+                s.nbytes.append(r.bytes)
+                s.durs.append(max(r.end_ns - (r.start_ns or r.enqueue_ns), 1))
+            return None
+        waited = now_ns - r.enqueue_ns
+        if waited >= self.config.hang_s * 1e9 and r.seq > self._hung.get((job, gid), 0):
+            self._hung[(job, gid)] = r.seq
+            return self._fire(Trigger("hang", job, gid, tuple(group.members), rank, now_ns,
+                                      {"seq": r.seq, "op": r.op, "in_flight_s": round(waited / 1e9, 3)}))
+        return None
+
+    def evaluate(self, job: str, rank: int, now_ns: int) -> list[Trigger]:
+        """Step 5 for every sampled series of this rank (call at the rank's window close)."""
+        cfg = self.config
+        out = []
+        for gid in self._by_rank.get((job, rank), ()):
+            s = self._series[(job, gid, rank)]
+            n_all = len(s.ends)
+            if n_all <= cfg.min_completions:
+                continue
+            now = max(now_ns, s.ends[-1])
+            keep = now - int(2 * cfg.horizon_s * 1e9)   # two horizons of history, at least min_completions + 1
+            while len(s.ends) > cfg.min_completions + 1 and s.ends[1] < keep:
+                s.ends.popleft()
+                s.nbytes.popleft()
+                s.durs.popleft()
+            n_all = len(s.ends)
+            # the span: back to the completion that covers both horizon_s and min_completions after it
+            horizon = now - int(cfg.horizon_s * 1e9)
+            i = n_all - 1 - cfg.min_completions
+            while i > 0 and s.ends[i] > horizon:
+                i -= 1
+            span = now - s.ends[i]
+            if span <= 0 or (span < cfg.horizon_s * 1e9 and n_all < s.ends.maxlen):
+                continue   # warming up: not a horizon of history yet (a full deque is as far back as it goes)
+            count = n_all - 1 - i
+            interval = span / count
+            # the collectives' own throughput: their bytes over their durations (a slow transfer shows
+            # here before it stretches the interval between completions)
+            throughput = sum(itertools.islice(s.nbytes, i + 1, None)) / sum(itertools.islice(s.durs, i + 1, None)) * 1e9
+            fired = None
+            if len(s.base_iv) >= 3:
+                base_iv = float(np.median(s.base_iv))
+                base_tp = float(np.median(s.base_tp))
+                if interval >= cfg.slow_factor * base_iv or (base_tp > 0 and throughput * cfg.slow_factor <= base_tp):
+                    fired = Trigger("straggler", job, gid, s.members, rank, now, {
+                        "interval_ms": round(interval / 1e6, 3), "usual_interval_ms": round(base_iv / 1e6, 3),
+                        "throughput_Bps": round(throughput, 1), "usual_throughput_Bps": round(base_tp, 1)})
+            if fired is not None and s.streak + 1 < cfg.relearn_evals:
+                s.streak += 1          # Algorithm 1: the baseline is updated only when nothing triggered
+            else:
+                if fired is not None:  # a lasting change: relearn from here
+                    s.base_iv.clear()
+                    s.base_tp.clear()
+                s.streak = 0
+                s.base_iv.append(interval)
+                s.base_tp.append(throughput)
+                while len(s.base_iv) > cfg.baseline_evals:
+                    s.base_iv.popleft()
+                    s.base_tp.popleft()
+            if fired is not None and now - self._fired.get((job, gid), 0) >= cfg.hot_s * 1e9:
+                self._fired[(job, gid)] = now     # one per group and hot period, whichever member saw it
+                out.append(self._fire(fired))
+        return out
+
+    def forget(self, job: str, rank: int) -> None:
+        for gid in self._by_rank.pop((job, rank), ()):
+            self._series.pop((job, gid, rank), None)
+        if not any(k[0] == job for k in self._by_rank):   # the job's last rank: its groups too
+            for d in (self._samples, self._hung, self._fired):
+                for k in [k for k in d if k[0] == job]:
+                    del d[k]
+
+    def _fire(self, t: Trigger) -> Trigger:
+        self.metrics.inc("collective_triggers", 1, kind=t.kind)
+        self.recent.append(t)
+        return t
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class CollectiveWindowConfig:
     length_s: float = 2.0
@@ -60,6 +283,8 @@ class CollectiveWindowConfig:
     """Distinct process groups kept per rank and window."""
     max_records_per_batch: int = 65_536
     """A batch with more records is refused (a collector ships every second)."""
+    trigger: TriggerConfig = dataclasses.field(default_factory=TriggerConfig)
+    """Mycroft's triggers and the raw-record policy (steps 4-6)."""
 
     def __post_init__(self) -> None:
         if not self.length_s > 0:
@@ -137,6 +362,11 @@ class CollectiveWindows:
         self._clock = clock
         self._open: dict[tuple[str, int], tuple[Resource, _Open]] = {}
         self._index: dict[tuple[str, int], int] = {}
+        self.triggers = Triggers(config.trigger, self.metrics)
+        self._gated = config.trigger.raw_records == "triggered"
+        # step 6: per rank, the raw records of its last closed windows: (resource, {group id: (group, [records])})
+        self._rings: dict[tuple[str, int], collections.deque] = {}
+        self._hot: dict[tuple[str, str], float] = {}     # (job, group) -> processor clock it stays hot until
 
     def add(self, resource: Resource, payload: tuple) -> None:
         """Step 2: file one validated batch under its rank's open window."""
@@ -159,11 +389,21 @@ class CollectiveWindows:
             if j is not None:
                 remap[i] = j
         cap = self.config.max_records_per_window
+        fired = []
+        watched: dict[int, bool] = {}   # group index -> this rank is in its trigger sample (step 4)
         for r in records:
             j = remap.get(r.group)
             if j is None:
                 w.dropped += 1
                 continue
+            on = watched.get(j)
+            if on is None:
+                g = w.groups[j]
+                on = watched[j] = self.triggers.sampled(resource.job_id, g.id, g.members, resource.rank)
+            if on:
+                t = self.triggers.observe(resource.job_id, resource.rank, w.groups[j], r, now_ns)
+                if t is not None:
+                    fired.append(t)
             if r.end_ns:
                 d, b = w.durations.setdefault((w.groups[j].id, r.op, size_class(r.bytes)), ([], []))
                 d.append(r.end_ns - r.enqueue_ns)
@@ -179,6 +419,8 @@ class CollectiveWindows:
                 r2.group = j
                 r = r2
             w.records.append(r)
+        for t in fired:
+            self._on_trigger(t)
 
     def tick(self) -> None:
         """Step 3: close windows open for ``length_s`` (call from the pipeline's idle check)."""
@@ -195,20 +437,95 @@ class CollectiveWindows:
         if key in self._open:
             self._close(key)
         self._index.pop(key, None)
+        self._rings.pop(key, None)
+        self.triggers.forget(*key)
 
     @property
     def open_windows(self) -> int:
         return len(self._open)
 
+    # ------------------------------------------------------------ step 6
+    def hot(self, job: str, gid: str) -> bool:
+        until = self._hot.get((job, gid))
+        if until is None:
+            return False
+        if self._clock() >= until:
+            del self._hot[(job, gid)]
+            return False
+        return True
+
+    def _on_trigger(self, t: Trigger) -> None:
+        """A trigger on a group: hot for ``hot_s``; pull the group's records from every member's ring."""
+        self._hot[(t.job_id, t.group)] = self._clock() + self.config.trigger.hot_s
+        if not self._gated:
+            return   # every window carries its raw records already
+        for m in t.members:
+            ring = self._rings.get((t.job_id, m))
+            if not ring:
+                continue
+            res, group, rows = None, None, []
+            for res_i, by_group in ring:
+                hit = by_group.pop(t.group, None)
+                if hit is not None:
+                    res, group = res_i, hit[0]
+                    rows += hit[1]
+            if not rows:
+                continue
+            index = self._index.get((t.job_id, m), 0)
+            self._index[(t.job_id, m)] = index + 1
+            copies = []
+            for r in rows:   # the ingest batch's messages: copied, not renumbered in place
+                c = telemetry_pb2.CollectiveRecord()
+                c.CopyFrom(r)
+                c.group = 0
+                copies.append(c)
+            rows = copies
+            window = records_pb2.Window(kind=records_pb2.WINDOW_KIND_TIME, index=index,
+                                        start_ns=min(r.enqueue_ns for r in rows),
+                                        end_ns=max(max(r.end_ns, r.enqueue_ns) for r in rows))
+            rec = records_pb2.CollectiveWindow(resource=res.to_pb(), window=window, groups=[group], records=rows,
+                                               now_ns=max(max(r.end_ns, r.enqueue_ns) for r in rows))
+            self.metrics.inc("collective_raw_records", len(rows), fate="pulled")
+            raw = ClosedWindow(resource=res, window=records_pb2.Window(kind=window.kind, index=index),
+                               kernels=KernelColumns.empty())
+            self._emit(WindowOutput(raw=raw, collectives=rec))
+
+    def _gate(self, key: tuple[str, int], res: Resource, w: _Open) -> list:
+        """Step 6: the records this window carries; the others go to the rank's ring."""
+        if not self._gated:
+            if w.records:
+                self.metrics.inc("collective_raw_records", len(w.records), fate="kept")
+            return w.records
+        keep, held = [], {}
+        for r in w.records:
+            g = w.groups[r.group]
+            if self.hot(key[0], g.id):
+                keep.append(r)
+            else:
+                held.setdefault(g.id, (telemetry_pb2.CollectiveGroup(id=g.id, members=g.members), []))[1].append(r)
+        ring = self._rings.get(key)
+        if ring is None:
+            ring = self._rings[key] = collections.deque(maxlen=self.config.trigger.lookback_windows)
+        if len(ring) == ring.maxlen:
+            n = sum(len(rows) for _, by_group in [ring[0]] for _, rows in by_group.values())
+            if n:
+                self.metrics.inc("collective_raw_records", n, fate="summarised")
+        ring.append((res, held))
+        if keep:
+            self.metrics.inc("collective_raw_records", len(keep), fate="kept")
+        return keep
+
     def _close(self, key: tuple[str, int]) -> None:
         res, w = self._open.pop(key)
+        for t in self.triggers.evaluate(key[0], key[1], w.now_ns):   # step 5 at the rank's window close
+            self._on_trigger(t)
         index = self._index.get(key, 0)
         self._index[key] = index + 1
         window = records_pb2.Window(kind=records_pb2.WINDOW_KIND_TIME, index=index,
                                     start_ns=w.lo if w.lo < 2**63 else 0, end_ns=w.hi)
         rec = records_pb2.CollectiveWindow(resource=res.to_pb(), window=window, groups=w.groups,
-                                           records=w.records, now_ns=w.now_ns, records_dropped=w.dropped,
-                                           collector_dropped=w.collector_dropped)
+                                           records=self._gate(key, res, w), now_ns=w.now_ns,
+                                           records_dropped=w.dropped, collector_dropped=w.collector_dropped)
         for (gid, op, sc), (durs, nbytes) in sorted(w.durations.items()):
             a = np.asarray(durs, dtype=np.float64)
             p50, p99 = np.percentile(a, [50, 99])
@@ -223,4 +540,5 @@ class CollectiveWindows:
         self._emit(WindowOutput(raw=raw, collectives=rec))
 
 
-__all__ = ["CollectiveWindowConfig", "CollectiveWindows", "size_class", "validate", "MAX_COLLECTIVE_NS"]
+__all__ = ["CollectiveWindowConfig", "CollectiveWindows", "MAX_COLLECTIVE_NS", "Trigger", "TriggerConfig", "Triggers",
+           "sample", "size_class", "validate"]
