@@ -56,6 +56,9 @@ PLAN = {
     "trainscope run -- torchrun ... train.py": "test_run_a_torchrun_job",
     "trainscope run": "test_run_a_torchrun_job",
     "trainscope run --install-pth": "test_install_pth_in_a_throwaway_venv",
+    "trainscope profile --job J": "SKIP: needs a running job; tests/integration/test_deep_dive.py runs it on one",
+    "trainscope profile --job J --iterations 5 --wait 60":
+        "SKIP: needs a running job; tests/integration/test_deep_dive.py runs it on one",
 }
 
 #: placeholders of the README's synopses -> what a new user would type
