@@ -118,29 +118,40 @@ class RootCause:
 
 
 @dataclasses.dataclass(slots=True)
-class _Flows:
-    """Every flow step of the window, flat (one array per column)."""
+class _Window:
+    """The window's flows as the rating needs them (step 1's output).
 
-    block: np.ndarray
-    c: np.ndarray
-    s: np.ndarray
-    src: np.ndarray
-    dst: np.ndarray
-    nbytes: np.ndarray
-    excess: np.ndarray
-    trig: np.ndarray
-    crit: np.ndarray
-    spans: np.ndarray
+    ``p_*``: one row per (collective, src → dst pair) with the bytes over all its steps
+    (traffic and participation of the tx port, link and rx port); ``t_*``: the flow steps
+    that triggered; ``c_*``: the critical path's flow steps (collective, step, excess)."""
+
+    p_coll: np.ndarray
+    p_src: np.ndarray
+    p_dst: np.ndarray
+    p_bytes: np.ndarray
+    p_kind: np.ndarray
+    t_coll: np.ndarray
+    t_s: np.ndarray
+    t_src: np.ndarray
+    t_dst: np.ndarray
+    t_bytes: np.ndarray
+    t_kind: np.ndarray
+    c_coll: np.ndarray
+    c_s: np.ndarray
+    c_excess: np.ndarray
+    coll_block: np.ndarray     # per collective id: (block, index in block)
+    coll_index: np.ndarray
 
 
-def triggers(blocks: list[StepBlock], cfg: ProvenanceConfig) -> tuple[_Flows, list[np.ndarray]]:
-    """Step 1 on every block: baselines per (class, step position, flow slot), triggers with
-    their per-step budget. Returns the flat flow table and each block's critical mask."""
+def triggers(blocks: list[StepBlock], cfg: ProvenanceConfig) -> _Window:
+    """Step 1 on every block: baselines per (class, step position, flow slot), the flows that
+    trigger with each step's budget, the critical path's excess, and per (collective, pair)
+    traffic. Vectorised per block; only the triggered and critical flow steps are listed."""
     base_of: dict[tuple, list] = collections.defaultdict(list)
     for b in blocks:
         base_of[b.key].append(b)
     cols = collections.defaultdict(list)
-    crits = []
+    off = 0
     for bi, b in enumerate(blocks):
         dur = b.dur
         C, S, n, k = dur.shape
@@ -151,33 +162,49 @@ def triggers(blocks: list[StepBlock], cfg: ProvenanceConfig) -> tuple[_Flows, li
             base = np.nanmedian(peers.transpose(1, 3, 0, 2).reshape(S, k, -1), axis=2)   # (S, k)
         base = np.where(cnt >= cfg.min_class_flows, base, np.nan)
         _, crit = critical_path(b)
-        crits.append(crit)
         ok = b.dst >= 0
         with np.errstate(invalid="ignore", divide="ignore"):
             ratio = dur / base[None, :, None, :]
         slow = ok & np.isfinite(ratio) & (ratio >= cfg.slow_factor)
-        # the budget: critical flow first, then by ratio, per (collective, step)
-        prio = np.where(slow, np.nan_to_num(ratio) + np.where(crit, 1e9, 0.0), -np.inf).reshape(C, S, n * k)
-        order = np.argsort(-prio, axis=2, kind="stable")
-        rank_in = np.empty_like(order)
-        np.put_along_axis(rank_in, order, np.arange(n * k)[None, None], axis=2)
-        trig = slow & (rank_in.reshape(dur.shape) < cfg.triggers_per_step)
-        c, s, i, j = np.nonzero(ok)
-        cols["block"].append(np.full(len(c), bi))
-        cols["c"].append(c)
-        cols["s"].append(s)
-        cols["src"].append(b.members[c, i])
-        cols["dst"].append(b.dst[c, s, i, j])
-        cols["nbytes"].append(b.nbytes[c, s, i, j])
-        cols["excess"].append(np.maximum(np.nan_to_num(dur[c, s, i, j] - base[s, j]), 0.0))
-        cols["trig"].append(trig[c, s, i, j])
-        cols["crit"].append(crit[c, s, i, j])
-        cols["spans"].append(np.full(len(c), b.spans))
-    cat = {f: (np.concatenate(v) if v else np.zeros(0)) for f, v in cols.items()}
-    if not cat:
-        z = np.zeros(0, dtype=np.int64)
-        return _Flows(z, z, z, z, z, z, z.astype(float), z.astype(bool), z.astype(bool), z.astype(bool)), crits
-    return _Flows(**cat), crits
+        # the budget: per (collective, step) the critical flow first, then by ratio
+        c, s_, i, j = np.nonzero(slow)
+        prio = ratio[c, s_, i, j] + np.where(crit[c, s_, i, j], 1e9, 0.0)
+        order = np.lexsort((-prio, s_, c))
+        c, s_, i, j = c[order], s_[order], i[order], j[order]
+        grp = c.astype(np.int64) * S + s_
+        keep = (np.arange(len(grp)) - np.searchsorted(grp, grp, side="left")) < cfg.triggers_per_step
+        c, s_, i, j = c[keep], s_[keep], i[keep], j[keep]
+        cols["t_coll"].append(off + c)
+        cols["t_s"].append(s_)
+        cols["t_src"].append(b.members[c, i])
+        cols["t_dst"].append(b.dst[c, s_, i, j])
+        cols["t_bytes"].append(b.nbytes[c, s_, i, j])
+        cols["t_kind"].append(np.full(len(c), int(b.spans)))
+        c, s_, i, j = np.nonzero(crit)
+        cols["c_coll"].append(off + c)
+        cols["c_s"].append(s_)
+        cols["c_excess"].append(np.maximum(np.nan_to_num(dur[c, s_, i, j] - base[s_, j]), 0.0))
+        # traffic per (collective, pair): the pairs are the block's (its step structure is shared)
+        m0 = b.members[0]
+        srt = np.argsort(m0)
+        d0 = b.dst[0]
+        dpos = np.where(d0 >= 0, srt[np.minimum(np.searchsorted(m0[srt], d0), n - 1)], -1)
+        v = dpos >= 0
+        ii = np.broadcast_to(np.arange(n)[None, :, None], dpos.shape)
+        pk, pinv = np.unique(ii[v] * n + dpos[v], return_inverse=True)
+        P = len(pk)
+        pb = np.bincount((np.arange(C)[:, None] * P + pinv[None, :]).ravel(),
+                         weights=b.nbytes[:, v].ravel().astype(float), minlength=C * P).reshape(C, P)
+        cols["p_coll"].append(np.repeat(off + np.arange(C), P))
+        cols["p_src"].append(b.members[:, pk // n].ravel())
+        cols["p_dst"].append(b.members[:, pk % n].ravel())
+        cols["p_bytes"].append(pb.ravel())
+        cols["p_kind"].append(np.full(C * P, int(b.spans)))
+        cols["coll_block"].append(np.full(C, bi))
+        cols["coll_index"].append(np.arange(C))
+        off += C
+    names = [f.name for f in dataclasses.fields(_Window)]
+    return _Window(**{f: (np.concatenate(cols[f]) if cols[f] else np.zeros(0, dtype=np.int64)) for f in names})
 
 
 def rate(blocks: list[StepBlock], cfg: ProvenanceConfig = ProvenanceConfig(),
@@ -185,55 +212,59 @@ def rate(blocks: list[StepBlock], cfg: ProvenanceConfig = ProvenanceConfig(),
     """Steps 1-5 over the window's blocks; the named elements, best first."""
     if not blocks:
         return []
-    f, _ = triggers(blocks, cfg)
-    if not f.trig.any():
+    f = triggers(blocks, cfg)
+    if not len(f.t_coll):
         return []
-    W = int(max(f.src.max(), f.dst.max())) + 1
-    kind = f.spans.astype(np.int64)
-    # Step 2: elements. Ports: tx(r) = 4r + 2kind, rx(r) = 4r + 2kind + 1; links: src*W+dst, per kind.
-    tx, rx = 4 * f.src + 2 * kind, 4 * f.dst + 2 * kind + 1
-    link = (f.src * W + f.dst) * 2 + kind
-    trig_b = np.where(f.trig, f.nbytes, 0)
-    q_port = np.bincount(np.concatenate([tx, rx]), weights=np.concatenate([trig_b, trig_b]), minlength=4 * W) \
-        / np.maximum(np.bincount(np.concatenate([tx, rx]), weights=np.concatenate([f.nbytes, f.nbytes]),
+    W = int(max(f.p_src.max(), f.p_dst.max())) + 1
+    kind = f.t_kind.astype(np.int64)
+    pkind = f.p_kind.astype(np.int64)
+    # Step 2: elements. Ports: tx(r) = 4r + 2kind, rx(r) = 4r + 2kind + 1; links: (src*W+dst)*2 + kind.
+    tx, rx = 4 * f.t_src + 2 * kind, 4 * f.t_dst + 2 * kind + 1
+    ptx, prx = 4 * f.p_src + 2 * pkind, 4 * f.p_dst + 2 * pkind + 1
+    tb = f.t_bytes.astype(float)
+    q_port = np.bincount(np.concatenate([tx, rx]), weights=np.concatenate([tb, tb]), minlength=4 * W) \
+        / np.maximum(np.bincount(np.concatenate([ptx, prx]), weights=np.concatenate([f.p_bytes, f.p_bytes]),
                                  minlength=4 * W), 1)
-    lk, lk_inv = np.unique(link, return_inverse=True)
-    q_link = np.bincount(lk_inv, weights=trig_b) / np.maximum(np.bincount(lk_inv, weights=f.nbytes), 1)
+    plink = (f.p_src * W + f.p_dst) * 2 + pkind
+    link = (f.t_src * W + f.t_dst) * 2 + kind
+    lk, lk_all = np.unique(np.concatenate([plink, link]), return_inverse=True)
+    plk, tlk = lk_all[:len(plink)], lk_all[len(plink):]
+    q_link = np.bincount(tlk, weights=tb, minlength=len(lk)) / np.maximum(
+        np.bincount(plk, weights=f.p_bytes, minlength=len(lk)), 1)
     # Step 3: per triggered flow, its elements' shares (eq. 2), ports mapped to their ranks (eq. 1)
-    t = np.flatnonzero(f.trig)
-    qt, qr, ql = q_port[tx[t]], q_port[rx[t]], q_link[lk_inv[t]]
+    qt, qr, ql = q_port[tx], q_port[rx], q_link[tlk]
     tot = np.maximum(qt + qr + ql, 1e-12)
     # the step of a collective each triggered flow belongs to, and how many flows it triggered
-    step_key = (f.block[t].astype(np.int64) * (1 << 40)) + f.c[t].astype(np.int64) * (1 << 20) + f.s[t]
+    step_key = f.t_coll.astype(np.int64) * (1 << 24) + f.t_s
     uk, uinv, ucnt = np.unique(step_key, return_inverse=True, return_counts=True)
     # Step 4: exec − expect of the critical flow of each (collective, step) that triggered
-    cr = np.flatnonzero(f.crit)
-    crit_key = (f.block[cr].astype(np.int64) * (1 << 40)) + f.c[cr].astype(np.int64) * (1 << 20) + f.s[cr]
+    crit_key = f.c_coll.astype(np.int64) * (1 << 24) + f.c_s
     step_excess = np.zeros(len(uk))
     at = np.searchsorted(uk, crit_key)
     hit = (at < len(uk)) & (uk[np.minimum(at, len(uk) - 1)] == crit_key)
-    step_excess[at[hit]] = f.excess[cr[hit]]
+    step_excess[at[hit]] = f.c_excess[hit]
     total_excess = float(step_excess.sum())      # over the steps that triggered (collected ones)
     w = step_excess[uinv] / ucnt[uinv]              # each triggered flow's weight in eq. (3)
     if total_excess <= 0 or not (w > 0).any():
         return []
-    src_t, dst_t = f.src[t], f.dst[t]
-    elem_rank = np.concatenate([src_t * 2 + kind[t], dst_t * 2 + kind[t]])        # rank element: 2r + kind
+    src_t, dst_t = f.t_src, f.t_dst
+    elem_rank = np.concatenate([src_t * 2 + kind, dst_t * 2 + kind])        # rank element: 2r + kind
     r_rank = np.bincount(elem_rank, weights=np.concatenate([w * qt / tot, w * qr / tot]), minlength=2 * W)
-    r_link = np.bincount(lk_inv[t], weights=w * ql / tot, minlength=len(lk))
+    r_link = np.bincount(tlk, weights=w * ql / tot, minlength=len(lk))
     norm = total_excess
     it = max(float(iterations or len({(bi, int(x)) for bi, b in enumerate(blocks) for x in np.unique(b.iteration)})
                    / max(len(blocks), 1)), 1.0)
     # Step 5: persistence per element: collectives it was slow in (triggered), and took part in
-    coll_key = f.block.astype(np.int64) * (1 << 40) + f.c.astype(np.int64) * (1 << 20)
-    part_rank = _distinct(np.concatenate([f.src * 2 + kind, f.dst * 2 + kind]), np.concatenate([coll_key, coll_key]))
-    slow_rank = _distinct(elem_rank, np.concatenate([coll_key[t], coll_key[t]]))
-    part_link = _distinct(lk_inv, coll_key)
-    slow_link = _distinct(lk_inv[t], coll_key[t])
+    part_rank = _distinct(np.concatenate([f.p_src * 2 + pkind, f.p_dst * 2 + pkind]),
+                          np.concatenate([f.p_coll, f.p_coll]))
+    slow_rank = _distinct(elem_rank, np.concatenate([f.t_coll, f.t_coll]))
+    part_link = _distinct(plk, f.p_coll)
+    slow_link = _distinct(tlk, f.t_coll)
 
     def persistent(slow_n: int, n: int) -> bool:
         return slow_n >= max(cfg.min_slow, cfg.min_share * n)
 
+    lk_kind, lk_src, lk_dst = lk % 2, lk // 2 // W, lk // 2 % W
     cand = [("rank", int(e), r_rank[e] / norm) for e in np.flatnonzero(r_rank > 0)]
     cand += [("link", int(e), r_link[e] / norm) for e in np.flatnonzero(r_link > 0)]
     cand.sort(key=lambda x: -x[2])
@@ -247,9 +278,8 @@ def rate(blocks: list[StepBlock], cfg: ProvenanceConfig = ProvenanceConfig(),
             if r in used or not persistent(slow_rank.get(e, 0), part_rank.get(e, 0)):
                 continue
             # links at r (either direction) and other ranks that rate within the margin
-            mine = [(int(lk[x]) // 2 // W, int(lk[x]) // 2 % W, r_link[x] / norm, x) for x in range(len(lk))
-                    if int(lk[x]) % 2 == kd and r in (int(lk[x]) // 2 // W, int(lk[x]) // 2 % W)
-                    and r_link[x] > 0]
+            at_r = np.flatnonzero((lk_kind == kd) & ((lk_src == r) | (lk_dst == r)) & (r_link > 0))
+            mine = [(int(lk_src[x]), int(lk_dst[x]), r_link[x] / norm, int(x)) for x in at_r]
             rivals = [x for x in mine if x[2] * cfg.margin > score]
             # the ranks at the other end of its persistently slow links: one only, and rating alike,
             # is the symmetric case (a 2-member ring, or one slow link of a rank with one peer)
@@ -257,7 +287,7 @@ def rate(blocks: list[StepBlock], cfg: ProvenanceConfig = ProvenanceConfig(),
             alike = len(ends) < 2 and any(r_rank[2 * o + kd] / norm * cfg.margin > score for o in ends)
             if not rivals and not alike:
                 named.append(("rank", (r,), kd, False, score, slow_rank.get(e, 0), part_rank.get(e, 0),
-                              ((src_t == r) | (dst_t == r)) & (kind[t] == kd)))
+                              ((src_t == r) | (dst_t == r)) & (kind == kd)))
                 used.add(r)
                 continue
             # ambiguous: name the slow link(s) at r, the strongest first; both ways -> a <-> b
@@ -279,14 +309,14 @@ def rate(blocks: list[StepBlock], cfg: ProvenanceConfig = ProvenanceConfig(),
             n_part = sum(part_link.get(y, 0) for y in xs)
             if not persistent(n_slow, n_part):
                 continue
-            named.append(("link", (a, b_), kd, both, score, n_slow, n_part, sel & (kind[t] == kd)))
+            named.append(("link", (a, b_), kd, both, score, n_slow, n_part, sel & (kind == kd)))
             used.update((a, b_))
         else:
             kd = int(lk[e]) % 2
             a, b_ = divmod(int(lk[e]) // 2, W)
             if a in used or b_ in used or not persistent(slow_link.get(e, 0), part_link.get(e, 0)):
                 continue
-            sel = (src_t == a) & (dst_t == b_) & (kind[t] == kd)
+            sel = (src_t == a) & (dst_t == b_) & (kind == kd)
             named.append(("link", (a, b_), kd, False, score, slow_link.get(e, 0), part_link.get(e, 0), sel))
             used.update((a, b_))
     # impact: the excess of the triggered steps an element's flows slowed, shared by the named
@@ -294,7 +324,7 @@ def rate(blocks: list[StepBlock], cfg: ProvenanceConfig = ProvenanceConfig(),
     share = np.zeros(len(uk))
     for x in named:
         share[np.unique(uinv[x[7]])] += 1
-    return [_cause(f, t, what, ranks, kd, both, score,
+    return [_cause(f, what, ranks, kd, both, score,
                    float((step_excess[u] / share[u]).sum()) if len(u := np.unique(uinv[sel])) else 0.0,
                    it, n_slow, n_part, sel, blocks)
             for what, ranks, kd, both, score, n_slow, n_part, sel in named]
@@ -310,18 +340,19 @@ def _distinct(elem: np.ndarray, key: np.ndarray) -> dict[int, int]:
     return dict(zip(e.tolist(), n.tolist()))
 
 
-def _cause(f: _Flows, t: np.ndarray, element: str, ranks: tuple, kd: int, both: bool, score: float,
+def _cause(f: _Window, element: str, ranks: tuple, kd: int, both: bool, score: float,
            impact_ns: float, it: float, slow_n: int, judged: int, sel: np.ndarray, blocks) -> RootCause:
     """A named element with the steps its triggered flows slowed and its impact per iteration.
 
     ``impact_ns``: the critical excess of the steps it slowed (step 5), over the window."""
-    idx = t[sel]
-    steps = sorted({(blocks[int(f.block[x])].gid[int(f.c[x])], int(blocks[int(f.block[x])].seq[int(f.c[x])]),
-                     int(f.s[x])) for x in idx[:4096]})
+    idx = np.flatnonzero(sel)
+    steps = sorted({(blocks[int(f.coll_block[c])].gid[int(f.coll_index[c])],
+                     int(blocks[int(f.coll_block[c])].seq[int(f.coll_index[c])]), int(s))
+                    for c, s in zip(f.t_coll[idx[:4096]].tolist(), f.t_s[idx[:4096]].tolist())})
     return RootCause(element=element, ranks=tuple(int(r) for r in ranks), hardware="NIC" if kd else "NVLink",
                      both_ways=both, rating=round(float(score), 4), impact_s=float(impact_ns) / it / 1e9,
                      slow_collectives=int(slow_n), judged=int(judged), steps=tuple(steps[:16]),
-                     step_positions=tuple(sorted({int(x) for x in f.s[idx]})))
+                     step_positions=tuple(sorted({int(x) for x in f.t_s[idx]})))
 
 
 def root_cause(job_id: str, window: records_pb2.Window, blocks: list[StepBlock], hosts: Mapping[int, str],
