@@ -16,9 +16,14 @@
 from __future__ import annotations
 
 import argparse
+import collections
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
 from trainscope.analyzer.collectives import CollectiveState, CollectivesConfig
 from trainscope.processor.collectives import CollectiveWindowConfig, CollectiveWindows, validate
@@ -104,14 +109,91 @@ def analyzer(ranks: int, per_s: int, seconds: int) -> None:
           f"{t_hang * 1e3:.1f} ms; named {named} (culprit {culprit})")
 
 
+def step_volume(ranks: int, seconds: float) -> None:
+    from step_records import joined, use_step_records
+
+    from trainscope.collector.sim import SimConfig
+    from trainscope.collector.sim.simulate import Simulation
+
+    out = {}
+    for steps in (False, True):
+        sim = Simulation(SimConfig(ranks=ranks, tp=2, pp=2, duration_s=seconds, seed=1))
+        if steps:
+            use_step_records(sim)
+        t0 = time.perf_counter()
+        colls, wire = joined(sim)
+        out[steps] = (wire, len(colls), time.perf_counter() - t0)
+    per = {k: v[0] * 60 / seconds / ranks / 1024 for k, v in out.items()}
+    print(f"step records, {ranks}-rank job (tp=2 pp=2), {seconds:g} simulated s, {out[True][1]:,} collectives: "
+          f"collector {per[False]:.1f} KiB per rank per minute without steps (baseline), {per[True]:.1f} KiB "
+          f"with ({per[True] / per[False]:.1f}x); simulation + encoding {out[False][2]:.1f} s -> {out[True][2]:.1f} s")
+
+
+def step_rca(ranks: int, collectives: int) -> None:
+    from trainscope.analyzer.provenance import rate
+    from trainscope.analyzer.waiting_graph import step_blocks
+    from trainscope.collector.sim.collective_records import decompose, time_steps
+
+    rng = np.random.default_rng(7)
+    culprit = ranks // 3
+    sp = decompose("allreduce", ranks, 1 << 26)
+    mult = rng.lognormal(0, 0.02, (collectives, ranks))
+    mult[:, culprit] *= 3.0
+    arrive = rng.uniform(0, 2e6, (collectives, ranks))
+    st, en = time_steps(sp, np.repeat(arrive.max(axis=1, keepdims=True), ranks, 1), mult,
+                        np.full(collectives, 1.0), rng.lognormal(0, 0.05, (collectives,) + sp.dst.shape))
+    st, en = st - arrive[:, None, :, None], en - arrive[:, None, :, None]
+    t0 = time.perf_counter()
+    wires = []
+    for r in range(ranks):
+        b = telemetry_pb2.CollectiveBatch(groups=[telemetry_pb2.CollectiveGroup(id="dp:0", members=range(ranks))])
+        for c in range(collectives):
+            b.records.add(group=0, seq=c + 1, op="allreduce", bytes=1 << 26, dtype="bf16", enqueue_ns=T0,
+                          start_ns=T0, end_ns=T0 + int(np.nanmax(en[c, :, r])), iteration=c, algo="ring",
+                          step_index=range(sp.steps), step_dst=[(r + 1) % ranks] * sp.steps,
+                          step_bytes=sp.nbytes[:, r, 0].tolist(), step_start_ns=np.rint(st[c, :, r, 0]).astype(
+                              np.int64).tolist(), step_end_ns=np.rint(en[c, :, r, 0]).astype(np.int64).tolist())
+        wires.append(b.SerializeToString())
+    t_build = time.perf_counter() - t0
+    size = sum(map(len, wires))
+    t0 = time.perf_counter()
+    parsed = [telemetry_pb2.CollectiveBatch.FromString(w) for w in wires]
+    t_parse = time.perf_counter() - t0
+    recs: dict = collections.defaultdict(dict)
+    t0 = time.perf_counter()
+    for r, b in enumerate(parsed):
+        for x in b.records:
+            recs[x.seq][r] = x
+    blocks = step_blocks([("dp:0", tuple(range(ranks)), s, rr) for s, rr in recs.items()],
+                         {r: f"host{r // 8}" for r in range(ranks)})
+    t_stack = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    named = rate(blocks, iterations=collectives)
+    t_rate = time.perf_counter() - t0
+    print(f"step RCA, {ranks}-rank group, {collectives} ring all-reduces x {sp.steps} steps "
+          f"({ranks * collectives:,} records, {size / ranks / collectives / 1024:.1f} KiB per record; built in "
+          f"{t_build:.1f} s): parse {t_parse:.2f} s (baseline), stack {t_stack:.2f} s ({t_stack / t_parse:.1f}x parse), "
+          f"rate {t_rate:.2f} s ({t_rate / t_parse:.1f}x parse, {t_rate / collectives * 1e3:.0f} ms per collective); "
+          f"named {[o.name for o in named]} (culprit {culprit}), impact "
+          f"{[round(o.impact_s * 1e3, 2) for o in named]} ms per iteration")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=1024)
     ap.add_argument("--per-s", type=int, default=10)
     ap.add_argument("--seconds", type=int, default=60)
+    ap.add_argument("--step-ranks", type=int, default=64)
+    ap.add_argument("--step-seconds", type=float, default=60.0)
+    ap.add_argument("--rca-ranks", type=int, default=1024)
+    ap.add_argument("--rca-collectives", type=int, default=5)
+    ap.add_argument("--only-steps", action="store_true", help="only parts 3-4 (step records)")
     a = ap.parse_args()
-    volume(a.per_s, a.seconds)
-    analyzer(a.ranks, a.per_s, min(a.seconds, 10))
+    if not a.only_steps:
+        volume(a.per_s, a.seconds)
+        analyzer(a.ranks, a.per_s, min(a.seconds, 10))
+    step_volume(a.step_ranks, a.step_seconds)
+    step_rca(a.rca_ranks, a.rca_collectives)
     return 0
 
 
