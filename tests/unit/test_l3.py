@@ -133,6 +133,29 @@ def test_tail_only_inflation_is_found_ecc_like():
     assert ev["time_per_iteration_ns"] > ev["group_median_ns"] and ev["direction"] == "slower"
 
 
+def test_one_spiked_call_of_a_big_once_per_step_kernel_names_nobody_but_a_shift_does():
+    """Step 5c, the false alarm of jobs built from the real embedding-heavy streams: a kernel
+    run once per step (5 calls a window, ~3 % of the step each) whose one call spiked ×3 on
+    one rank is a spike, not a slow rank; the same kernel 1.3× slower on every call is."""
+    big = ("split_embedding_codegen_forward_unweighted_kernel", 7, [(5, 2.5e6, 2.6e6)])
+
+    def run(edit):
+        saved = list(KEYS)
+        KEYS.append(big)
+        try:
+            return analyze_kernels(job(16, seed=3, edit=edit))
+        finally:
+            KEYS[:] = saved
+
+    def spike(r, k, cl):   # one call at 3x: the KDE keeps it as its own cluster of one
+        return [(4, cl[0][1], cl[0][2]), (1, 3 * cl[0][1], 3 * cl[0][1])] if (r, k) == (6, 4) else cl
+
+    def shift(r, k, cl):
+        return [(c, p50 * 1.3, p99 * 1.3) for c, p50, p99 in cl] if (r, k) == (6, 4) else cl
+    assert _flagged(run(spike)) == []
+    assert _flagged(run(shift)) == [(big[0], 0, [6])]
+
+
 def test_a_kde_merge_of_the_same_distribution_is_not_flagged():
     # the processor merged the two ReduceScatter modes on rank 4 (few samples near the valley): the rebuilt
     # CDF crosses its peers' and W1 is large, but the exact mean and max did not move (module step 5b)
