@@ -123,3 +123,27 @@ def test_a_user_hook_registered_later_replaces_the_relay_target(world1):
     assert calls == ["mine"]
     hooks.collective_log.ship()
     assert records(exp) == []                         # the user's hook issued no collective
+
+
+def test_fsdp2_entry_points_are_wrapped_and_bytes_are_the_input(world1):
+    """FSDP2 calls all_gather_single / reduce_scatter_single (torch 2.13): recorded, bytes of the input."""
+    torch, dist, hooks, exp = world1
+    if not hasattr(dist, "all_gather_single"):
+        pytest.skip("this torch has no all_gather_single")
+    out, inp = torch.zeros(8), torch.ones(8)
+    dist.all_gather_single(out, inp)
+    dist.reduce_scatter_single(torch.zeros(8), torch.ones(8))
+    dist.all_gather_into_tensor(out, inp)   # calls all_gather_single inside: recorded once
+    hooks.collective_log.ship()
+    assert [(s, op) for _, s, op, _ in records(exp)] == [(1, "allgather"), (2, "reducescatter"), (3, "allgather")]
+
+
+def test_payload_takes_the_input_argument_when_the_output_comes_first():
+    torch = pytest.importorskip("torch")
+    from trainscope.collector.torch_collectives import _payload
+
+    out, inp = torch.zeros(4, 8), torch.ones(8, dtype=torch.float16)
+    assert _payload((out, inp), {}, 1, "input_tensor") == (16, "float16")
+    assert _payload((out,), {"input_tensor": inp}, 1, "input_tensor") == (16, "float16")
+    assert _payload((out, inp), {}) == (128, "float32")            # no input argument known: the first tensor
+    assert _payload(([inp, inp],), {}, 0, "tensor") == (32, "float16")   # a list: summed
