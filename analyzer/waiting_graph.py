@@ -235,13 +235,15 @@ def step_blocks(collectives: Iterable[tuple[str, tuple[int, ...], int, Mapping[i
         n = len(members)
         if n < 2 or any(m not in recs or not len(getattr(recs[m], "step_index", ())) for m in members):
             continue
-        pos = {int(m): i for i, m in enumerate(members)}
+        mem = np.asarray(members, dtype=np.int64)
+        srt = np.argsort(mem)
         per = []
         for m in members:
             r = recs[m]
             si = np.asarray(r.step_index, dtype=np.int64)
-            d = np.asarray([pos.get(int(x), -1) for x in r.step_dst], dtype=np.int64)
-            if len(d) != len(si) or (d < 0).any():
+            g = np.asarray(r.step_dst, dtype=np.int64)
+            d = srt[np.minimum(np.searchsorted(mem[srt], g), n - 1)]        # group position of each dst
+            if len(d) != len(si) or not (mem[d] == g).all():
                 break
             per.append((si, d, np.asarray(r.step_bytes, dtype=np.int64), np.asarray(r.step_start_ns, dtype=float),
                         np.asarray(r.step_end_ns, dtype=float)))
