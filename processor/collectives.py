@@ -107,8 +107,8 @@ class TriggerConfig:
     """Step 6: processor seconds a triggered group's raw records are kept."""
     lookback_windows: int = 5
     """Step 6: closed windows per rank whose raw records a trigger can still pull (5 x 2 s: Mycroft's Δ)."""
-    max_series: int = 100_000
-    """Sampled (job, group, rank) series tracked; beyond it new ones are not watched."""
+    max_groups: int = 10_000
+    """(job, group) pairs watched; beyond it the oldest is forgotten (a killed job never says it ended)."""
 
     def __post_init__(self) -> None:
         if self.raw_records not in RAW_MODES:
@@ -119,7 +119,7 @@ class TriggerConfig:
         if not self.slow_factor > 1:
             raise ConfigError("collectives.trigger.slow_factor", self.slow_factor, "must be > 1")
         for f in ("sample_ranks", "min_completions", "baseline_evals", "relearn_evals", "lookback_windows",
-                  "max_series"):
+                  "max_groups"):
             if not (isinstance(getattr(self, f), int) and getattr(self, f) >= 1):
                 raise ConfigError(f"collectives.trigger.{f}", getattr(self, f), "must be an integer >= 1")
 
@@ -176,10 +176,22 @@ class Triggers:
         key = (job, gid)
         s = self._samples.get(key)
         if s is None:
-            if len(self._samples) >= self.config.max_series:
-                return False
+            while len(self._samples) >= self.config.max_groups:
+                self._drop(next(iter(self._samples)))   # the oldest watched group
             s = self._samples[key] = sample(tuple(members), self.config.sample_ranks)
         return rank in s
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        job, gid = key
+        for r in self._samples.pop(key, ()):
+            if self._series.pop((job, gid, r), None) is not None:
+                gids = self._by_rank.get((job, r))
+                if gids is not None and gid in gids:
+                    gids.remove(gid)
+                    if not gids:
+                        del self._by_rank[(job, r)]
+        self._hung.pop(key, None)
+        self._fired.pop(key, None)
 
     def observe(self, job: str, rank: int, group: telemetry_pb2.CollectiveGroup,
                 r: telemetry_pb2.CollectiveRecord, now_ns: int) -> Trigger | None:
@@ -188,9 +200,7 @@ class Triggers:
         if r.end_ns:
             key = (job, gid, rank)
             s = self._series.get(key)
-            if s is None:
-                if len(self._series) >= self.config.max_series:
-                    return None
+            if s is None:   # at most sample_ranks per watched group: bounded by max_groups
                 s = self._series[key] = _Series(tuple(group.members))
                 self._by_rank[(job, rank)].append(gid)
             if not s.ends or r.end_ns >= s.ends[-1]:
@@ -260,12 +270,11 @@ class Triggers:
         return out
 
     def forget(self, job: str, rank: int) -> None:
+        """A rank that ended (its final batch): its series go; its groups once no member has one."""
         for gid in self._by_rank.pop((job, rank), ()):
             self._series.pop((job, gid, rank), None)
-        if not any(k[0] == job for k in self._by_rank):   # the job's last rank: its groups too
-            for d in (self._samples, self._hung, self._fired):
-                for k in [k for k in d if k[0] == job]:
-                    del d[k]
+            if not any((job, gid, r) in self._series for r in self._samples.get((job, gid), ())):
+                self._drop((job, gid))
 
     def _fire(self, t: Trigger) -> Trigger:
         self.metrics.inc("collective_triggers", 1, kind=t.kind)
@@ -367,6 +376,8 @@ class CollectiveWindows:
         # step 6: per rank, the raw records of its last closed windows: (resource, {group id: (group, [records])})
         self._rings: dict[tuple[str, int], collections.deque] = {}
         self._hot: dict[tuple[str, str], float] = {}     # (job, group) -> processor clock it stays hot until
+        self._ring_seen: dict[tuple[str, int], float] = {}   # when each ring was last appended to
+        self._swept = self._clock()
 
     def add(self, resource: Resource, payload: tuple) -> None:
         """Step 2: file one validated batch under its rank's open window."""
@@ -427,6 +438,20 @@ class CollectiveWindows:
         now = self._clock()
         for key in [k for k, (_, w) in self._open.items() if now - w.opened >= self.config.length_s]:
             self._close(key)
+        if now - self._swept >= self.config.length_s:   # step 6's rings and hot groups of ranks gone quiet
+            self._swept = now
+            stale = now - self.config.length_s * (self.config.trigger.lookback_windows + 1)
+            for key in [k for k, t in self._ring_seen.items() if t < stale and k not in self._open]:
+                self._forget_ring(key)
+            for key in [k for k, until in self._hot.items() if now >= until]:
+                del self._hot[key]
+
+    def _forget_ring(self, key: tuple[str, int]) -> None:
+        ring = self._rings.pop(key, None)
+        self._ring_seen.pop(key, None)
+        n = sum(len(rows) for _, by_group in ring or () for _, rows in by_group.values())
+        if n:
+            self.metrics.inc("collective_raw_records", n, fate="summarised")
 
     def flush(self) -> None:
         for key in list(self._open):
@@ -437,7 +462,7 @@ class CollectiveWindows:
         if key in self._open:
             self._close(key)
         self._index.pop(key, None)
-        self._rings.pop(key, None)
+        self._forget_ring(key)
         self.triggers.forget(*key)
 
     @property
@@ -511,6 +536,7 @@ class CollectiveWindows:
             if n:
                 self.metrics.inc("collective_raw_records", n, fate="summarised")
         ring.append((res, held))
+        self._ring_seen[key] = self._clock()
         if keep:
             self.metrics.inc("collective_raw_records", len(keep), fate="kept")
         return keep

@@ -231,13 +231,27 @@ def test_a_late_rank_triggers_and_the_records_kept_name_it():
     assert culprits == {2}
 
 
-def test_triggers_are_bounded_and_forget_finished_ranks():
-    cw, out, clock, m = processor(max_series=3)
+def test_triggers_are_bounded_and_forget_finished_ranks_and_quiet_rings():
+    tr = Triggers(TriggerConfig(max_groups=2), SelfMetrics())
+    for gid in ("a", "b", "c"):
+        g = telemetry_pb2.CollectiveGroup(id=gid, members=[0, 1])
+        assert tr.sampled("j", gid, g.members, 0)
+        tr.observe("j", 0, g, telemetry_pb2.CollectiveRecord(seq=1, enqueue_ns=1, end_ns=2), 3)
+    assert set(tr._samples) == {("j", "b"), ("j", "c")} and set(tr._series) == {("j", "b", 0), ("j", "c", 0)}
+    assert tr._by_rank[("j", 0)] == ["b", "c"]            # the oldest group was forgotten, with its series
+
+    cw, out, clock, m = processor(raw_records="triggered")
     Job().run(10, cw, clock, m)
-    assert len(cw.triggers._series) == 3
-    for r in range(8):
+    assert len(cw.triggers._series) == 8 and len(cw._rings) == 8
+    for r in range(4):
         cw.finish_rank(Resource(job_id="j", rank=r, world_size=8))
-    assert cw.triggers._series == {}
+    assert len(cw.triggers._series) == 4 and len(cw._rings) == 4
+    clock[0] += 2.0 * (5 + 2)                              # the other ranks went quiet (killed: no final)
+    cw.tick()
+    assert cw._rings == {} and m.get("collective_raw_records", fate="summarised") > 0
+    for r in range(4, 8):
+        cw.finish_rank(Resource(job_id="j", rank=r, world_size=8))
+    assert cw.triggers._series == {} and cw.triggers._samples == {}
 
 
 def test_trigger_config_validation():
