@@ -28,7 +28,13 @@ Steps:
    M_f and MAD_f the median and median absolute deviation of Δ over the role.
    Δ is a share of N ranks, so MAD_f is taken as at least 1/N (its
    resolution): without it, a job where every Δ is 0 but two ranks differ
-   from each other would call both outliers (MAD = 0).
+   from each other would call both outliers (MAD = 0). A Δ outlier must
+   also be material: its β, or its μ in window shares (step 3), at least
+   ``floor`` (1 %) from the role's median — EROICA's "fluctuations within
+   1 % are measurement noise" (§4.3) applied to Δ as step 2 applies it to D.
+   Without it, at 1,000+ ranks the ranks in the joint tails of healthy noise
+   differ from enough sampled peers (Δ ≈ 0.1 against M = 0, MAD = 0) to be
+   called outliers while costing well under 1 % of the window.
 6. Impact, s per iteration: (β_w − median β) × the rank's mean iteration
    time (the extra critical-path time the function costs the rank per step),
    when the traces have iteration marks.
@@ -216,8 +222,9 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
         mD, madD = _mad(Dl)
         # Δ moves in steps of 1/N: its spread cannot be told finer than one sampled rank
         thr = mD + cfg.k * np.maximum(madD, 1.0 / min(cfg.n_sample, R))
-        # 5. abnormal
-        bad = (B > cfg.min_beta) & ((D > 0) | (Dl > thr))
+        # 5. abnormal, and by at least the noise floor in window shares
+        material = (np.abs(B - mB) >= cfg.floor) | (np.abs(mu_r - ref_mu / scale) >= cfg.floor)
+        bad = (B > cfg.min_beta) & ((D > 0) | ((Dl > thr) & material))
         # 6. impact per iteration
         per_iter = np.array([p.window_s / p.iterations if p.iterations else np.nan for p in pats])
         impact = (B - mB) * per_iter[:, None]
