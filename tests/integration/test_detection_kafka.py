@@ -13,14 +13,12 @@ import uuid
 
 import pytest
 
+from support.sim_jobs import SimJob, run_sims
 from trainscope.analyzer.evaluate import evaluate, load_truth
 from trainscope.analyzer.service import Analyzer, AnalyzerConfig
 from trainscope.analyzer.diagnosis_sinks import StoreDiagnosisSink
 from trainscope.analyzer.sources import KafkaSource
 from trainscope.analyzer.store import DiagnosisStore
-from trainscope.collector.sim import sim_config
-from trainscope.deploy.embedded import run_sim_embedded
-from trainscope.processor.kafka_config import KafkaSinkConfig
 
 pytestmark = pytest.mark.integration
 
@@ -46,17 +44,19 @@ SCENARIOS = {
 def detected(kafka_bootstrap, tmp_path_factory):
     home = tmp_path_factory.mktemp("detect")
     prefix = f"ts{uuid.uuid4().hex[:8]}"
-    truths = {}
+    jobs = []
     for job, (fault, _) in SCENARIOS.items():
         extra = dict(clock_offset_s=3600.0, clock_drift_ppm=500.0) if job == "skewed" else {}
-        cfg = sim_config(ranks=RANKS, tp=2, pp=2, iterations=ITERATIONS, seed=3, job_id=job,
-                         faults=[fault] if fault else [], home=str(home / job),
-                         window_iterations=PER_WINDOW, **extra)
-        kafka = KafkaSinkConfig(bootstrap=kafka_bootstrap, topic_prefix=prefix,
-                                spool_dir=str(home / job / "spool"), linger_ms=5)
-        res = run_sim_embedded(cfg, processor_options={"kafka": kafka})
-        assert res.dropped == 0 and res.hung == (job == "hang")
-        truths[job] = load_truth(res.ground_truth_path)
+        jobs.append(SimJob(dict(ranks=RANKS, tp=2, pp=2, iterations=ITERATIONS, seed=3, job_id=job,
+                                faults=[fault] if fault else [], home=str(home / job),
+                                window_iterations=PER_WINDOW, **extra),
+                           dict(bootstrap=kafka_bootstrap, topic_prefix=prefix,
+                                spool_dir=str(home / job / "spool"), linger_ms=5)))
+    truths = {}
+    for res in run_sims(jobs):  # independent jobs, each with its own processor: side by side
+        assert res.dropped == 0 and res.hung == (res.job_id == "hang"), res
+        truths[res.job_id] = load_truth(res.ground_truth_path)
+    assert sorted(truths) == sorted(SCENARIOS)
 
     store = DiagnosisStore(str(home / "diagnoses.sqlite"))
     source = KafkaSource(kafka_bootstrap, group_id=f"g{uuid.uuid4().hex[:8]}", prefix=prefix,
