@@ -47,8 +47,9 @@ LEVEL_NAMES = ("idle", "host", "communication", "memory", "compute")
 _HOST_CATS = (CPU_OP, PYTHON, ANNOTATION, RUNTIME)
 _COMM_KERNEL = re.compile(r"nccl|rccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|sendrecv", re.I)
 #: Host functions that are collectives (gloo/NCCL front ends): their kind is "communication".
-COMM_HOST = re.compile(r"^(nccl|gloo|c10d|mpi|ucc):|^c10d::|record_param_comms|all_?reduce|all_?gather|"
-                       r"reduce_?scatter|all_?to_?all|broadcast|barrier|(^|[._ ])(send|recv|isend|irecv)\b", re.I)
+COMM_HOST = re.compile(r"^(nccl|gloo|c10d|mpi|ucc):|^c10d::|record_param_comms|distributed_c10d\.py|"
+                       r"all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|\bbarrier\b|"
+                       r"(^|[._ :])(send|recv|isend|irecv)\b", re.I)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -226,3 +226,39 @@ def test_json_written_back_reads_the_same(tmp_path, base):
     p.write_text(json.dumps(doc))
     t = read_trace(p)
     assert len(t) == len(base) and np.array_equal(t.dur, base.dur)
+
+
+def test_ranks_are_compared_within_their_role(healthy, healthy_result, base):
+    """Two roles (pipeline stages, say) whose code differs: stage "b" runs one kernel twice as long on
+    every one of its 3 ranks (5 ranks in stage "a"). Compared within roles, nothing is abnormal; lumped
+    into one role, the 3 ranks are far from the job's median and the kernel is reported on them."""
+    name = _kernel_to_slow(healthy_result)
+    fid = base.names.index(name)
+    job = {r: (healthy[r] if r < 5 else slow_function(healthy[r], fid, 2.0)) for r in range(RANKS)}
+    roles = {r: "a" if r < 5 else "b" for r in range(RANKS)}
+    assert localize_columns(job, roles=roles).outliers == ()
+    lumped = localize_columns(job)
+    assert [(o.function, set(o.ranks)) for o in lumped.outliers][:1] == [(name, {5, 6, 7})]
+
+
+def test_l4_collective_evidence_is_typed_like_other_levels():
+    """attribution.evidence_of on L4 findings: more time in a collective is waiter evidence, less
+    (the late arriver's collectives are its shortest) is culprit evidence, slower own work is culprit."""
+    from trainscope.analyzer.attribution import evidence_of
+    from trainscope.analyzer.deepdive import DeepDiveResult, Outlier
+
+    def outlier(fn, kind, slower):
+        return Outlier(function=fn, kind=kind, role="job", ranks=(3,), d=(0.0,), delta=(0.9,), beta=(0.2,),
+                       mu=(0.01,), sigma=(0.001,), impact_s=(0.004,), slower=(slower,),
+                       expected=(0.1, 0.005, 0.001), delta_threshold=0.3, common=False)
+    res = DeepDiveResult(job_id="j", ranks=(), params={}, analysis_s=0.0, outliers=(
+        outlier("ncclKernel_AllReduce_RING_LL_Sum_float", "communication", True),
+        outlier("ncclKernel_SendRecv", "communication", False),
+        outlier("sm80_xmma_gemm", "compute", True),
+        outlier("aten::copy_", "cpu", False)))
+    fs = res.to_findings()
+    assert len(fs) == 3                        # less of its own non-collective work is no evidence
+    roles = [evidence_of(f)[0].role for f in fs]
+    assert roles == ["waiter", "culprit", "culprit"]
+    assert [evidence_of(f)[0].level for f in fs] == ["L4"] * 3
+    assert fs[2].suspects[0].impact_ns == pytest.approx(4e6)
