@@ -40,6 +40,17 @@ left to the late-start rule.
    the critical path), summed over the element's links, per iteration of the
    rank; findings of
    level ``collectives``, kind ``slow_link``, role ``link`` in the verdict.
+
+Where records carry every step (fields 14-19, ``step_blocks`` stacks them
+per shape; ``provenance.py`` rates them):
+
+6. The step waiting graph (§III-B, Fig. 4): a vertex per flow step, its dark
+   edge its duration, light edges from the member's own previous step and
+   from the flows that sent it data in the previous step (``critical_path``).
+7. Its critical path (§III-D1): the longest path, traced back along the
+   edges that set each step's start.
+8. Waiting status (§III-C1, Table I): who waited for whom at which step, from
+   each rank's own clock (``waits``).
 """
 from __future__ import annotations
 
