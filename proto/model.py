@@ -44,6 +44,13 @@ class ParallelCoords:
         )
 
 
+#: ``Resource.attributes`` keys naming what a rank shares with others beyond its host: the NIC
+#: its collectives leave by and the network switch its host hangs off (set by the site through
+#: ``TRAINSCOPE_NIC``/``TRAINSCOPE_SWITCH``, by replay's ``topology.json``, by the simulator).
+#: The verdict names one when its suspects share it (issue #10 item 6).
+NIC_ATTRIBUTE, SWITCH_ATTRIBUTE = "nic", "switch"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Resource:
     """Who a batch comes from: job, host, process, rank, device, coordinates."""

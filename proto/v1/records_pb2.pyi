@@ -246,7 +246,7 @@ class Diagnosis(_message.Message):
     def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., level: _Optional[str] = ..., kind: _Optional[str] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., scope: _Optional[_Union[DiagnosisScope, _Mapping]] = ..., suspects: _Optional[_Iterable[_Union[Suspect, _Mapping]]] = ..., severity: _Optional[float] = ..., evidence: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., created_unix_ns: _Optional[int] = ..., informational: _Optional[bool] = ..., impact_s: _Optional[float] = ..., impact_pct: _Optional[float] = ..., comparison: _Optional[str] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("job_id", "window", "ranks", "phases", "kernels", "findings", "summary", "created_unix_ns", "state", "confidence", "host", "since_window", "partial", "comparison", "step_s", "pending")
+    __slots__ = ("job_id", "window", "ranks", "phases", "kernels", "findings", "summary", "created_unix_ns", "state", "confidence", "host", "since_window", "partial", "comparison", "step_s", "pending", "group", "nic", "switch_name")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,9 @@ class Verdict(_message.Message):
     COMPARISON_FIELD_NUMBER: _ClassVar[int]
     STEP_S_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    NIC_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_NAME_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     window: Window
     ranks: _containers.RepeatedCompositeFieldContainer[Suspect]
@@ -279,4 +282,7 @@ class Verdict(_message.Message):
     comparison: str
     step_s: float
     pending: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job_id: _Optional[str] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[Suspect, _Mapping]]] = ..., phases: _Optional[_Iterable[str]] = ..., kernels: _Optional[_Iterable[str]] = ..., findings: _Optional[_Iterable[_Union[Diagnosis, _Mapping]]] = ..., summary: _Optional[str] = ..., created_unix_ns: _Optional[int] = ..., state: _Optional[str] = ..., confidence: _Optional[float] = ..., host: _Optional[str] = ..., since_window: _Optional[int] = ..., partial: _Optional[bool] = ..., comparison: _Optional[str] = ..., step_s: _Optional[float] = ..., pending: _Optional[_Iterable[int]] = ...) -> None: ...
+    group: str
+    nic: str
+    switch_name: str
+    def __init__(self, job_id: _Optional[str] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[Suspect, _Mapping]]] = ..., phases: _Optional[_Iterable[str]] = ..., kernels: _Optional[_Iterable[str]] = ..., findings: _Optional[_Iterable[_Union[Diagnosis, _Mapping]]] = ..., summary: _Optional[str] = ..., created_unix_ns: _Optional[int] = ..., state: _Optional[str] = ..., confidence: _Optional[float] = ..., host: _Optional[str] = ..., since_window: _Optional[int] = ..., partial: _Optional[bool] = ..., comparison: _Optional[str] = ..., step_s: _Optional[float] = ..., pending: _Optional[_Iterable[int]] = ..., group: _Optional[str] = ..., nic: _Optional[str] = ..., switch_name: _Optional[str] = ...) -> None: ...
