@@ -99,7 +99,8 @@ class DeepDiveResult:
                 sus.append(SuspectRank(
                     rank=r, score=max(o.d[i], o.delta[i]),
                     impact_ns=max(0.0, (o.impact_s[i] or 0.0) * 1e9),
-                    evidence={"function": o.function, "kind": o.kind, "direction": "slower" if o.slower[i] else "faster",
+                    evidence={"function": o.function, "kind": o.kind,
+                              "direction": "slower" if o.slower[i] else "faster",
                               "ratio": float(ratio), "D": o.d[i], "Delta": o.delta[i], "beta": o.beta[i],
                               "mu_s": o.mu[i], "sigma_s": o.sigma[i], "launched_by": o.launched_by}))
             ev = {"function": o.function, "communication": comm, "role": o.role, "common": o.common,

@@ -161,14 +161,19 @@ def differential_distance(B: np.ndarray, MU: np.ndarray, SG: np.ndarray, cfg: Lo
     n = min(cfg.n_sample, R)
     sample = np.arange(R) if n == R else rng.choice(R, size=n, replace=False)
     chunk = max(1, int(4e6 // (R * n)))
+    xs = []
+    for M in (B, MU, SG):
+        hi = M.max(axis=0)
+        xs.append(np.divide(M, hi, out=np.zeros_like(M), where=hi > 0).astype(np.float32))
     for a in range(0, F, chunk):
-        acc = np.zeros((R, n, min(chunk, F - a)), dtype=np.float32)
-        for M in (B, MU, SG):
-            m = M[:, a:a + chunk]
-            hi = m.max(axis=0)
-            x = np.divide(m, hi, out=np.zeros_like(m), where=hi > 0).astype(np.float32)
-            acc += np.abs(x[:, None, :] - x[sample][None, :, :])
-        out[:, a:a + chunk] = (acc >= cfg.delta).mean(axis=1)
+        b = min(a + chunk, F)
+        acc = np.zeros((R, n, b - a), dtype=np.float32)
+        tmp = np.empty_like(acc)
+        for x in xs:
+            np.subtract(x[:, None, a:b], x[sample][None, :, a:b], out=tmp)
+            np.abs(tmp, out=tmp)
+            acc += tmp
+        out[:, a:b] = np.count_nonzero(acc >= cfg.delta, axis=1) / n
     return out
 
 

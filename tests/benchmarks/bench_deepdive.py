@@ -108,7 +108,8 @@ def bench_localize(ranks: int, functions: int, repeat: int, baseline: bool) -> b
         cfg = LocalizeConfig(n_sample=ranks)
         _, dtb, peakb = _timed(lambda: localize(bad, cfg=cfg))
         print(f"  baseline, Δ over all {ranks:,} ranks: {dtb:7.3f} s, peak {peakb:7.1f} MiB "
-              f"-> sampling is {dtb / dt:.1f}x faster (peak memory {peak / peakb:.2f}x the baseline's: both chunk Δ to ~4 M pairs)")
+              f"-> sampling is {dtb / dt:.1f}x faster (peak memory {peak / peakb:.2f}x the baseline's: "
+              "both chunk Δ to ~4 M pairs)")
     return ok
 
 
