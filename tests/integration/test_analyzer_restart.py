@@ -24,7 +24,9 @@ pytestmark = pytest.mark.integration
 
 RANKS, ITERATIONS, PER_WINDOW = 8, 20, 5
 WINDOWS = ITERATIONS // PER_WINDOW
-SESSION_S = 10.0
+#: The stock-Kafka minimum: Tansu answers a JoinGroup after about half of it, and this test joins twice
+#: (10 s cost it ~4 s more; the resume it checks does not depend on it: the member is static)
+SESSION_S = 6.0
 
 
 def produce(job, bootstrap, home):
