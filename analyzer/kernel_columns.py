@@ -50,8 +50,12 @@ class _Buffer:
 
     def __init__(self, data: bytes | bytearray) -> None:
         self.size = len(data)
-        self.bytes = np.zeros(self.size + 16, dtype=np.uint8)
-        self.bytes[:self.size] = np.frombuffer(data, dtype=np.uint8)
+        if isinstance(data, bytearray):
+            data += bytes(16)                       # padded in place: no copy of the records
+            self.bytes = np.frombuffer(data, dtype=np.uint8)
+        else:
+            self.bytes = np.zeros(self.size + 16, dtype=np.uint8)
+            self.bytes[:self.size] = np.frombuffer(data, dtype=np.uint8)
         self.words = np.ndarray((self.size + 9,), dtype="<u8", buffer=self.bytes, strides=(1,))
         self.doubles = np.ndarray((self.size + 9,), dtype="<f8", buffer=self.bytes, strides=(1,))
 
@@ -68,11 +72,13 @@ class _Buffer:
         length = np.frexp(low.astype(np.float64))[1] >> 3   # low = 2^(8k-1) -> k bytes (exact)
         return y.astype(np.int64), length.astype(np.int64), ok
 
-    def small_varints(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def small_varints(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray | int]:
         """(value, length) of the varints at ``pos``: one byte read when all are below 128 (tags, counts)."""
         b = self.bytes[pos]
-        v, n = b.astype(np.int64), np.ones(pos.size, dtype=np.int64)
         long = np.flatnonzero(b & 0x80)
+        if not long.size:
+            return b.astype(np.int64), 1
+        v, n = b.astype(np.int64), np.ones(pos.size, dtype=np.int64)
         if long.size:
             v[long], n[long], ok = self.varints(pos[long])
             if not ok.all():
@@ -152,6 +158,7 @@ def scan(buf: _Buffer, start: np.ndarray, end: np.ndarray, fields: tuple[Field, 
     return out
 
 
+_CHUNK_WORDS = 1 << 16
 _HASH_K = np.random.default_rng(0x7A3).integers(1, 2**63, 512, dtype=np.int64).astype(np.uint64) | _ONE
 
 
@@ -173,12 +180,15 @@ def _name_ids(buf: _Buffer, a: np.ndarray, b: np.ndarray, stream: np.ndarray) ->
     h = np.zeros(n, dtype=np.uint64)
     groups = [(L, np.flatnonzero(length == L)) for L in np.unique(length).tolist() if L > 0]
     for L, sel in groups:
-        with np.errstate(over="ignore"):
-            w = _name_words(buf, a[sel], L)
-            w ^= w >> np.uint64(29)
-            w *= _HASH_K[np.arange(w.shape[1]) % _HASH_K.size]
-            w ^= w >> np.uint64(32)
-            h[sel] = w.sum(axis=1, dtype=np.uint64)
+        step = max(1, _CHUNK_WORDS // -(-L // 8))            # rows per chunk: the words stay in cache
+        for c in range(0, sel.size, step):
+            part = sel[c:c + step]
+            with np.errstate(over="ignore"):
+                w = _name_words(buf, a[part], L)
+                w ^= w >> np.uint64(29)
+                w *= _HASH_K[:w.shape[1]] if w.shape[1] <= _HASH_K.size else _HASH_K[np.arange(w.shape[1]) % _HASH_K.size]
+                w ^= w >> np.uint64(32)
+                h[part] = w.sum(axis=1, dtype=np.uint64)
     with np.errstate(over="ignore"):
         key = h * np.uint64(0x9E3779B97F4A7C15) + length.astype(np.uint64) * np.uint64(0xC2B2AE3D27D4EB4F) \
             + stream.astype(np.uint64) * np.uint64(0x165667B19E3779F9)
@@ -190,8 +200,11 @@ def _name_ids(buf: _Buffer, a: np.ndarray, b: np.ndarray, stream: np.ndarray) ->
         raise WireError("hash collision between kernel names")
     for L, sel in groups:
         sel = sel[rep[sel] != sel]
-        if sel.size and (_name_words(buf, a[sel], L) != _name_words(buf, a[rep[sel]], L)).any():
-            raise WireError("hash collision between kernel names")
+        step = max(1, _CHUNK_WORDS // -(-L // 8))
+        for c in range(0, sel.size, step):
+            part = sel[c:c + step]
+            if (_name_words(buf, a[part], L) != _name_words(buf, a[rep[part]], L)).any():
+                raise WireError("hash collision between kernel names")
     by_first = np.argsort(first, kind="stable")
     renumber = np.empty_like(by_first)
     renumber[by_first] = np.arange(by_first.size)

@@ -364,7 +364,7 @@ class _Busy:
         self.ranks = set(ranks.tolist())
         order = sorted(self.ranks)
         self.rank_index = {r: i for i, r in enumerate(order)}
-        tot = totals_from_bytes(b"".join(r[3] for r in rows), bounds)
+        tot = totals_from_bytes(bytearray().join(r[3] for r in rows), bounds)
         self.names = {name: i for i, name in enumerate(tot.names)}
         R = len(order)
         pos = np.searchsorted(np.asarray(order, dtype=np.int64), ranks[tot.message]) if order else tot.message
