@@ -125,7 +125,12 @@ class Query:
         records asked for is a QueryError (no data yet, exit 1), raised by the question."""
         if rank is None:
             return
-        ranks = sorted(r.rank for r in self._rank_infos(job))
+        records, _ = self._open()
+        ranks: list[int] = []
+        for signals in ((Signal.ITERATIONS, Signal.PHASES), (Signal.KERNELS, Signal.STACKS)):
+            ranks = sorted(set().union(*(records.ranks(s, job) for s in signals)))   # the index alone
+            if ranks:
+                break
         if rank < 0 or (ranks and rank not in ranks):
             span = f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else _listed(ranks)
             raise ConfigError("--rank", rank, f"job {job!r} has ranks {span}" if ranks else "must be >= 0")

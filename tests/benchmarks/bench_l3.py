@@ -68,12 +68,13 @@ def load_before():
                              check=True, capture_output=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
-    path = pathlib.Path(tempfile.mkdtemp(prefix="bench-l3-")) / "l3_before.py"
-    path.write_bytes(src)
-    spec = importlib.util.spec_from_file_location("l3_before", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["l3_before"] = mod
-    spec.loader.exec_module(mod)
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:     # removed once the module is loaded
+        path = pathlib.Path(tmp) / "l3_before.py"
+        path.write_bytes(src)
+        spec = importlib.util.spec_from_file_location("l3_before", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["l3_before"] = mod
+        spec.loader.exec_module(mod)
     return mod
 
 

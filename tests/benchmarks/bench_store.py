@@ -51,12 +51,13 @@ def load_before():
                              check=True, capture_output=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
-    path = pathlib.Path(tempfile.mkdtemp(prefix="bench-store-")) / "query_before.py"
-    path.write_bytes(src)
-    spec = importlib.util.spec_from_file_location("query_before", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["query_before"] = mod
-    spec.loader.exec_module(mod)
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:     # removed once the module is loaded
+        path = pathlib.Path(tmp) / "query_before.py"
+        path.write_bytes(src)
+        spec = importlib.util.spec_from_file_location("query_before", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["query_before"] = mod
+        spec.loader.exec_module(mod)
     return mod
 
 
