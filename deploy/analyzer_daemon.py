@@ -46,6 +46,9 @@ class AnalyzerDaemonConfig:
     """Kafka consumer session timeout: how long a vanished analyzer holds its partitions."""
     metrics_security: Any = None
     """``proto.security.ServerSecurity`` of the metrics endpoint (TLS, bearer token); None: plain."""
+    keep_windows: int | None = None
+    """Age out each job's diagnoses and verdicts of windows older than its newest N (``analyzer/store.py``);
+    None: keep all."""
     deep_dive_processors: tuple[str, ...] = ()
     """Processors (one per host of the jobs) the deep-dive triggers send their requests to
     (``analyzer/triggers.py``); empty: decisions are made and counted, nothing is requested."""
@@ -82,7 +85,7 @@ class AnalyzerDaemon:
         from trainscope.analyzer.store import DiagnosisStore
 
         self.config = config
-        sinks: list = [StoreDiagnosisSink(DiagnosisStore(config.store_path))]  # step 2
+        sinks: list = [StoreDiagnosisSink(DiagnosisStore(config.store_path, keep_windows=config.keep_windows))]  # step 2
         if config.kafka_bootstrap:  # step 1
             from trainscope.processor.kafka_config import KafkaSinkConfig
             from trainscope.processor.kafka_sink import KafkaSink

@@ -106,6 +106,7 @@ def cmd_processor(args) -> int:
         window=WindowConfig(mode=args.window_mode, length_s=args.window_length_s,
                             iterations=args.window_iterations),
         store_path=os.path.join(writable_home(_home(args)), "store.sqlite"),
+        store_keep_windows=args.keep_windows,
         security=secure_flags.grpc_security(args),
         embedded_bus=False,  # no analyzer in this process reads it: the store and Kafka carry the records
         **_sink_configs(args),
@@ -183,7 +184,7 @@ def cmd_analyzer(args) -> int:
         group_id=args.group_id, window_timeout_s=args.window_timeout_s, prometheus_port=args.prometheus_port,
         kafka_extra=secure_flags.kafka_extra(args), metrics_security=secure_flags.metrics_security(args),
         group_instance_id=args.group_instance_id or default_instance_id(home), session_timeout_s=args.session_timeout_s,
-        deep_dive_processors=tuple(args.deep_dive_processor or ()))
+        deep_dive_processors=tuple(args.deep_dive_processor or ()), keep_windows=args.keep_windows)
     daemon = AnalyzerDaemon(cfg)
     try:
         daemon.start()

@@ -44,6 +44,8 @@ def build_parser(handlers: Handlers, description: str) -> argparse.ArgumentParse
     an.add_argument("--window-timeout-s", type=float, default=60.0,
                     help="analyse a window this long after its first record even if ranks are missing")
     an.add_argument("--home", help=f"state directory (env {env.HOME}; default ./.trainscope)")
+    an.add_argument("--keep-windows", type=int, metavar="N",
+                    help="age out each job's diagnoses and verdicts of windows older than its newest N (counted; default: keep all)")
     an.add_argument("--deep-dive-processor", action="append", metavar="ADDR",
                     help="send triggered deep dives (degradation, stall, verdict) to this processor; repeat "
                          "for each host (default: triggers are counted, nothing is requested)")
@@ -59,6 +61,8 @@ def build_parser(handlers: Handlers, description: str) -> argparse.ArgumentParse
                     help="window length in seconds when windows are cut by time")
     pr.add_argument("--window-iterations", type=int, default=10,
                     help="iterations per window when windows are cut by iterations")
+    pr.add_argument("--keep-windows", type=int, metavar="N",
+                    help="age out each job's stored records of windows older than its newest N (counted; default: keep all)")
     _add_sink_flags(pr)
     secure_flags.add_tls_flags(pr, grpc=True)
     pr.set_defaults(func=handlers["processor"])

@@ -64,6 +64,8 @@ class ProcessorConfig:
     """Kernel clustering and stack summary settings."""
     store_path: str | None = None
     """SQLite file for the local store (embedded default); None disables it."""
+    store_keep_windows: int | None = None
+    """Age out each job's records of windows older than its newest N (``processor/store.py``); None: keep all."""
     embedded_bus: bool = True
     """Publish records on the in-process bus (the analyzer's source when there is no broker)."""
     kafka: Any = None
@@ -124,7 +126,8 @@ class Processor:
         self.registry = CollectorRegistry()
         self.registry.register(self.metrics)
         self.bus = bus if bus is not None else (EmbeddedBus(metrics=self.metrics) if config.embedded_bus else None)
-        self.store = SqliteStore(config.store_path) if config.store_path else None
+        self.store = (SqliteStore(config.store_path, keep_windows=config.store_keep_windows)
+                      if config.store_path else None)
         self.metrics_server = None
         self.remote_writer = None
         self.sinks: list[Sink] = list(sinks) + self._build_sinks()

@@ -108,3 +108,19 @@ def test_kernels_query_over_the_last_windows_and_streams_merged(tmp_path):
             q.kernels("j", rank=1, last=-1)
         assert [r.rank for r in q.ranks("j").rows] == [0, 1, 2, 3]
         assert {r.host for r in q.ranks("j").rows} == {"h0-w4", "h1-w4"}     # each rank's newest record
+
+
+def test_keep_windows_is_a_processor_and_analyzer_setting():
+    import collections
+
+    from trainscope.deploy.analyzer_daemon import AnalyzerDaemonConfig
+    from trainscope.deploy.cli_parser import build_parser
+    from trainscope.processor.daemon import ProcessorConfig
+
+    handlers = collections.defaultdict(lambda: None)
+    p = build_parser(handlers, "t")
+    assert p.parse_args(["processor", "--keep-windows", "50"]).keep_windows == 50
+    assert p.parse_args(["analyzer", "--keep-windows", "7"]).keep_windows == 7
+    assert p.parse_args(["processor"]).keep_windows is None          # default: keep every window
+    assert ProcessorConfig().store_keep_windows is None
+    assert AnalyzerDaemonConfig.__dataclass_fields__["keep_windows"].default is None
