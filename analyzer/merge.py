@@ -22,7 +22,13 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
    A waiter is named only with the rank it waited for.
 4. Aggregation: when the suspects' impact sits mostly (≥ 2/3) on one host
    and at least two suspects share it, the verdict names the host first
-   (a degraded NVLink, NIC or PCIe switch slows every GPU behind it).
+   (a degraded NVLink, NIC or PCIe switch slows every GPU behind it); the
+   same rule names the NIC and the network switch they share (the
+   Resource's ``nic``/``switch`` attributes; a switch only when the
+   suspects span several hosts), and the parallel group: the sibling
+   group a group-level finding named, else the smallest group (tp, ep,
+   cp, pp, dp) holding ≥ 2/3 of the impact in at least two suspects and
+   at least half its members (a whole TP pair behind one NVLink).
 5. State: ``stalled`` (a stall finding), ``degraded`` (a confirmed suspect,
    an L1 regression, or L1 jitter in k of the last n windows), ``unknown`` (no comparison could be
    made: groups too small and no history yet), else ``healthy``.
@@ -46,7 +52,8 @@ from typing import Mapping, Sequence
 from trainscope.analyzer.attribution import Evidence, RankVerdict, SyncPartners, attribute, evidence_of
 from trainscope.analyzer.model import CULPRIT, LINK, MISSING, WAITER, Finding, JobWindow
 from trainscope.analyzer.significance import Persistence
-from trainscope.proto.model import Resource
+from trainscope.analyzer.topology import group_index
+from trainscope.proto.model import NIC_ATTRIBUTE, SWITCH_ATTRIBUTE, Resource
 from trainscope.proto.v1 import records_pb2
 
 HEALTHY, DEGRADED, STALLED, UNKNOWN = "healthy", "degraded", "stalled", "unknown"
@@ -143,10 +150,14 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
             v.since_window = min(since)
     elif persistence is not None and pace_held and persistence.since(JOB_PACE) is not None:
         v.since_window = persistence.since(JOB_PACE)
-    # step 4: host
+    # step 4: host, NIC, switch, group
     host = _shared_host(suspects, resources)
     if host:
         v.host = host
+    v.nic = _shared(suspects, resources, lambda res: res.attributes.get(NIC_ATTRIBUTE, ""))
+    if len({resources[rv.rank].host for rv in suspects if rv.rank in resources}) > 1:
+        v.switch_name = _shared(suspects, resources, lambda res: res.attributes.get(SWITCH_ATTRIBUTE, ""))
+    v.group = _shared_group(suspects, resources, active)
     for rv in suspects:
         res = resources.get(rv.rank)
         # a hung rank costs the whole step (unknown: 0), not its peers' wait (that is in its why)
@@ -235,21 +246,53 @@ def _places_of(rv: RankVerdict) -> set[str]:
 
 def _shared_host(suspects: list[RankVerdict], resources: Mapping[int, Resource]) -> str:
     """Step 4: the host holding ≥ 2/3 of the suspects' impact, with at least two of them."""
-    by_host: dict[str, float] = collections.defaultdict(float)
+    return _shared(suspects, resources, lambda res: res.host)
+
+
+def _shared(suspects: list[RankVerdict], resources: Mapping[int, Resource], of) -> str:
+    """Step 4: the value of ``of(resource)`` (a host, NIC, switch, group) holding ≥ 2/3 of the
+    culprit and link suspects' impact, with at least two of them ("" when none does)."""
+    by: dict[str, float] = collections.defaultdict(float)
     count: dict[str, int] = collections.Counter()
     total = 0.0
     for rv in suspects:
         if rv.role not in (CULPRIT, LINK):
             continue
-        h = resources[rv.rank].host if rv.rank in resources else ""
+        name = of(resources[rv.rank]) if rv.rank in resources else ""
         total += rv.score_ns
-        if h:
-            by_host[h] += rv.score_ns
-            count[h] += 1
-    if not by_host or total <= 0:
+        if name:
+            by[name] += rv.score_ns
+            count[name] += 1
+    if not by or total <= 0:
         return ""
-    h = max(by_host, key=by_host.get)
-    return h if count[h] >= 2 and by_host[h] >= 2 / 3 * total else ""
+    best = max(by, key=by.get)
+    return best if count[best] >= 2 and by[best] >= 2 / 3 * total else ""
+
+
+#: Group dimensions the verdict may name, smallest groups first (step 4).
+_GROUP_DIMS = ("tp", "ep", "cp", "pp", "dp")
+
+
+def _shared_group(suspects: list[RankVerdict], resources: Mapping[int, Resource],
+                  active: Sequence[Finding]) -> str:
+    """Step 4: "tp 3" when the suspects are one parallel group (see the module docstring)."""
+    named = {rv.rank for rv in suspects}
+    for f in active:
+        if f.comparison == "sibling_groups" and f.scope.group in _GROUP_DIMS \
+                and named & {s.rank for s in f.suspects}:
+            return f"{f.scope.group} {f.scope.group_index}"
+    for dim in _GROUP_DIMS:
+        def of(res: Resource, dim=dim) -> str:
+            return f"{dim} {group_index(res.coords, dim)}" if getattr(res.coords, f"{dim}_size") > 1 else ""
+        g = _shared(suspects, resources, of)
+        if not g:
+            continue
+        size = max(getattr(resources[rv.rank].coords, f"{dim}_size") for rv in suspects if rv.rank in resources)
+        members = sum(1 for rv in suspects if rv.role in (CULPRIT, LINK) and rv.rank in resources
+                      and of(resources[rv.rank]) == g)
+        if 2 * members >= size:
+            return g
+    return ""
 
 
 def _hang_wait_ns(rv: RankVerdict) -> float:
@@ -350,6 +393,12 @@ def summarize(job_id: str, v: records_pb2.Verdict, findings: Sequence[Finding],
     if v.host:
         on = [s.rank for s in v.ranks if s.host == v.host]
         parts.append(f"host {v.host} (ranks {_ranges(on)})")
+    if v.nic:
+        parts.append(f"NIC {v.nic}")
+    if v.switch_name:
+        parts.append(f"switch {v.switch_name}")
+    if v.group:
+        parts.append(f"{v.group.split()[0].upper()} group {v.group.split()[-1]}")
     if v.ranks:
         top = v.ranks[0]
         res = resources.get(top.rank)
@@ -401,8 +450,8 @@ def merge_windows(verdicts: Sequence[records_pb2.Verdict]) -> records_pb2.Verdic
        scored by the sum over windows of its impact (cost × duration),
        keeping its most frequent role; impact reported is the median over
        the windows that named it.
-    3. Host and onset: the host named by at least half the windows that
-       named anyone; the earliest ``since_window`` of the windows naming the
+    3. Host (NIC, switch, group) and onset: the one named by at least half
+       the windows that named anyone; the earliest ``since_window`` of the windows naming the
        top suspect.
     4. Confidence: the mean confidence of the windows naming the top suspect,
        × the share of the windows since onset that named it (a top suspect
@@ -447,10 +496,11 @@ def merge_windows(verdicts: Sequence[records_pb2.Verdict]) -> records_pb2.Verdic
         s.impact_pct = 100.0 * med / out.step_s if out.step_s > 0 else s.impact_pct
         s.why = _COST.sub(f"{med * 1e3:.3g} ms/iteration ({s.impact_pct:.1f}% of the step)", s.why, count=1)
         s.evidence.update({"windows_named": len(vals)})
-    hosts = collections.Counter(v.host for v in vs if v.host)
     named_windows = sum(1 for v in vs if v.ranks)
-    if hosts and hosts.most_common(1)[0][1] * 2 >= named_windows:
-        out.host = hosts.most_common(1)[0][0]      # named by at least half the windows that named anyone
+    for field in ("host", "nic", "switch_name", "group"):
+        seen = collections.Counter(getattr(v, field) for v in vs if getattr(v, field))
+        if seen and seen.most_common(1)[0][1] * 2 >= named_windows:
+            setattr(out, field, seen.most_common(1)[0][0])   # named by at least half the windows naming anyone
     if ranked:
         top = ranked[0]
         naming = [v for v in vs if any(s.rank == top for s in v.ranks)]

@@ -61,6 +61,12 @@ def contract_verdict_json(v: records_pb2.Verdict | None) -> dict:
                          "evidence": MessageToDict(s.evidence)} for s in v.ranks]}
     if v.host:
         out["host"] = v.host
+    if v.nic:
+        out["nic"] = v.nic
+    if v.switch_name:
+        out["switch"] = v.switch_name
+    if v.group:
+        out["group"] = v.group
     if v.HasField("since_window"):
         out["since_window"] = v.since_window
     if v.pending:

@@ -29,7 +29,7 @@ from trainscope.collector.sources import KernelSource
 from trainscope.proto import env
 from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.errors import ConfigError
-from trainscope.proto.model import ParallelCoords, Resource, coords_for_rank
+from trainscope.proto.model import NIC_ATTRIBUTE, SWITCH_ATTRIBUTE, ParallelCoords, Resource, coords_for_rank
 from trainscope.proto.v1 import telemetry_pb2
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,10 @@ class CollectorConfig:
     """Degrees (tp, pp, ep, cp, order) used to derive coords."""
     exporter: ExporterConfig = dataclasses.field(default_factory=ExporterConfig)
     """Where and how batches are sent."""
+    attributes: dict = dataclasses.field(default_factory=dict)
+    """Extra ``Resource.attributes``: the NIC and switch the site says this rank uses
+    (``TRAINSCOPE_NIC``: one name, or one per local rank separated by commas, qualified with
+    the host; ``TRAINSCOPE_SWITCH``), so a verdict can name them."""
     phase_batch: int = 256
     """Phases buffered before they are handed to the exporter (also at every iteration)."""
     max_buffered: int = 65_536
@@ -86,6 +90,8 @@ class CollectorConfig:
             job_id=environ.get(env.JOB_ID) or environ.get(env.LAUNCHER_RUN_ID) or "local",
             rank=num(env.RANK, 0), world_size=num(env.WORLD_SIZE, 1), local_rank=num(env.LOCAL_RANK, 0),
             topology=parse_topology(environ.get(env.TOPOLOGY, "")),
+            attributes={k: environ[v][:128] for k, v in ((NIC_ATTRIBUTE, env.NIC), (SWITCH_ATTRIBUTE, env.SWITCH))
+                        if environ.get(v)},
         )
         if environ.get(env.PROCESSOR):
             kw["exporter"] = ExporterConfig(target=environ[env.PROCESSOR])
@@ -116,10 +122,15 @@ class Collector:
     def __init__(self, config: CollectorConfig, exporter: BatchExporter | None = None) -> None:
         self.config = config
         coords = config.coords or coords_for_rank(config.rank, config.world_size, **config.topology)
+        host = socket.gethostname()
+        attributes = dict(config.attributes)
+        if attributes.get(NIC_ATTRIBUTE):
+            nics = [n.strip() for n in attributes[NIC_ATTRIBUTE].split(",") if n.strip()] or [""]
+            attributes[NIC_ATTRIBUTE] = f"{host}/{nics[config.local_rank % len(nics)]}"
         self.resource = Resource(
             job_id=config.job_id, rank=config.rank, world_size=config.world_size,
-            host=socket.gethostname(), pid=os.getpid(), local_rank=config.local_rank,
-            device="cpu", coords=coords,
+            host=host, pid=os.getpid(), local_rank=config.local_rank,
+            device="cpu", coords=coords, attributes=attributes,
         )
         self.exporter = exporter or BatchExporter(self.resource, config.exporter)
         self._lock = threading.Lock()

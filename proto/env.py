@@ -57,6 +57,8 @@ ENABLED = "TRAINSCOPE_ENABLED"            # "0" turns the in-process collector i
 PROCESSOR = "TRAINSCOPE_PROCESSOR"        # gRPC target of the host's processor
 JOB_ID = "TRAINSCOPE_JOB_ID"              # job id; default from the launcher (TORCHELASTIC_RUN_ID)
 TOPOLOGY = "TRAINSCOPE_TOPOLOGY"          # "tp=2,pp=4,ep=1,cp=1,order=tp-cp-ep-dp-pp"
+NIC = "TRAINSCOPE_NIC"                    # the NIC this rank's collectives leave by (e.g. "mlx5_3"), for verdicts
+SWITCH = "TRAINSCOPE_SWITCH"              # the network switch the host hangs off (e.g. "leaf-12"), for verdicts
 HOME = "TRAINSCOPE_HOME"                  # where the embedded default keeps its store and traces
 KAFKA_BOOTSTRAP = "KAFKA_BOOTSTRAP"       # bootstrap servers of a real Kafka cluster
 PROMETHEUS_PORT = "TRAINSCOPE_PROMETHEUS_PORT"

@@ -26,7 +26,7 @@ import dataclasses
 import numpy as np
 
 from trainscope.proto.errors import ConfigError
-from trainscope.proto.model import DIMS, ParallelCoords, Resource
+from trainscope.proto.model import DIMS, NIC_ATTRIBUTE, ParallelCoords, Resource
 
 #: Axis order of the canonical layout (slowest first).
 CANON = ("pp", "dp", "ep", "cp", "tp")
@@ -175,7 +175,9 @@ class Topology:
         return Resource(job_id=job_id, rank=rank, world_size=self.world,
                         host=self.host_name(int(self.host[rank])), pid=10_000 + rank,
                         local_rank=lr, device=f"cuda:{lr}", coords=self.rank_coords(rank),
-                        attributes={"source": "trainscope-sim"})
+                        attributes={"source": "trainscope-sim",
+                                    NIC_ATTRIBUTE: f"{self.host_name(int(self.host[rank]))}/nic"
+                                                   f"{int(self.nic[rank]) % self.nics_per_host}"})
 
     def describe(self) -> dict:
         return {"world_size": self.world, "tp": self.tp, "pp": self.pp, "ep": self.ep,

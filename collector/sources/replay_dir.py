@@ -17,7 +17,9 @@ from pathlib import Path
 
 from trainscope.collector.sources.replay import _GZIP_MAGIC, RANK_FILE_RE, RankTrace, load_rank_trace
 from trainscope.proto.errors import ConfigError, TraceFileError
-from trainscope.proto.model import DEFAULT_ORDER, DIMS, ParallelCoords, Resource, coords_for_rank
+from trainscope.proto.model import (
+    DEFAULT_ORDER, DIMS, NIC_ATTRIBUTE, SWITCH_ATTRIBUTE, ParallelCoords, Resource, coords_for_rank,
+)
 
 
 TOPOLOGY_FILE = "topology.json"
@@ -39,10 +41,20 @@ class ReplayTopology:
     #: Ranks per host (consecutive ranks share one: ``host<rank // ranks_per_host>``); 0: one host
     #: called "replay" for every rank (traces do not say where they ran).
     ranks_per_host: int = 0
+    #: Consecutive ranks of a host sharing one NIC (``host3/nic1``); 0: NICs not known.
+    ranks_per_nic: int = 0
+    #: Consecutive hosts behind one network switch (``switch0``); 0: switches not known.
+    hosts_per_switch: int = 0
 
     def __post_init__(self) -> None:
-        if type(self.ranks_per_host) is not int or self.ranks_per_host < 0:
-            raise ConfigError("topology.ranks_per_host", self.ranks_per_host, "must be an integer >= 0")
+        for f in ("ranks_per_host", "ranks_per_nic", "hosts_per_switch"):
+            v = getattr(self, f)
+            if type(v) is not int or v < 0:
+                raise ConfigError(f"topology.{f}", v, "must be an integer >= 0")
+        if (self.ranks_per_nic or self.hosts_per_switch) and not self.ranks_per_host:
+            raise ConfigError("topology.ranks_per_host", 0, "must be set when ranks_per_nic or hosts_per_switch is")
+        if self.ranks_per_nic and self.ranks_per_host % self.ranks_per_nic:
+            raise ConfigError("topology.ranks_per_nic", self.ranks_per_nic, "must divide ranks_per_host")
         for f in ("world_size", "tp", "pp", "ep", "cp"):
             v = getattr(self, f)
             if type(v) is not int or v < 1:
@@ -96,6 +108,15 @@ class ReplayTopology:
 
     def host(self, rank: int) -> str:
         return f"host{rank // self.ranks_per_host}" if self.ranks_per_host else "replay"
+
+    def shared(self, rank: int) -> dict[str, str]:
+        """The NIC and switch ``rank`` shares with others (``Resource.attributes``), when known."""
+        out = {}
+        if self.ranks_per_nic:
+            out[NIC_ATTRIBUTE] = f"{self.host(rank)}/nic{(rank % self.ranks_per_host) // self.ranks_per_nic}"
+        if self.hosts_per_switch:
+            out[SWITCH_ATTRIBUTE] = f"switch{rank // self.ranks_per_host // self.hosts_per_switch}"
+        return out
 
 
 @dataclasses.dataclass
@@ -226,4 +247,5 @@ def resource_for(trace: RankTrace, job: ReplayJob, host: str | None = None) -> R
         job_id=job.job_id, rank=trace.rank, world_size=job.topology.world_size,
         host=host if host is not None else job.topology.host(trace.rank),
         pid=0, local_rank=dev, device=f"cuda:{dev}", coords=job.topology.coords(trace.rank),
-        attributes={"source": "replay", "trace_path": trace.path, "rank_source": trace.rank_source})
+        attributes={"source": "replay", "trace_path": trace.path, "rank_source": trace.rank_source,
+                    **job.topology.shared(trace.rank)})

@@ -311,6 +311,9 @@ def test_scan_dir_errors(tmp_path):
         ({"world_size": 4, "tp": 2, "dp": 4}, "topology.dp"),
         ({"world_size": 1}, "topology.world_size"),  # rank 1 does not fit
         ([4, 2], "topology.json"),
+        ({"world_size": 4, "ranks_per_nic": 1}, "topology.ranks_per_host"),
+        ({"world_size": 4, "ranks_per_host": 4, "ranks_per_nic": 3}, "topology.ranks_per_nic"),
+        ({"world_size": 4, "ranks_per_host": 2, "hosts_per_switch": -1}, "topology.hosts_per_switch"),
     ],
 )
 def test_bad_topology_names_the_field(tmp_path, topology, field):
@@ -331,6 +334,13 @@ def test_topology_defaults_and_coords(tmp_path):
     assert (c.tp, c.dp, c.pp) == (1, 0, 1)
     with pytest.raises(ConfigError, match="missing"):
         ReplayTopology.from_json(p)
+
+
+def test_topology_names_the_nic_and_switch_a_rank_shares(tmp_path):
+    topo = ReplayTopology(world_size=16, tp=2, ranks_per_host=4, ranks_per_nic=2, hosts_per_switch=2)
+    assert topo.shared(6) == {"nic": "host1/nic1", "switch": "switch0"}
+    assert topo.shared(9) == {"nic": "host2/nic0", "switch": "switch1"}
+    assert ReplayTopology(world_size=16, ranks_per_host=4).shared(6) == {}
 
 
 def test_replay_source_is_a_kernel_source_and_stops(tmp_path):

@@ -20,3 +20,17 @@ def test_verdict_lines_name_windows_by_their_iterations():
     assert window_label(w) == "window 4 (iterations 40-49)"
     v = records_pb2.Verdict(window=w, summary="job j: degraded", ranks=[records_pb2.Suspect(rank=3)])
     assert render_verdicts([v]) == "verdict:\n  window 4 (iterations 40-49): job j: degraded"
+
+
+def test_the_site_names_the_nic_and_switch_a_rank_uses():
+    """TRAINSCOPE_NIC (one per local rank, qualified with the host) and TRAINSCOPE_SWITCH reach the
+    rank's Resource attributes, which the verdict aggregates on (merge step 4)."""
+    import socket
+
+    from trainscope.collector.sdk import Collector, CollectorConfig
+
+    cfg = CollectorConfig.from_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3",
+                                    "TRAINSCOPE_NIC": "mlx5_0, mlx5_0,mlx5_1,mlx5_1", "TRAINSCOPE_SWITCH": "leaf-7"})
+    res = Collector(cfg, exporter=object()).resource
+    assert res.attributes == {"nic": f"{socket.gethostname()}/mlx5_1", "switch": "leaf-7"}
+    assert Collector(CollectorConfig.from_env({}), exporter=object()).resource.attributes == {}

@@ -1,5 +1,7 @@
 """The verdict: impact floor, significance, persistence, culprit vs waiter, host, state, confidence
 (analyzer/impact.py, significance.py, attribution.py, merge.py)."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -183,6 +185,27 @@ def test_host_is_named_when_the_suspects_share_it():
     assert v.host == "h1" and v.ranks[0].host == "h1"
     lone = merge("j", WIN, [other], res, step_ns=100 * MS)
     assert lone.host == ""
+
+
+def test_nic_switch_and_group_are_named_when_the_suspects_share_them():
+    """Step 4 beyond the host: the NIC (two GPUs behind one), the switch (suspects on two hosts of one
+    leaf) and the parallel group (a whole TP group); a lone suspect names none of them."""
+    res = {r: dataclasses.replace(x, attributes={"nic": f"{x.host}/nic{(r % 4) // 2}", "switch": f"leaf{r // 8}"})
+           for r, x in resources(16, tp=4).items()}
+    nic = finding("L3", "degraded_kernels", "[communication]", [(r, "slower", 5 * MS) for r in (6, 7)], phase=False)
+    v = merge("j", WIN, [nic], res, step_ns=100 * MS)
+    assert (v.host, v.nic, v.switch_name) == ("h1", "h1/nic1", "") and "NIC h1/nic1" in v.summary
+    two_hosts = finding("L2", "straggler", "forward", [(r, "slower", 5 * MS) for r in (1, 5)])
+    v = merge("j", WIN, [two_hosts], res, step_ns=100 * MS)
+    assert (v.host, v.nic, v.switch_name) == ("", "", "leaf0") and "switch leaf0" in v.summary
+    tp_group = finding("L3", "degraded_kernels", "[compute]", [(r, "slower", 5 * MS) for r in (8, 9, 10, 11)],
+                       phase=False)
+    v = merge("j", WIN, [tp_group], res, step_ns=100 * MS)
+    assert v.group == "tp 2" and v.host == "h2" and "TP group 2" in v.summary
+    lone = merge("j", WIN, [finding("L2", "straggler", "forward", [(12, "slower", 5 * MS)])], res, step_ns=100 * MS)
+    assert (lone.host, lone.nic, lone.switch_name, lone.group) == ("", "", "", "")
+    job = merge_windows([v, v])
+    assert job.group == "tp 2" and job.host == "h2"
 
 
 # ------------------------------------------------------------------ state, confidence, persistence
