@@ -129,7 +129,7 @@ def step_volume(ranks: int, seconds: float) -> None:
           f"with ({per[True] / per[False]:.1f}x); simulation + encoding {out[False][2]:.1f} s -> {out[True][2]:.1f} s")
 
 
-def step_rca(ranks: int, collectives: int) -> None:
+def step_rca(ranks: int, collectives: int, per_s: int = 10) -> None:
     from trainscope.analyzer.provenance import rate
     from trainscope.analyzer.waiting_graph import step_blocks
     from trainscope.collector.sim.collective_records import decompose, time_steps
@@ -176,6 +176,8 @@ def step_rca(ranks: int, collectives: int) -> None:
           f"rate {t_rate:.2f} s ({t_rate / t_parse:.1f}x parse, {t_rate / collectives * 1e3:.0f} ms per collective); "
           f"named {[o.name for o in named]} (culprit {culprit}), impact "
           f"{[round(o.impact_s * 1e3, 2) for o in named]} ms per iteration")
+    print(f"  at {per_s} such collectives/s a rank would send {size / ranks / collectives * per_s * 60 / 2**20:.1f} MiB "
+          f"per minute of step records (one record: {size / ranks / collectives / sp.steps:.1f} bytes per step)")
 
 
 def main() -> int:
@@ -193,7 +195,7 @@ def main() -> int:
         volume(a.per_s, a.seconds)
         analyzer(a.ranks, a.per_s, min(a.seconds, 10))
     step_volume(a.step_ranks, a.step_seconds)
-    step_rca(a.rca_ranks, a.rca_collectives)
+    step_rca(a.rca_ranks, a.rca_collectives, a.per_s)
     return 0
 
 
