@@ -29,7 +29,8 @@ class FaultScore:
     host_named: bool = False
     """A verdict after onset named one of the fault's hosts (``Verdict.host``)."""
     right: bool = False
-    """Top-1 rank right, or (for faults on a whole host or group) the right host named first."""
+    """Top-1 rank right, or (for faults on a whole host or group) the right host named first, or (for
+    an NVLink fault) the tensor-parallel pair holding the culprit named as the group."""
     stable: float = 0.0
     """Share of the verdicts after the first correct one whose top suspect is still a fault rank."""
     windows_to_diagnosis: int | None = None
@@ -46,6 +47,9 @@ class Evaluation:
 
 #: Job-level findings that name no rank but catch a fault (the job's own pace: "not localized").
 JOB_KINDS = ("stall", "jitter", "regression", "job_slowdown")
+#: Faults on one GPU's NVLink: in a 2-GPU tensor-parallel ring both flows cross both GPUs' ports,
+#: so which end is slow cannot be told from the traffic; naming the TP group (the pair) is right.
+LINK_FAULTS = ("nvlink_degrade",)
 
 
 def _window_of(iteration: int | None, per_window: int) -> int | None:
@@ -95,11 +99,17 @@ def evaluate(verdicts: list[records_pb2.Verdict], truth: dict, window_iterations
         top1 = first is not None and first.ranks[0].rank in ranks
         group_fault = bool(f.get("scope", {}).get("host") or f.get("scope", {}).get("nic")) and len(ranks) > 1
         first_host = next((v.host for v in after if v.host), "")
-        right = top1 or (group_fault and first_host in hosts)
-        good = [i for i, v in enumerate(after) if v.ranks and (v.ranks[0].rank in ranks or v.host in hosts)]
+        pair = {r for g in f.get("peer_groups", {}).get("tp", []) if ranks & set(g) for r in g} \
+            if f.get("type") in LINK_FAULTS else set()
+
+        def on_pair(v) -> bool:
+            return bool(pair) and v.group.startswith("tp ") and v.ranks[0].rank in pair
+        right = top1 or (group_fault and first_host in hosts) or (first is not None and on_pair(first))
+        good = [i for i, v in enumerate(after) if v.ranks and (v.ranks[0].rank in ranks or v.host in hosts
+                                                                or on_pair(v))]
         tail = [v for v in after[good[0]:] if v.ranks] if good else []
-        stable = (sum(1 for v in tail if v.ranks[0].rank in ranks or (group_fault and v.host in hosts))
-                  / len(tail)) if tail else 0.0
+        stable = (sum(1 for v in tail if v.ranks[0].rank in ranks or (group_fault and v.host in hosts)
+                      or on_pair(v)) / len(tail)) if tail else 0.0
         scores.append(FaultScore(
             fault=f.get("spec", f.get("type", "?")), ranks=sorted(ranks), caught=bool(caught_by),
             top1=first is not None and first.ranks[0].rank in ranks,

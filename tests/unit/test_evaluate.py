@@ -1,0 +1,30 @@
+"""Scoring verdicts against the simulator's ground truth (analyzer/evaluate.py), as bench_detection uses it."""
+from trainscope.analyzer.evaluate import evaluate
+from trainscope.proto.v1 import records_pb2
+
+
+def _verdicts(top: int, group: str) -> list[records_pb2.Verdict]:
+    out = []
+    for i in range(4):
+        v = records_pb2.Verdict(window=records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=i))
+        if i >= 2:
+            v.state, v.group = "degraded", group
+            v.ranks.add(rank=top, role="culprit")
+        out.append(v)
+    return out
+
+
+def _truth(kind: str) -> dict:
+    return {"faults": [{"type": kind, "spec": f"{kind}:rank=29", "ranks": [29], "onset_iteration": 10,
+                        "host_names": ["h3"], "scope": {"rank": [29]},
+                        "peer_groups": {"tp": [[28, 29]], "dp": [[1, 29]]}}]}
+
+
+def test_an_nvlink_fault_is_right_when_its_tp_pair_is_named_and_not_otherwise():
+    f = evaluate(_verdicts(28, "tp 14"), _truth("nvlink_degrade"), 10).faults[0]
+    assert f.right and not f.top1 and f.stable == 1.0 and f.windows_to_diagnosis == 1
+    assert not evaluate(_verdicts(1, "dp 1"), _truth("nvlink_degrade"), 10).faults[0].right
+    assert not evaluate(_verdicts(28, ""), _truth("nvlink_degrade"), 10).faults[0].right
+    # a GPU's own fault needs the rank itself: its TP partner is a wrong answer
+    assert not evaluate(_verdicts(28, "tp 14"), _truth("gpu_throttle"), 10).faults[0].right
+    assert evaluate(_verdicts(29, ""), _truth("gpu_throttle"), 10).faults[0].right
