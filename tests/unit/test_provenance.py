@@ -96,14 +96,14 @@ def test_time_steps_runs_at_the_slowest_link():
 
 
 def _blocks(world: int, gsize: int, *, nic: int = -1, link: tuple[int, int] | None = None, factor: float = 3.0,
-            iterations: int = 10, seed: int = 0) -> list[StepBlock]:
+            iterations: int = 10, seed: int = 0, op: str = "allreduce", algo: str | None = None) -> list[StepBlock]:
     """A window of ring all-reduces over groups of ``gsize`` consecutive... members strided so
     that each group spans hosts (8 GPUs a host): group g holds ranks g, g + G, g + 2G, ...
     Healthy noise: a per-rank link personality (2 %), per-step jitter (5 %), arrival skew."""
     rng = np.random.default_rng(seed)
     G = world // gsize
     members = np.arange(world).reshape(gsize, G).T               # (G, n)
-    sp = decompose("allreduce", gsize, 1 << 22)
+    sp = decompose(op, gsize, 1 << 22, algo)
     person = rng.lognormal(0, 0.02, world)
     if nic >= 0:
         person[nic] *= factor
@@ -124,7 +124,7 @@ def _blocks(world: int, gsize: int, *, nic: int = -1, link: tuple[int, int] | No
     dst = np.where(sp.dst[None] >= 0, np.take_along_axis(
         np.repeat(mem[:, None, :, None], sp.steps, 1), np.maximum(sp.dst, 0)[None].repeat(C, 0), axis=2), -1)
     off = arrive[:, None, :, None]
-    return [StepBlock(op="allreduce", algo="ring", spans=True, gid=[f"dp:{int(m)}" for m in mem[:, 0]],
+    return [StepBlock(op=op, algo=sp.algo, spans=True, gid=[f"dp:{int(m)}" for m in mem[:, 0]],
                       seq=np.repeat(np.arange(iterations) + 1, G), iteration=np.repeat(np.arange(iterations), G),
                       members=mem, dst=dst, nbytes=np.broadcast_to(sp.nbytes, dst.shape).copy(),
                       start=st - off, end=en - off, inc=incoming(sp.dst))]
@@ -157,6 +157,19 @@ def test_culprit_link_named_src_to_dst(world, gsize, link):
 def test_healthy_window_names_nobody(world, gsize):
     for seed in range(3):
         assert rate(_blocks(world, gsize, seed=seed), iterations=10) == []
+
+
+@pytest.mark.parametrize("op,algo", [("allreduce", "tree"), ("alltoall", "pairwise")])
+def test_culprit_rank_named_in_tree_and_all_to_all(op, algo):
+    blocks = _blocks(64, 8, nic=21, op=op, algo=algo)     # 21: position 2 of its group, an inner tree node
+    out = rate(blocks, iterations=10)
+    assert [(o.element, o.ranks) for o in out] == [("rank", (21,))]
+    assert rate(_blocks(64, 8, op=op, algo=algo), iterations=10) == []
+    L, crit = critical_path(blocks[0])
+    per_step = crit.sum(axis=(2, 3))
+    assert (per_step <= 1).all() and (per_step[:, -1] == 1).all()   # a chain ending at the last step
+    if algo == "pairwise":
+        assert (per_step == 1).all()
 
 
 def test_critical_path_and_waits_follow_the_slow_rank():
