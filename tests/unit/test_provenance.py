@@ -167,7 +167,8 @@ def test_culprit_rank_named_in_tree_and_all_to_all(op, algo):
     assert rate(_blocks(64, 8, op=op, algo=algo), iterations=10) == []
     L, crit = critical_path(blocks[0])
     per_step = crit.sum(axis=(2, 3))
-    assert (per_step <= 1).all() and (per_step[:, -1] == 1).all()   # a chain ending at the last step
+    S = per_step.shape[1]
+    assert (per_step <= 1).all() and (per_step.sum(axis=1) > S // 2).all()   # a chain: up the tree, then down
     if algo == "pairwise":
         assert (per_step == 1).all()
 
