@@ -245,6 +245,20 @@ def test_simulator_nvlink_names_the_pair_not_one_gpu():
     assert [(o.element, o.ranks, o.both_ways, o.hardware) for o in out] == [("link", (4, 5), True, "NVLink")]
 
 
+def test_simulator_nvlink_records_are_the_same_whichever_gpu_is_degraded():
+    """The physics behind naming the pair: both flows of a 2-GPU ring cross the degraded GPU's
+    NVLink, so with the same seed the pair's step records do not depend on which GPU it is."""
+    durs = []
+    for culprit in (4, 5):
+        blocks, _, _ = _sim(f"nvlink_degrade:rank={culprit},factor=3", iterations=4)
+        b = next(b for b in blocks if not b.spans and b.members.shape[1] == 2)
+        mine = [c for c, g in enumerate(b.gid) if g == "tp:4"]
+        durs.append(b.dur[mine])
+    np.testing.assert_array_equal(durs[0], durs[1])
+    siblings = np.nanmedian(b.dur[[c for c, g in enumerate(b.gid) if g != "tp:4"]])
+    assert np.nanmedian(durs[0]) > 2.5 * siblings                  # and the pair is slow
+
+
 def test_simulator_healthy_names_nobody():
     blocks, hosts, _ = _sim(None)
     assert root_cause("j", WINDOW, blocks, hosts, iterations=10) == []
