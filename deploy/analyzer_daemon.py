@@ -52,6 +52,9 @@ class AnalyzerDaemonConfig:
     deep_dive_processors: tuple[str, ...] = ()
     """Processors (one per host of the jobs) the deep-dive triggers send their requests to
     (``analyzer/triggers.py``); empty: decisions are made and counted, nothing is requested."""
+    verdict: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """``AnalyzerConfig`` fields that decide when a finding names a rank: ``impact`` (the floor),
+    ``persist_k``/``persist_n`` (from ``--impact-floor``/``--persist``)."""
 
     def __post_init__(self) -> None:
         if self.prometheus_port is not None and not 0 <= self.prometheus_port <= 65535:
@@ -104,7 +107,8 @@ class AnalyzerDaemon:
                                          if config.deep_dive_processors else None)
         sinks.append(self.triggers)
         self.metrics = AnalyzerMetrics()
-        self.analyzer = Analyzer(AnalyzerConfig(window_timeout_s=config.window_timeout_s), self.source, sinks,
+        self.analyzer = Analyzer(AnalyzerConfig(window_timeout_s=config.window_timeout_s, **config.verdict),
+                                 self.source, sinks,
                                  metrics=self.metrics)
         self.metrics_server = None
 

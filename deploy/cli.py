@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -124,14 +126,17 @@ def cmd_processor(args) -> int:
 
 
 def cmd_replay(args) -> int:
+    from trainscope.analyzer.service import AnalyzerConfig
     from trainscope.deploy.replay import kernel_stats_json, run_replay, write_json
+
+    verdict_settings(args)  # a wrong --impact-floor/--persist is refused before anything runs
 
     output_file("--stats-out", args.stats_out, force=args.force)  # before the replay, not after it
     output_file("--json", args.json, force=args.force)
     with Progress(f"trainscope replay {args.dir}", unit="ranks fed") as progress:
         res = run_replay(args.dir, home=writable_home(_home(args)), window_iterations=args.window_iterations,
                          analyze=not args.no_analyze, replace_store=args.force, progress=progress,
-                         **_sink_configs(args))
+                         analyzer_config=AnalyzerConfig(**verdict_settings(args)), **_sink_configs(args))
     total = sum(res.kernel_events_sent.values())
     print(f"replayed job {res.job_id!r}: {len(res.ranks)} ranks, {total:,} kernel events "
           f"in {res.seconds:.2f} s", flush=True)
@@ -172,6 +177,19 @@ def _say_undelivered(processor_metrics: dict, args) -> bool:
     return left > 0
 
 
+def verdict_settings(args) -> dict:
+    """``--impact-floor`` and ``--persist`` as ``AnalyzerConfig`` fields (a ConfigError names a bad one)."""
+    from trainscope.analyzer.impact import ImpactConfig
+
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", args.persist or "")
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)) <= 64:
+        raise ConfigError("--persist", args.persist, "must be K/N with 1 <= K <= N <= 64, e.g. 2/3")
+    floor = args.impact_floor
+    if not (math.isfinite(floor) and 0 <= floor < 100):
+        raise ConfigError("--impact-floor", floor, "must be a percentage in [0, 100)")
+    return {"impact": ImpactConfig(floor_pct=floor), "persist_k": int(m.group(1)), "persist_n": int(m.group(2))}
+
+
 def cmd_analyzer(args) -> int:
     """The analyzer service (deploy/analyzer_daemon.py): Kafka consumer group, or tail of the local store."""
     from trainscope.deploy.analyzer_daemon import AnalyzerDaemon, AnalyzerDaemonConfig, default_instance_id
@@ -184,7 +202,8 @@ def cmd_analyzer(args) -> int:
         group_id=args.group_id, window_timeout_s=args.window_timeout_s, prometheus_port=args.prometheus_port,
         kafka_extra=secure_flags.kafka_extra(args), metrics_security=secure_flags.metrics_security(args),
         group_instance_id=args.group_instance_id or default_instance_id(home), session_timeout_s=args.session_timeout_s,
-        deep_dive_processors=tuple(args.deep_dive_processor or ()), keep_windows=args.keep_windows)
+        deep_dive_processors=tuple(args.deep_dive_processor or ()), keep_windows=args.keep_windows,
+        verdict=verdict_settings(args))
     daemon = AnalyzerDaemon(cfg)
     try:
         daemon.start()

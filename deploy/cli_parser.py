@@ -49,6 +49,7 @@ def build_parser(handlers: Handlers, description: str) -> argparse.ArgumentParse
     an.add_argument("--deep-dive-processor", action="append", metavar="ADDR",
                     help="send triggered deep dives (degradation, stall, verdict) to this processor; repeat "
                          "for each host (default: triggers are counted, nothing is requested)")
+    _add_verdict_flags(an)
     secure_flags.add_kafka_flags(an)
     secure_flags.add_tls_flags(an, grpc=False)
     an.set_defaults(func=handlers["analyzer"])
@@ -75,6 +76,7 @@ def build_parser(handlers: Handlers, description: str) -> argparse.ArgumentParse
     r.add_argument("--window-iterations", type=int, default=5, help="iterations per window")
     r.add_argument("--force", action="store_true",
                    help="replace HOME/store.sqlite when an earlier run left one, and --json/--stats-out files")
+    _add_verdict_flags(r)
     _add_sink_flags(r)
     r.set_defaults(func=handlers["replay"])
 
@@ -215,3 +217,13 @@ def _add_sink_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--perfetto-url", help="directory or fsspec URL for per-window Perfetto traces")
     p.add_argument("--home", help=f"state directory (env {env.HOME}; default ./.trainscope)")
     secure_flags.add_kafka_flags(p)
+
+
+def _add_verdict_flags(p) -> None:
+    """When a finding may name a rank: the impact floor and persistence (issue #10 items 2, 3)."""
+    p.add_argument("--impact-floor", type=float, default=1.0, metavar="PCT",
+                   help="findings costing less than PCT %% of the step are informational: they name nobody "
+                        "and raise no alert (default 1)")
+    p.add_argument("--persist", default="2/3", metavar="K/N",
+                   help="name a rank once it was flagged in K of the last N windows; stalls and hangs at once "
+                        "(default 2/3; 1/1 names on the first window)")

@@ -11,6 +11,10 @@ from trainscope.deploy.cli import main
      "window.iterations"),
     (["sim", "--ranks", "30", "--tp", "4", "--iterations", "2"], "sim"),
     (["sim", "--ranks", "8", "--fault", "meteor_strike:rank=1", "--iterations", "2"], "sim.fault"),
+    (["replay", ".", "--persist", "3"], "--persist"),
+    (["replay", ".", "--persist", "3/2"], "--persist"),
+    (["replay", ".", "--impact-floor", "nan"], "--impact-floor"),
+    (["analyzer", "--impact-floor", "100"], "--impact-floor"),
 ])
 def test_bad_configuration_exits_2_naming_the_setting(argv, setting, tmp_path, capsys):
     assert main([*argv, "--home", str(tmp_path)]) == 2
