@@ -36,6 +36,8 @@ class FaultScore:
     windows_to_diagnosis: int | None = None
     onset_error: int | None = None
     """The first right verdict's ``since_window`` minus the true onset window (0: onset located)."""
+    confidence: float | None = None
+    """The confidence of the first verdict after onset that named anyone (calibration: right vs wrong)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -121,6 +123,7 @@ def evaluate(verdicts: list[records_pb2.Verdict], truth: dict, window_iterations
             windows_to_diagnosis=(after[good[0]].window.index - onset) if good and onset is not None else None,
             onset_error=(after[good[0]].since_window - onset) if good and onset is not None
             and after[good[0]].HasField("since_window") else None,
+            confidence=first.confidence if first is not None else None,
         ))
     return Evaluation(scores, false_alarms, len(healthy))
 

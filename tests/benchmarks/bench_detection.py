@@ -336,6 +336,14 @@ def main(argv=None) -> int:
     if errs:
         print(f"onset ('since window') located exactly in {sum(e == 0 for e in errs)}/{len(errs)} runs, "
               f"within 1 window in {sum(abs(e) <= 1 for e in errs)}/{len(errs)}")
+    conf_right = sorted(f.confidence for _, _, f in rows if f.confidence is not None and f.right)
+    conf_wrong = sorted(f.confidence for _, _, f in rows if f.confidence is not None and not f.right)
+    if conf_right or conf_wrong:
+        def med(xs):
+            return f"{xs[len(xs) // 2]:.2f}" if xs else "-"
+        print(f"confidence of the first verdict naming anyone: right runs median {med(conf_right)} "
+              f"(n={len(conf_right)}, {sum(c >= 0.5 for c in conf_right)} >= 0.5), wrong runs median "
+              f"{med(conf_wrong)} (n={len(conf_wrong)}, {sum(c >= 0.5 for c in conf_wrong)} >= 0.5)")
     stable = [f.stable for _, _, f in rows if f.right]
     if stable:
         print(f"top suspect stable after the first right verdict: median {sorted(stable)[len(stable) // 2]:.0%}, "
