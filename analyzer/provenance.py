@@ -58,7 +58,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from trainscope.analyzer.model import LINK, Finding, Scope, SuspectRank
-from trainscope.analyzer.waiting_graph import KIND, StepBlock, critical_path
+from trainscope.analyzer.waiting_graph import KIND, StepBlock, critical_path, step_blocks
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import records_pb2
 
@@ -378,8 +378,6 @@ def root_cause(job_id: str, window: records_pb2.Window, blocks: list[StepBlock],
 
 def collect(collectives: Iterable, hosts: Mapping[int, str]) -> list[StepBlock]:
     """The window's joined collectives with step records as blocks (``waiting_graph.step_blocks``)."""
-    from trainscope.analyzer.waiting_graph import step_blocks
-
     return step_blocks(collectives, hosts)
 
 

@@ -326,7 +326,6 @@ def critical_path(b: StepBlock) -> tuple[np.ndarray, np.ndarray]:
     arg_f = np.full((C, n), -1, dtype=np.int64)
     pred_s = np.full((C, S, n), -1, dtype=np.int64)
     pred_f = np.full((C, S, n), -1, dtype=np.int64)
-    rows = np.arange(C)[:, None]
     for s in range(S):
         ok = b.dst[:, s] >= 0
         pred_s[:, s], pred_f[:, s] = arg_s, arg_f
@@ -359,7 +358,6 @@ def critical_path(b: StepBlock) -> tuple[np.ndarray, np.ndarray]:
         ps, pf = pred_s[c, cs[c], cf[c] // k], pred_f[c, cs[c], cf[c] // k]
         cs[c], cf[c] = ps, pf
         live[c] = ps >= 0
-    del rows
     return L, crit
 
 
