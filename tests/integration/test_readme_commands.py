@@ -29,6 +29,8 @@ import textwrap
 import pytest
 
 from test_cli_surprises import Daemon, _env, assert_one_line_exit_2
+from trainscope.processor.store import SqliteStore
+from trainscope.proto.contracts import Signal
 
 pytestmark = pytest.mark.integration
 
@@ -213,7 +215,7 @@ TRAIN = textwrap.dedent("""\
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.utils.data.TensorDataset(torch.randn(256, 16), torch.randn(256, 1))
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 4:  # long enough for a few 1 s CPU-operator windows
+    while time.monotonic() - t0 < 2:  # a few CPU-operator windows (every 1 s from the first step)
         for x, y in torch.utils.data.DataLoader(data, batch_size=8):
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
@@ -224,20 +226,27 @@ TRAIN = textwrap.dedent("""\
 
 def test_run_a_torchrun_job(tmp_path):
     """`trainscope run -- torchrun --nproc-per-node 8 train.py` on a small real CPU torch job: every rank
-    trains, the summary says what to run next, and no torch profiler line or traceback reaches stderr.
+    trains, the summary says what to run next, the torch profiler's CPU-operator windows ran on every rank
+    (their records are in the store) and none of its lines nor a traceback reaches stderr.
     `trainscope run` alone says what is missing in one line (exit 2)."""
     pytest.importorskip("torch")
     if shutil.which("torchrun") is None:
         pytest.skip("torchrun not on PATH")
     assert_one_line_exit_2(run_readme("trainscope run", tmp_path, tmp_path), "no command")
     (tmp_path / "train.py").write_text(TRAIN)
-    # the user's environment asks for a CPU-operator window every second (default 30 s), so the collector
-    # runs torch's profiler inside this short job: none of its lines may reach the job's stderr
+    # the user's environment asks for a CPU-operator window every second from the first step (default: every
+    # 30 s, 5 s after it), so the collector runs torch's profiler inside this short job: none of its lines
+    # may reach the job's stderr
     res = run_readme("trainscope run -- torchrun --nproc-per-node 8 train.py", tmp_path, tmp_path, timeout=400,
-                     env={"TRAINSCOPE_CPU_OPS": "period_s=1,window_s=0.05"})
+                     env={"TRAINSCOPE_CPU_OPS": "period_s=1,window_s=0.05,first_after_s=0"})
     ok(res)
     assert res.stdout.count("trained") == 8, res.stdout
-    assert res.stderr.count("kernels: cpu-ops") == 8, res.stderr  # the profiler windows did run
+    assert res.stderr.count("kernels: cpu-ops") == 8, res.stderr  # the source every rank chose...
+    store = SqliteStore(str(tmp_path / ".trainscope" / "store.sqlite"), read_only=True)
+    try:  # ...and its windows ran: operator records of every rank were stored
+        assert {kw.resource.rank for kw in store.records(Signal.KERNELS) if kw.kernels} == set(range(8))
+    finally:
+        store.close()
     assert "next: trainscope analyzer" in res.stderr, res.stderr
     profiler = [ln for ln in res.stderr.splitlines() if ln.startswith(("USDT:", "STAGE:"))]
     assert not profiler, profiler
