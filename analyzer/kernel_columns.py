@@ -105,9 +105,10 @@ def scan(buf: _Buffer, start: np.ndarray, end: np.ndarray, fields: tuple[Field, 
     """
     n = start.size
     out: dict = {}
+    seen = {f.number: np.zeros(n, dtype=np.int64) for f in fields if f.repeated}
     for f in fields:
         if f.repeated:
-            out[f.number] = ([], [], [])
+            out[f.number] = ([], [], [], [])
         elif f.wire == 2:
             out[f.number] = (np.zeros(n, np.int64), np.zeros(n, np.int64))
         else:
@@ -141,9 +142,12 @@ def scan(buf: _Buffer, start: np.ndarray, end: np.ndarray, fields: tuple[Field, 
                 continue
             m = live[sel]
             if f.repeated:
+                occ = seen[f.number]
                 out[f.number][0].append(m)
                 out[f.number][1].append(a[sel])
                 out[f.number][2].append(b[sel])
+                out[f.number][3].append(occ[m].copy())           # its place among the message's own
+                occ[m] += 1
             elif f.wire == 2:
                 out[f.number][0][m], out[f.number][1][m] = a[sel], b[sel]
             else:
@@ -151,10 +155,13 @@ def scan(buf: _Buffer, start: np.ndarray, end: np.ndarray, fields: tuple[Field, 
         pos[live] = b
         live = live[b < end[live]]
     for f in fields:
-        if f.repeated:
-            m, a, b = (np.concatenate(x) if x else np.zeros(0, np.int64) for x in out[f.number])
-            order = np.argsort(m, kind="stable")       # rounds are wire order within a message
-            out[f.number] = (m[order], a[order], b[order])
+        if f.repeated:      # grouped by message, wire order within it: placed by counts, no sort
+            m, a, b, occ = (np.concatenate(x) if x else np.zeros(0, np.int64) for x in out[f.number])
+            at = (np.cumsum(seen[f.number]) - seen[f.number])[m] + occ
+            res = [np.empty_like(x) for x in (m, a, b)]
+            for r, x in zip(res, (m, a, b)):
+                r[at] = x
+            out[f.number] = tuple(res)
     return out
 
 
