@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import statistics
 import time
 from typing import Any, Mapping
@@ -34,7 +35,9 @@ from trainscope.analyzer.model import Finding, Scope, SuspectRank
 from trainscope.proto.v1 import records_pb2
 
 __all__ = ["DeepDiveResult", "ExpectedRange", "LocalizeConfig", "Outlier", "PAPER_RANGES", "RankSummary",
-           "TraceError", "localize_columns", "localize_traces", "read_trace"]
+           "TraceError", "localize_columns", "localize_traces", "read_trace", "trace_paths"]
+
+_RANK_FILE = re.compile(r"^rank-?(\d+)\.json(\.gz)?$")
 
 _DEVICE_KINDS = ("compute", "memory")
 
@@ -78,7 +81,9 @@ class DeepDiveResult:
         role's ranks is a problem of the whole job (EROICA §4.3, type 1): it
         names no rank and carries the cost as ``job_impact_ns``. A rank with
         *less* of a non-collective function on its path is left out (another
-        function pushed it off the path; it is kept in ``outliers``).
+        function pushed it off the path; it is kept in ``outliers``); a rank
+        with less of a collective arrived late, and its shortfall is what its
+        peers waited: that is its impact.
         """
         steps = [r.step_s for r in self.ranks if r.step_s]
         step_ns = statistics.median(steps) * 1e9 if steps else 0.0
@@ -96,9 +101,11 @@ class DeepDiveResult:
                     continue    # less of its own work on the path: pushed off by another function, not a cause
                 ref = o.expected[1] if o.mu[i] > 0 and o.expected[1] > 0 else 0.0
                 ratio = o.mu[i] / ref if ref else (o.beta[i] / o.expected[0] if o.expected[0] > 0 else 1.0)
+                # a collective shorter than its peers': the rank arrived late and its peers waited
+                # that long (attribution's rule), so the shortfall is what it costs the job
+                cost = (o.impact_s[i] or 0.0) if o.slower[i] else abs(o.impact_s[i] or 0.0)
                 sus.append(SuspectRank(
-                    rank=r, score=max(o.d[i], o.delta[i]),
-                    impact_ns=max(0.0, (o.impact_s[i] or 0.0) * 1e9),
+                    rank=r, score=max(o.d[i], o.delta[i]), impact_ns=max(0.0, cost * 1e9),
                     evidence={"function": o.function, "kind": o.kind,
                               "direction": "slower" if o.slower[i] else "faster",
                               "ratio": float(ratio), "D": o.d[i], "Delta": o.delta[i], "beta": o.beta[i],
@@ -157,6 +164,20 @@ def localize_columns(traces: Mapping[int, TraceColumns], *, job_id: str = "",
                           params=dataclasses.asdict(cfg), analysis_s=time.perf_counter() - t,
                           warnings=tuple(warnings), first_iteration=min(ids, default=-1),
                           last_iteration=max(ids, default=-1))
+
+
+def trace_paths(directory: str | os.PathLike) -> dict[int, str]:
+    """rank -> path of the ``rank-<N>.json[.gz]`` files in ``directory`` (the replay contract's layout,
+    ARCHITECTURE.md). Raises ``TraceError`` when there are none."""
+    d = os.fspath(directory)
+    try:
+        names = os.listdir(d)
+    except OSError as e:
+        raise TraceError(d, f"cannot list the directory ({e.strerror}): pass the deep dive's trace directory") from None
+    out = {int(m.group(1)): os.path.join(d, n) for n in sorted(names) if (m := _RANK_FILE.match(n))}
+    if not out:
+        raise TraceError(d, "no rank-<N>.json or rank-<N>.json.gz files: pass the deep dive's trace directory")
+    return out
 
 
 def localize_traces(traces: Mapping[int, str | os.PathLike], *, job_id: str = "",

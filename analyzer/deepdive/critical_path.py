@@ -73,6 +73,17 @@ class CriticalPath:
     def window_us(self) -> float:
         return self.t1 - self.t0
 
+    def idle_gaps(self) -> np.ndarray:
+        """µs of each stretch of the window where nothing traced runs (off the path)."""
+        busy = self.seg_level > IDLE
+        s, e = self.seg_start[busy], self.seg_end[busy]
+        if s.size == 0:
+            return np.array([self.window_us]) if self.window_us > 0 else np.zeros(0)
+        starts = np.concatenate([[self.t0], e])
+        ends = np.concatenate([s, [self.t1]])
+        g = ends - starts
+        return g[g > 0]
+
     def time_by_level(self) -> dict[str, float]:
         """µs of the window at each level (idle included)."""
         t = np.bincount(self.seg_level.astype(np.int64), weights=self.seg_end - self.seg_start, minlength=5)

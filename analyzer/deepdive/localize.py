@@ -10,10 +10,15 @@ Steps:
 2. Expected range R_f (eq. 6). Given (``expected``: per function name or per
    kind, e.g. ``PAPER_RANGES``, EROICA's production ranges: Python β ≤ 0.01,
    collectives β ≤ 0.3, compute unbounded) or, when not, from the job itself:
-   the median over the role's ranks plus max(``floor``, k·1.4826·MAD) per
-   dimension (one-sided: being *more* on the path, or slower per execution,
-   is what costs time). ``floor`` = 0.01 is EROICA's "within 1 % is
-   measurement noise"; 1.4826·MAD estimates a standard deviation robustly.
+   the median over the role's ranks plus max(``floor``, k·s) per dimension,
+   s = max(1.4826·MAD, ``rel_floor``·median) (one-sided: being *more* on
+   the path, or slower per execution, is what costs time). ``floor`` = 0.01
+   is EROICA's "within 1 % is measurement noise"; 1.4826·MAD estimates a
+   standard deviation robustly, and ``rel_floor`` = 2 % is the project's
+   measured GPU-to-GPU personality (docs/noise.md): with 8 ranks the MAD
+   alone can come out far below it by chance. σ is unbounded unless given,
+   as in all of EROICA's ranges (its spread has heavy tails; what it costs
+   shows in β and μ); it still counts in Δ.
 3. Distance from expectation D_{f,w} (eq. 7): the Manhattan distance from
    P_{f,w} to R_f, every dimension in shares of the window: μ and σ times
    the role's median executions per window (what that much time per
@@ -30,8 +35,9 @@ Steps:
    resolution): without it, a job where every Δ is 0 but two ranks differ
    from each other would call both outliers (MAD = 0). A Δ outlier must
    also be material: its β, or its μ in window shares (step 3), at least
-   ``floor`` (1 %) from the role's median — EROICA's "fluctuations within
-   1 % are measurement noise" (§4.3) applied to Δ as step 2 applies it to D.
+   max(``floor``, k·``rel_floor``·median) from the role's median — EROICA's
+   "fluctuations within 1 % are measurement noise" (§4.3) and the
+   personality floor applied to Δ as step 2 applies them to D.
    Without it, at 1,000+ ranks the ranks in the joint tails of healthy noise
    differ from enough sampled peers (Δ ≈ 0.1 against M = 0, MAD = 0) to be
    called outliers while costing well under 1 % of the window.
@@ -86,7 +92,9 @@ class LocalizeConfig:
     min_beta: float = 0.01
     """Eq. 11: a function must take more than this share of the window to matter."""
     floor: float = 0.01
-    """Smallest half-width of a self-derived expected range (1 % noise, §4.3)."""
+    """Smallest half-width of a self-derived expected range, in window shares (1 % noise, §4.3)."""
+    rel_floor: float = 0.02
+    """Smallest rank-to-rank spread, as a share of the median (GPU-to-GPU personality, docs/noise.md)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -100,6 +108,8 @@ class LocalizeConfig:
             raise ConfigError("deepdive.min_beta", self.min_beta, "must be in [0, 1)")
         if self.floor < 0:
             raise ConfigError("deepdive.floor", self.floor, "must be >= 0")
+        if self.rel_floor < 0:
+            raise ConfigError("deepdive.rel_floor", self.rel_floor, "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -203,11 +213,13 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
         scale = np.where(np.isfinite(per) & (per > 0), per, 1.0)
         mu_r, sg_r = MU / scale, SG / scale
         mM, madM = _mad(mu_r)
-        mS, madS = _mad(sg_r)
-        w = cfg.k * 1.4826
-        hiB = mB + np.maximum(cfg.floor, w * madB)
-        hiM = mM + np.maximum(cfg.floor, w * madM)
-        hiS = mS + np.maximum(cfg.floor, w * madS)
+        def half(m, mad):
+            return np.maximum(cfg.floor, cfg.k * np.maximum(1.4826 * mad, cfg.rel_floor * np.abs(m)))
+        hiB = mB + half(mB, madB)
+        hiM = mM + half(mM, madM)
+        # σ is left unbounded by default, as in every one of EROICA's ranges: a spread of
+        # durations has heavy tails (one 3x call moves it), and what it costs shows in β and μ
+        hiS = np.full_like(mM, np.inf)
         loB = np.zeros_like(hiB)
         loM = np.zeros_like(hiM)
         loS = np.zeros_like(hiS)
@@ -228,7 +240,9 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
         # Δ moves in steps of 1/N: its spread cannot be told finer than one sampled rank
         thr = mD + cfg.k * np.maximum(madD, 1.0 / min(cfg.n_sample, R))
         # 5. abnormal, and by at least the noise floor in window shares
-        material = (np.abs(B - mB) >= cfg.floor) | (np.abs(mu_r - ref_mu / scale) >= cfg.floor)
+        band_b = np.maximum(cfg.floor, cfg.k * cfg.rel_floor * mB)
+        band_m = np.maximum(cfg.floor, cfg.k * cfg.rel_floor * ref_mu / scale)
+        material = (np.abs(B - mB) >= band_b) | (np.abs(mu_r - ref_mu / scale) >= band_m)
         bad = (B > cfg.min_beta) & ((D > 0) | ((Dl > thr) & material))
         # 6. impact per iteration
         per_iter = np.array([p.window_s / p.iterations if p.iterations else np.nan for p in pats])

@@ -16,7 +16,12 @@ Steps:
    Algorithm 1 leaves out the parts of an execution without activity.
 2. β_f = Σ_e L(e) / |T|, μ_f = mean L(e), σ_f = std L(e) over the executions
    with L(e) > 0; n_f = their count. One ``bincount`` per statistic.
-3. Function identity: its name (a kernel's demangled name, an op's name, a
+3. The time nothing traced runs (GPU idle while the training thread is in
+   no traced function; all of the GPU-idle time in a trace with kernels
+   only) is one more function, ``IDLE`` (kind "idle"), one execution per
+   gap: EROICA has no such entry because its traces always hold the host
+   functions; without them an idle GPU would be invisible to localisation.
+4. Function identity: its name (a kernel's demangled name, an op's name, a
    Python function's ``file(line): name``). EROICA keys Python functions by
    their whole call stack; Kineto's name already carries file and line, and
    the stack is left out (a known simplification).
@@ -33,7 +38,9 @@ from trainscope.analyzer.deepdive.critical_path import (
 from trainscope.analyzer.deepdive.trace import PYTHON, RUNTIME
 
 #: Kinds of function (what EROICA's expected ranges are given for, §4.3).
-KINDS = ("compute", "memory", "communication", "python", "cpu", "runtime")
+KINDS = ("compute", "memory", "communication", "python", "cpu", "runtime", "idle")
+#: The pseudo-function of step 3.
+IDLE = "(idle: nothing traced running)"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -94,9 +101,17 @@ def behaviour_patterns(cp: CriticalPath) -> Patterns:
         o = np.lexsort((c, u // (nn + 1)))          # per function, the most common launcher last
         launched[u[o] // (nn + 1)] = u[o] % (nn + 1)
     launched_by = tuple(tr.names[launched[f]] if launched[f] >= 0 else "" for f in keep)
-    return Patterns(functions=tuple(tr.names[f] for f in keep), kinds=kinds,
-                    beta=total[keep] / window_s if window_s > 0 else np.zeros(keep.size),
-                    mu=mu, sigma=np.sqrt(var), count=n[keep], launched_by=launched_by,
-                    window_s=window_s, iterations=cp.iterations)
+    funcs = tuple(tr.names[f] for f in keep)
+    beta = total[keep] / window_s if window_s > 0 else np.zeros(keep.size)
+    sigma, count = np.sqrt(var), n[keep]
+    gaps = cp.idle_gaps() * 1e-6
+    if gaps.size and window_s > 0:                      # step 3
+        funcs, kinds, launched_by = funcs + (IDLE,), kinds + ("idle",), launched_by + ("",)
+        beta = np.append(beta, gaps.sum() / window_s)
+        mu = np.append(mu, gaps.mean())
+        sigma = np.append(sigma, gaps.std())
+        count = np.append(count, gaps.size)
+    return Patterns(functions=funcs, kinds=kinds, beta=beta, mu=mu, sigma=sigma, count=count,
+                    launched_by=launched_by, window_s=window_s, iterations=cp.iterations)
 
 

@@ -89,10 +89,13 @@ def test_cpu_job_healthy_then_one_slow_python_function(traces):
     job[2] = read_trace(traces["slow"])
     res = localize_columns(job, job_id="cpu")
     assert res.outliers, "a Python function five times slower on one rank must be found"
-    top = res.outliers[0]
-    assert "host_work" in top.function and top.kind == "python" and top.ranks == (2,), top.evidence
+    # the slow run was recorded on a shared machine: a preemption may add an outlier of its own, on
+    # rank 2 too, so the helper is asserted among rank 2's outliers rather than first
+    hw = [o for o in res.outliers if "host_work" in o.function]
+    assert hw and hw[0].kind == "python" and hw[0].ranks == (2,) and hw[0].slower == (True,), \
+        [o.evidence for o in res.outliers]
     assert {r for o in res.outliers for r in o.ranks if o.slower[o.ranks.index(r)]} == {2}
-    assert top.impact_s[0] is not None and top.impact_s[0] > 0
+    assert hw[0].impact_s[0] is not None and hw[0].impact_s[0] > 0
 
 
 def test_cpu_traces_through_the_file_entry_point(traces):

@@ -104,7 +104,10 @@ def test_patterns_on_a_real_trace(traced):
     tr, cp, p = traced
     shares = cp.time_by_level()
     busy = 1.0 - shares["idle"] / cp.window_us
-    assert np.isclose(p.beta.sum(), busy, atol=1e-9)
+    idle = np.array([k == "idle" for k in p.kinds])
+    assert np.isclose(p.beta[~idle].sum(), busy, atol=1e-9)
+    assert np.isclose(p.beta.sum(), 1.0, atol=1e-9)              # the idle pseudo-function holds the rest
+    assert np.isclose(cp.idle_gaps().sum(), shares["idle"], rtol=1e-9)
     assert np.all((p.beta >= 0) & (p.beta <= 1)) and np.all(p.sigma >= 0) and np.all(p.count >= 1)
     assert np.allclose(p.mu * p.count, p.beta * p.window_s, rtol=1e-9)      # μ is per execution
     assert p.iterations == tr.steps.shape[0]
