@@ -48,10 +48,12 @@ evidence and attributes the waiting to the member that made the others wait.
    short against its DP peers by at least ``EARLY_SHARE`` of its wait was
    early, not slowed (a rank's step is its work plus its wait, and a fast
    rank waits for everyone), and one that waited less than step 3c's bound
-   at ``WAIT_Z`` may have waited for healthy personality: both are dropped. When two or more of the rest
-   share a host, the link between them is slow (role ``link``: a degraded
-   NVLink/NIC slows every member's collective alike, ARGUS §9.2). Others
-   stay plain waiters.
+   at ``WAIT_Z`` may have waited for healthy personality: both are dropped. The
+   rest waited in collectives with no late member: the collective itself was
+   slow for them, their link (role ``link``; several sharing a host: the link
+   between them, a degraded NVLink/NIC slows every member's collective alike,
+   ARGUS §9.2; one alone: its own NIC or NVLink). A waiter is always named
+   with the rank it waited for, never for nobody.
 5. Scores: a culprit's score is the largest of its own impact and the
    impacts of the waiters that point at it, so a waiter can never outrank
    the rank it waited for; roles order the verdict (culprit, link, waiter).
@@ -397,17 +399,12 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
         early = r in vs_dp and -vs_dp[r][0] >= EARLY_SHARE * out[r].impact_ns
         if early or (step_ns > 0 and out[r].impact_ns < healthy_lateness_ns(_group_size(partners, r), step_ns, WAIT_Z)):
             del out[r]
-    # step 4: unexplained waiters sharing a host: the link between them
-    hosts: dict[str, list[RankVerdict]] = collections.defaultdict(list)
+    # step 4: what is left waited in its collectives with no late member and no early arrival: the
+    # collective itself was slow for it, its link (several sharing a host: the link between them;
+    # one alone: its own NIC or NVLink), never a "waiter" for nobody
     for rv in out.values():
         if rv.role == WAITER and rv.waited_for < 0:
-            host = resources[rv.rank].host if rv.rank in resources else ""
-            if host:
-                hosts[host].append(rv)
-    for members in hosts.values():
-        if len(members) >= 2:
-            for rv in members:
-                rv.role = LINK
+            rv.role = LINK
     # step 5: culprits score at least what their waiters lost (followed along chains of waiters)
     for rv in out.values():
         if rv.role != WAITER or rv.waited_for not in out:

@@ -175,6 +175,10 @@ def test_a_host_whose_members_all_wait_with_no_late_member_is_a_slow_link():
     assert "host h2" in v.summary
     wait = finding("L2", "slow_communication", "tp-allreduce", [(r, "slower", 2 * MS) for r in (8, 9, 10, 11)])
     assert not merge("j", WIN, [wait], res, step_ns=100 * MS).ranks
+    # one rank alone slower in its collective, nobody late: its own link, never "a waiter for nobody"
+    one = finding("L2", "slow_communication", "tp-allreduce", [(9, "slower", 10 * MS)])
+    v = merge("j", WIN, [one], res, step_ns=100 * MS)
+    assert [(s.rank, s.role) for s in v.ranks] == [(9, "link")] and "slow link" in v.ranks[0].why
 
 
 def test_host_is_named_when_the_suspects_share_it():
