@@ -72,7 +72,16 @@ def evaluate(verdicts: list[records_pb2.Verdict], truth: dict, window_iterations
         onsets = [None if o is None else min(o, vs[-1].window.index) for o in onsets]
     first_onset = min((o for o in onsets if o is not None), default=None)
     healthy = [v for v in vs if first_onset is None or v.window.index < first_onset]
-    false_alarms = sum(1 for v in healthy if v.ranks or v.state in ("degraded", "stalled"))
+    hung = {r for f in truth.get("faults", []) if f.get("type") == "hang" for r in f.get("ranks", [])} \
+        if truth.get("hung") else set()
+
+    def false_alarm(v) -> bool:
+        # a hang is a state of the job, reported with the last window analysed (the hung window never
+        # closes): a stall naming the hung rank, or nobody, in an earlier window is the hang itself
+        if hung and v.state == "stalled" and all(s.rank in hung for s in v.ranks):
+            return False
+        return bool(v.ranks) or v.state in ("degraded", "stalled")
+    false_alarms = sum(1 for v in healthy if false_alarm(v))
     scores = []
     stall_vs = [v for v in vs if any(d.kind == "stall" for d in _active(v))]
     for f, onset in zip(truth.get("faults", []), onsets):

@@ -28,3 +28,18 @@ def test_an_nvlink_fault_is_right_when_its_tp_pair_is_named_and_not_otherwise():
     # a GPU's own fault needs the rank itself: its TP partner is a wrong answer
     assert not evaluate(_verdicts(28, "tp 14"), _truth("gpu_throttle"), 10).faults[0].right
     assert evaluate(_verdicts(29, ""), _truth("gpu_throttle"), 10).faults[0].right
+
+
+def test_a_hang_reported_with_the_last_closed_window_is_not_a_false_alarm():
+    v0 = records_pb2.Verdict(window=records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=0),
+                             state="stalled")
+    v0.ranks.add(rank=13, role="culprit")
+    v0.findings.add(kind="stall", level="L1").suspects.add(rank=13)
+    truth = {"hung": True, "faults": [{"type": "hang", "spec": "hang:rank=13", "ranks": [13], "onset_iteration": 15}]}
+    ev = evaluate([v0, records_pb2.Verdict(window=records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS,
+                                                                     index=1))], truth, 10)
+    assert ev.false_alarm_windows == 0 and ev.faults[0].right
+    v0.ranks[0].rank = 4          # a stall naming another rank before the hang is a false alarm
+    ev = evaluate([v0, records_pb2.Verdict(window=records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS,
+                                                                     index=2))], truth, 10)
+    assert ev.false_alarm_windows == 1
