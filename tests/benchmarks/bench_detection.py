@@ -268,6 +268,9 @@ def main(argv=None) -> int:
     ap.add_argument("--healthy-runs", type=int, default=3)
     ap.add_argument("--healthy-hours", type=float, default=0.0,
                     help="simulated healthy hours over 16-1,024-rank jobs with noisier ranks")
+    ap.add_argument("--healthy-big", type=int, default=-1,
+                    help="of the --healthy-hours jobs, this many of 512 and 1,024 ranks, the rest 16-256 "
+                         "(default -1: every size in turn)")
     ap.add_argument("--real-jobs", type=int, default=0,
                     help="healthy jobs per real stream (job16, diff-control, diff-test, job2-nccl), plus 9 faulty")
     ap.add_argument("--combos", action="store_true", help="late onset, intermittent, two culprits, partners, groups")
@@ -354,6 +357,10 @@ def main(argv=None) -> int:
         shapes = [(16, 2, 2), (32, 2, 2), (64, 4, 2), (128, 4, 4), (256, 8, 4), (512, 8, 4), (1024, 8, 4)]
         per_job_s = 1800.0
         n_jobs = max(1, int(round(args.healthy_hours * 3600 / per_job_s)))
+        if args.healthy_big >= 0:     # that many 512/1,024-rank jobs first, the rest 16-256 ranks
+            big, small = shapes[5:], shapes[:5]
+            order = [big[i % 2] for i in range(min(args.healthy_big, n_jobs))]
+            shapes = order + [small[i % len(small)] for i in range(n_jobs - len(order))]
         for i in range(n_jobs):
             r, tp, pp = shapes[i % len(shapes)]
             noisy = NoiseModel(noisy_ranks=max(1, r // 16)) if i % 2 else None
