@@ -100,6 +100,7 @@ def _sink_configs(args) -> dict:
 
 
 def cmd_processor(args) -> int:
+    from trainscope.processor.collectives import CollectiveWindowConfig, TriggerConfig
     from trainscope.processor.daemon import Processor, ProcessorConfig
     from trainscope.processor.windows import WindowConfig
 
@@ -109,6 +110,8 @@ def cmd_processor(args) -> int:
                             iterations=args.window_iterations),
         store_path=os.path.join(writable_home(_home(args)), "store.sqlite"),
         store_keep_windows=args.keep_windows,
+        collectives=CollectiveWindowConfig(trigger=TriggerConfig(
+            raw_records="triggered" if args.collective_raw == "triggered" else "always")),
         security=secure_flags.grpc_security(args),
         embedded_bus=False,  # no analyzer in this process reads it: the store and Kafka carry the records
         **_sink_configs(args),
@@ -250,6 +253,7 @@ def cmd_sim(args) -> int:
         seed=args.seed, job_id=args.job_id, exporters=args.exporters, home=_home(args),
         ground_truth_path=args.ground_truth, traces_out=args.traces_out, window_mode=args.window_mode,
         window_iterations=args.window_iterations, window_length_s=args.window_length_s,
+        collective_steps=args.collective_steps,
     )
     output_file("--ground-truth", args.ground_truth, force=args.force)  # checked before the run, not after
     output_file("--json", args.json_out, force=args.force)

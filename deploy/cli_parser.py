@@ -64,6 +64,9 @@ def build_parser(handlers: Handlers, description: str) -> argparse.ArgumentParse
                     help="iterations per window when windows are cut by iterations")
     pr.add_argument("--keep-windows", type=int, metavar="N",
                     help="age out each job's stored records of windows older than its newest N (counted; default: keep all)")
+    pr.add_argument("--collective-raw", choices=["all", "triggered"], default="all",
+                    help="raw collective records passed on: every window's, or only around a Mycroft trigger "
+                         "(summaries always; default: all)")
     _add_sink_flags(pr)
     secure_flags.add_tls_flags(pr, grpc=True)
     pr.set_defaults(func=handlers["processor"])
@@ -108,6 +111,8 @@ def build_parser(handlers: Handlers, description: str) -> argparse.ArgumentParse
                    help="how the embedded processor cuts windows (default iterations)")
     s.add_argument("--window-iterations", type=int, help="iterations per window (default 10)")
     s.add_argument("--window-length-s", type=float, help="window length in seconds with --window-mode time (default 30)")
+    s.add_argument("--collective-steps", action="store_true", default=None,
+                   help="collective records carry every algorithm step (Vedrfolnir step records: slow links named)")
     s.add_argument("--force", action="store_true",
                    help="replace HOME/store.sqlite when an earlier run left one (embedded processor), "
                    "and --ground-truth/--json files")

@@ -25,6 +25,7 @@ from trainscope.processor.ingest import IngestServicer
 from trainscope.processor.limits import IngestLimits
 from trainscope.proto.securefs import private_dir
 from trainscope.proto.security import ServerSecurity
+from trainscope.processor.collectives import CollectiveWindowConfig
 from trainscope.processor.pipeline import Pipeline
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.processor.sink import Sink
@@ -66,6 +67,9 @@ class ProcessorConfig:
     """SQLite file for the local store (embedded default); None disables it."""
     store_keep_windows: int | None = None
     """Age out each job's records of windows older than its newest N (``processor/store.py``); None: keep all."""
+    collectives: CollectiveWindowConfig = dataclasses.field(default_factory=CollectiveWindowConfig)
+    """Collective windows and Mycroft's triggers (``processor/collectives.py``); ``trigger.raw_records``
+    ``triggered`` keeps raw records only around a trigger (``--collective-raw triggered``)."""
     embedded_bus: bool = True
     """Publish records on the in-process bus (the analyzer's source when there is no broker)."""
     kafka: Any = None
@@ -140,7 +144,7 @@ class Processor:
         self.sinks.append(self.durability)
         self.pipeline = Pipeline(
             config.window, Summarizer(config.summary), self.sinks, self.metrics,
-            queue_max=config.queue_max_batches,
+            queue_max=config.queue_max_batches, collectives=config.collectives,
         )
         # control streams hold handler threads too: at most half of them, ingest keeps the rest
         self.control = ControlHub(dataclasses.replace(

@@ -87,6 +87,10 @@ class SimConfig:
     """Iterations per window of the embedded processor (``iterations`` mode)."""
     window_length_s: float = 30.0
     """Window length of the embedded processor (``time`` mode), rank-clock seconds."""
+    collective_steps: bool = False
+    """Collective records carry every step of the algorithm (Vedrfolnir step records,
+    ``CollectiveRecord`` fields 14-19: each flow's destination, bytes, start and end); off: the ring
+    summary only (fields 10-13)."""
 
     def __post_init__(self) -> None:
         ints = {"ranks": 1, "tp": 1, "pp": 1, "ep": 1, "cp": 1, "micro_batches": 1, "layers": 1,
@@ -119,6 +123,8 @@ class SimConfig:
             raise ConfigError("sim.duration_s", self.duration_s, "must be a number of seconds > 0")
         if self.window_mode not in FIXED_WINDOW_MODES:
             raise ConfigError("sim.window_mode", self.window_mode, f"must be {one_of(FIXED_WINDOW_MODES)}")
+        if not isinstance(self.collective_steps, bool):
+            raise ConfigError("sim.collective_steps", self.collective_steps, "must be true or false")
         if not self.job_id:
             raise ConfigError("sim.job_id", self.job_id, "must not be empty")
         if self.noise is not None and not isinstance(self.noise, NoiseModel):

@@ -382,24 +382,26 @@ class FanOut:
             s.close()
 
 
-_PLANS: list = []   # (topo, tmpl, plan) of the latest jobs: a plan is static per job
+_PLANS: list = []   # (topo, tmpl, steps, plan) of the latest jobs: a plan is static per job
 
 
-def _plan(topo: Topology, tmpl) -> CollectivePlan:
-    for t, m, p in _PLANS:
-        if t is topo and m is tmpl:
+def _plan(topo: Topology, tmpl, steps: bool = False) -> CollectivePlan:
+    for t, m, st, p in _PLANS:
+        if t is topo and m is tmpl and st == steps:
             return p
-    p = CollectivePlan.build(topo, tmpl)
-    _PLANS[:] = [(topo, tmpl, p)] + _PLANS[:3]
+    p = CollectivePlan.build(topo, tmpl, steps=steps)
+    _PLANS[:] = [(topo, tmpl, steps, p)] + _PLANS[:3]
     return p
 
 
 def build_chunk(outs: Sequence, topo: Topology, tmpl, clocks, *, stack_s: np.ndarray | None = None,
-                stack_window: tuple[np.ndarray, np.ndarray] | None = None, stack_hz: float = 100.0) -> Chunk:
+                stack_window: tuple[np.ndarray, np.ndarray] | None = None, stack_hz: float = 100.0,
+                collective_steps: bool = False) -> Chunk:
     """Step 1: engine outputs (canonical, global ns) → a rank-ordered, local-clock :class:`Chunk`.
 
     ``stack_s`` (rank order, seconds per ``STACK_COLUMNS``) and ``stack_window``
-    (global ns, rank order) add a stack snapshot per rank.
+    (global ns, rank order) add a stack snapshot per rank; ``collective_steps``: the collective
+    records carry step records (``SimConfig.collective_steps``).
     """
     W, K, P, I = topo.world, tmpl.K, len(tmpl.phases), len(outs)
     perm = topo.canon_of
@@ -437,7 +439,7 @@ def build_chunk(outs: Sequence, topo: Topology, tmpl, clocks, *, stack_s: np.nda
         lo_l = clocks.local(lo, hosts)
         window = (lo_l, np.maximum(clocks.local(hi, hosts), lo_l + 1))
     return Chunk(
-        collectives=build_columns(_plan(topo, tmpl), outs, topo, clocks) if I else None,
+        collectives=build_columns(_plan(topo, tmpl, collective_steps), outs, topo, clocks) if I else None,
         topo=topo, iterations=its, names=tmpl.names, name_id=np.tile(tmpl.name_id, I),
         stream=np.tile(tmpl.stream, I), kind=np.tile(tmpl.kind, I), k_start=ks, k_dur=kd, k_valid=kv,
         m_begin=mb, m_end=mb + md, m_valid=mv, phases=tmpl.phases, p_start=qs, p_dur=qd, p_valid=qv,

@@ -145,7 +145,8 @@ class Simulation:
         if stack_acc is not None and self.config.stack_every:
             hi = t_end[topo.canon_of]
             kw = dict(stack_s=stack_acc.copy(), stack_window=(stack_lo[topo.canon_of], hi))
-        return build_chunk(buf, topo, self.tmpl, self.clocks, stack_hz=self.config.stack_hz, **kw)
+        return build_chunk(buf, topo, self.tmpl, self.clocks, stack_hz=self.config.stack_hz,
+                           collective_steps=self.config.collective_steps, **kw)
 
     def _hang_chunk(self, buf_end: np.ndarray) -> Chunk:
         """Step 4: one stack snapshot per rank over the watchdog timeout after the hang."""

@@ -110,16 +110,14 @@ def analyzer(ranks: int, per_s: int, seconds: int) -> None:
 
 
 def step_volume(ranks: int, seconds: float) -> None:
-    from step_records import joined, use_step_records
+    from step_records import joined
 
     from trainscope.collector.sim import SimConfig
     from trainscope.collector.sim.simulate import Simulation
 
     out = {}
     for steps in (False, True):
-        sim = Simulation(SimConfig(ranks=ranks, tp=2, pp=2, duration_s=seconds, seed=1))
-        if steps:
-            use_step_records(sim)
+        sim = Simulation(SimConfig(ranks=ranks, tp=2, pp=2, duration_s=seconds, seed=1, collective_steps=steps))
         t0 = time.perf_counter()
         colls, wire = joined(sim)
         out[steps] = (wire, len(colls), time.perf_counter() - t0)

@@ -1,21 +1,11 @@
-"""Simulated jobs whose collective records carry step records (collector/sim/collective_records.py
-steps 5-6), for tests and benchmarks: the simulator's own switch for them is not wired to its
-config yet, so this replaces the job's plan in ``emit``'s per-job plan cache."""
+"""Collectives of a simulated job joined across ranks, for tests and benchmarks. Step records
+(collector/sim/collective_records.py steps 5-6) come with ``SimConfig(collective_steps=True)``
+(``trainscope sim --collective-steps``)."""
 from __future__ import annotations
 
 import collections
 
-from trainscope.collector.sim import emit
-from trainscope.collector.sim.collective_records import CollectivePlan
 from trainscope.collector.sim.simulate import Simulation
-
-
-def use_step_records(sim: Simulation, algos: dict[str, str] | None = None) -> CollectivePlan:
-    """From now on the chunks of ``sim`` carry step records (fields 14-19)."""
-    topo, tmpl = sim.topo, sim.tmpl
-    plan = CollectivePlan.build(topo, tmpl, steps=True, algos=algos)
-    emit._PLANS[:] = [(topo, tmpl, plan)] + [x for x in emit._PLANS if not (x[0] is topo and x[1] is tmpl)][:3]
-    return plan
 
 
 def joined(sim: Simulation):

@@ -23,7 +23,7 @@ from trainscope.collector.sim.collective_records import decompose, time_steps
 from trainscope.collector.sim.simulate import Simulation
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import records_pb2
-from support.step_records import joined, use_step_records
+from support.step_records import joined
 
 WINDOW = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=1, first_iteration=0, last_iteration=9)
 
@@ -209,10 +209,9 @@ def test_config_is_validated():
 
 
 def _sim(fault: str | None, ranks: int = 32, iterations: int = 10):
-    cfg = SimConfig(ranks=ranks, tp=2, pp=2, iterations=iterations, seed=3,
+    cfg = SimConfig(ranks=ranks, tp=2, pp=2, iterations=iterations, seed=3, collective_steps=True,
                     faults=(parse_fault(fault),) if fault else ())
     sim = Simulation(cfg)
-    use_step_records(sim)
     colls, _ = joined(sim)
     hosts = {r: f"host{int(sim.topo.host[r])}" for r in range(ranks)}
     return step_blocks(colls, hosts), hosts, sim.topo
