@@ -52,13 +52,18 @@ SCENARIOS = {
 }
 
 
+#: --collective-steps: every simulated job's collective records carry step records (fields 14-19).
+COLLECTIVE_STEPS = False
+
+
 def run_one(ranks: int, fault: str | None, seed: int, iterations: int, home: str, *, tp: int = 2, pp: int = 2,
             iteration_s: float = 3.0, noise=None, faults: list[str] | None = None):
     ep = 4 if fault and fault.startswith("moe") else 1
     extra = {"noise": noise} if noise is not None else {}
     cfg = sim_config(ranks=ranks, tp=tp, pp=pp, ep=ep, iterations=iterations, seed=seed,
                      faults=faults if faults is not None else ([fault] if fault else []), job_id=f"bench{seed}",
-                     home=home, window_iterations=10, iteration_s=iteration_s, **extra)
+                     home=home, window_iterations=10, iteration_s=iteration_s, collective_steps=COLLECTIVE_STEPS,
+                     **extra)
     analysis = SimAnalysis()
     res = run_sim_embedded(cfg, **analysis.hooks())
     return cfg, res, analysis.verdicts
@@ -276,7 +281,10 @@ def main(argv=None) -> int:
     ap.add_argument("--combos", action="store_true", help="late onset, intermittent, two culprits, partners, groups")
     ap.add_argument("--quick", action="store_true", help="a subset: 32 ranks, strong magnitude, combos, few healthy")
     ap.add_argument("--only", nargs="*", help="fault types to run (none: no fault types, e.g. healthy only)")
+    ap.add_argument("--collective-steps", action="store_true", help="simulated collectives carry step records")
     args = ap.parse_args(argv)
+    global COLLECTIVE_STEPS
+    COLLECTIVE_STEPS = args.collective_steps
     if args.quick:
         args.ranks, args.magnitudes, args.healthy_runs, args.combos = [32], [1], 2, True
         args.real_jobs = args.real_jobs or 2
