@@ -181,10 +181,19 @@ def test_sim_never_replaces_an_earlier_store_unasked(tmp_path):
     assert not os.listdir(tmp_path / "tmp"), "the private socket directory was left behind"
 
 
-def test_replay_never_replaces_an_earlier_store_unasked(tmp_path):
-    traces = tmp_path / "traces"
-    res = cli(tmp_path, *SIM, "--home", str(tmp_path / "h0"), "--traces-out", str(traces))
+@pytest.fixture(scope="module")
+def sim_traces(tmp_path_factory):
+    """One small simulated job's traces, read (never written) by the replay tests below: one sim, not one each."""
+    base = tmp_path_factory.mktemp("sim-traces")
+    traces = base / "traces"
+    res = cli(base, *SIM, "--home", str(base / "h0"), "--traces-out", str(traces))
     assert res.returncode == 0, res.stderr
+    assert os.listdir(traces) and not os.listdir(base / "tmp"), "sim left its private socket directory behind"
+    return traces
+
+
+def test_replay_never_replaces_an_earlier_store_unasked(tmp_path, sim_traces):
+    traces = sim_traces
     home = tmp_path / "h1"
     home.mkdir()
     (home / "store.sqlite").write_bytes(b"precious")
@@ -196,15 +205,13 @@ def test_replay_never_replaces_an_earlier_store_unasked(tmp_path):
     assert not os.listdir(tmp_path / "tmp")
 
 
-def test_replay_to_an_unreachable_kafka_is_bounded_and_says_what_was_not_delivered(tmp_path):
+def test_replay_to_an_unreachable_kafka_is_bounded_and_says_what_was_not_delivered(tmp_path, sim_traces):
     """`replay --kafka-bootstrap 127.0.0.1:1` hung ~6 min in the final flush and exited 0; later it
     took 57 s (final drain, pipeline stop and close each waited their own timeout: 15 + 30 + 10 s).
     Now the flushes share the sink's close timeout: it gives up once, saying how many records stay
     spooled, the run says how much was not delivered and exits 1, and the local store is kept.
     (The subprocess timeout only guards the hang.)"""
-    traces = tmp_path / "traces"
-    assert cli(tmp_path, *SIM, "--home", str(tmp_path / "h0"), "--traces-out", str(traces)).returncode == 0
-    res = cli(tmp_path, "replay", str(traces), "--no-analyze", "--home", str(tmp_path / "h"),
+    res = cli(tmp_path, "replay", str(sim_traces), "--no-analyze", "--home", str(tmp_path / "h"),
               "--kafka-bootstrap", "127.0.0.1:1", timeout=180)
     assert res.returncode == 1, res.stderr
     assert "Traceback" not in res.stderr
