@@ -2,18 +2,21 @@
 
 A shutdown flushes the sink several times (final drain, pipeline stop, close); each used to wait
 its caller's whole timeout on a broker that takes nothing (replay: 15 + 30 + 10 s). The flushes
-now share one budget of ``close_timeout_s``. No process is started: the sink's librdkafka client
-is pointed at 127.0.0.1:1, where nothing listens.
+now share one budget of ``close_timeout_s``. Integration tier (it opens sockets): the sink's
+librdkafka client is pointed at 127.0.0.1:1, where nothing listens; no process is started.
 """
 import logging
 import threading
 
+import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from trainscope.processor import kafka_sink
 from trainscope.processor.kafka_config import KafkaSinkConfig
 from trainscope.processor.kafka_sink import KafkaSink
 from trainscope.processor.spool import DiskSpool
+
+pytestmark = pytest.mark.integration
 
 
 class _CountingCondition(threading.Condition):
