@@ -34,10 +34,19 @@ member, clock-free:
    (op, size class): reported as evidence (informational: gloo gives no
    per-link records to name a link; the NCCL profiler plugin would).
 
-Slow link (Vedrfolnir §III, ``waiting_graph.py``): the same judged collectives,
-where their records carry the ring decomposition, go through the waiting graph,
-which names a slow link (src → dst) or the rank whose NIC/NVLink every link
-of is slow (role ``link``).
+Slow link (Vedrfolnir §III), per analysed window, on the same judged collectives:
+
+6. Collectives whose every member's record carries step records (fields
+   14-19: each flow step's destination, bytes, start and end) are kept as
+   one (5, flows) integer array per rank and collective (``StepColumns``;
+   bounded by ``max_step_flows``), stacked per shape
+   (``waiting_graph.step_blocks``) and rated by ``provenance.root_cause``:
+   step triggers, provenance graph, contributor rating (eqs. 1-3), naming a
+   rank's NIC/NVLink, a link src → dst or a pair a ↔ b, the steps it slowed
+   and its impact in s/iteration (kind ``slow_link``, role ``link``).
+7. The others, where their records carry the ring summary (fields 10-13), go
+   through the per-rank waiting graph (``waiting_graph.slow_links``); a link
+   or rank step 6 already named in this window is not named again.
 
 Hang (Mycroft §4.3 trigger "no completion for a timeout", then §5's "which rank
 has not started the op"), checked on every analyzer step, not per window:
@@ -57,7 +66,7 @@ from typing import Mapping
 
 import numpy as np
 
-from trainscope.analyzer import waiting_graph
+from trainscope.analyzer import provenance, waiting_graph
 from trainscope.analyzer.model import CULPRIT, WAITER, Finding, Scope, SuspectRank
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import records_pb2
@@ -85,7 +94,11 @@ class CollectivesConfig:
     """Groups tracked per job."""
     waiting_graph: waiting_graph.WaitingGraphConfig = dataclasses.field(
         default_factory=waiting_graph.WaitingGraphConfig)
-    """Slow links from the ring steps (``waiting_graph.py``)."""
+    """Step 7: slow links from the ring summary (``waiting_graph.py``)."""
+    provenance: provenance.ProvenanceConfig = dataclasses.field(default_factory=provenance.ProvenanceConfig)
+    """Step 6: slow links from step records (``provenance.py``)."""
+    max_step_flows: int = 4_000_000
+    """Step 6: flow steps held per job (40 bytes each); records beyond it keep no steps (counted)."""
 
     def __post_init__(self) -> None:
         for f in ("hang_timeout_s", "late_factor", "min_late_ms", "slow_factor"):
@@ -93,9 +106,41 @@ class CollectivesConfig:
                 raise ConfigError(f"analyzer.collectives.{f}", getattr(self, f), "must be > 0")
         if not 0 < self.min_share <= 1:
             raise ConfigError("analyzer.collectives.min_share", self.min_share, "must be in (0, 1]")
-        for f in ("min_collectives", "max_seqs_per_group", "max_groups"):
+        for f in ("min_collectives", "max_seqs_per_group", "max_groups", "max_step_flows"):
             if not (isinstance(getattr(self, f), int) and getattr(self, f) >= 1):
                 raise ConfigError(f"analyzer.collectives.{f}", getattr(self, f), "must be an integer >= 1")
+
+
+class StepColumns:
+    """Step 6: one rank's step records of one collective (fields 15-19) as a single (5, flows)
+    int64 array, no Python object per step; read by ``waiting_graph.step_blocks`` through the
+    ``CollectiveRecord`` attribute names."""
+
+    __slots__ = ("op", "algo", "iteration", "cols")
+
+    def __init__(self, op: str, algo: str, iteration: int, cols: np.ndarray) -> None:
+        self.op, self.algo, self.iteration, self.cols = op, algo, iteration, cols
+
+    @classmethod
+    def of(cls, r) -> "StepColumns | None":
+        """The record's step columns; None without steps or with lists of unequal lengths."""
+        n = len(r.step_index)
+        if not n or not (len(r.step_dst) == len(r.step_bytes) == len(r.step_start_ns) == len(r.step_end_ns) == n):
+            return None
+        cols = np.empty((5, n), dtype=np.int64)
+        for i, f in enumerate((r.step_index, r.step_dst, r.step_bytes, r.step_start_ns, r.step_end_ns)):
+            cols[i] = np.fromiter(f, dtype=np.uint64, count=n).astype(np.int64)
+        return cls(r.op, r.algo, int(r.iteration), cols)
+
+    step_index = property(lambda self: self.cols[0])
+    step_dst = property(lambda self: self.cols[1])
+    step_bytes = property(lambda self: self.cols[2])
+    step_start_ns = property(lambda self: self.cols[3])
+    step_end_ns = property(lambda self: self.cols[4])
+
+    @property
+    def flows(self) -> int:
+        return self.cols.shape[1]
 
 
 class _Group:
@@ -104,7 +149,7 @@ class _Group:
     def __init__(self, members: tuple[int, ...]) -> None:
         self.members = members
         # seq -> rank -> (op, bytes, enqueue_ns, end_ns, iteration, ring_steps, ring_next, send_busy_ns,
-        # recv_wait_ns); end 0 = in flight
+        # recv_wait_ns, StepColumns | None); end 0 = in flight
         self.seqs: dict[int, dict[int, tuple]] = {}
         self.judged = 0                     # highest seq judged for late start
         self.transfer_hist: dict[tuple[str, int], collections.deque] = {}
@@ -135,6 +180,11 @@ class CollectiveState:
         self.hosts: dict[int, str] = {}     # rank -> host (the waiting graph tells NIC from NVLink)
         self.stages: dict[int, int] = {}    # rank -> pipeline stage, when the resource says (step 3)
         self.records = 0
+        self.step_flows = 0                 # step 6: flow steps held (bounded by max_step_flows)
+        self.steps_dropped = 0              # records whose steps were not kept (bound reached)
+
+    def _release(self, row: Mapping[int, tuple]) -> None:
+        self.step_flows -= sum(v[9].flows for v in row.values() if v[9] is not None)
 
     def absorb(self, rank: int, rec: records_pb2.CollectiveWindow) -> None:
         cfg = self.config
@@ -158,11 +208,21 @@ class CollectiveState:
             if row is None:
                 row = grp.seqs[r.seq] = {}
                 if len(grp.seqs) > cfg.max_seqs_per_group:
-                    del grp.seqs[min(grp.seqs)]
+                    self._release(grp.seqs.pop(min(grp.seqs)))
             old = row.get(rank)
             if old is None or not old[3]:   # a completion replaces the state record
+                steps = None
+                if r.end_ns and len(r.step_index):
+                    if self.step_flows + len(r.step_index) <= cfg.max_step_flows:
+                        steps = StepColumns.of(r)
+                    else:
+                        self.steps_dropped += 1
+                if old is not None:
+                    self._release({rank: old})
+                if steps is not None:
+                    self.step_flows += steps.flows
                 row[rank] = (r.op, r.bytes, r.enqueue_ns, r.end_ns, r.iteration, r.ring_steps, r.ring_next,
-                             r.send_busy_ns, r.recv_wait_ns)
+                             r.send_busy_ns, r.recv_wait_ns, steps)
             self.records += 1
 
     # ------------------------------------------------------------ steps 1-4
@@ -235,8 +295,32 @@ class CollectiveState:
             for s in done:
                 judged.append((gid, grp.members, s, grp.seqs.pop(s)))
         if judged:
-            out += waiting_graph.slow_links(job_id, window, judged, self.hosts, iterations, cfg.waiting_graph,
-                                            step_ns)
+            out += self._slow_links(job_id, window, judged, iterations, step_ns)
+        return out
+
+    def _slow_links(self, job_id, window, judged, iterations, step_ns) -> list[Finding]:
+        """Steps 6-7: the provenance rating on the collectives with step records, the ring-summary
+        waiting graph on the others; a rank named by step 6 is not named again by step 7."""
+        cfg = self.config
+        stepped, plain = [], []
+        for gid, members, seq, row in judged:
+            if len(members) >= 2 and all(m in row and row[m][9] is not None for m in members):
+                stepped.append((gid, members, seq, {m: row[m][9] for m in members}))
+            else:
+                plain.append((gid, members, seq, row))
+        out: list[Finding] = []
+        if stepped:
+            its = [float(v) for v in (iterations or {}).values() if v]
+            blocks = provenance.collect(stepped, self.hosts)
+            out = provenance.root_cause(job_id, window, blocks, self.hosts, float(np.median(its)) if its else None,
+                                        cfg.provenance, step_ns)
+        for _, _, _, row in judged:
+            self._release(row)
+        if plain:
+            named = {s.rank for f in out for s in f.suspects}
+            out += [f for f in waiting_graph.slow_links(job_id, window, plain, self.hosts, iterations,
+                                                        cfg.waiting_graph, step_ns)
+                    if not named & {s.rank for s in f.suspects}]
         return out
 
     def _late_finding(self, job_id, window, gid, grp, rank, lates, judged, transfer, first,

@@ -226,9 +226,10 @@ class JobPace:
 
 class Collectives:
     """Collective root cause from per-collective records joined across ranks (``collectives``):
-    late start (Mycroft §5), hang (§4.3) and, where the records carry ring steps, slow links
-    (Vedrfolnir §III, ``waiting_graph.slow_links``: a link src -> dst, or the rank whose NIC or
-    NVLink every link of is slow, role ``link``).
+    late start (Mycroft §5), hang (§4.3) and slow links (Vedrfolnir §III, role ``link``): from
+    step records, the provenance rating (``provenance.root_cause``: a rank's NIC/NVLink, a link
+    src -> dst or a pair a <-> b, the steps it slowed); from the ring summary of records without
+    steps, the waiting graph (``waiting_graph.slow_links``).
 
     The records arrive on their own topic, faster than the windows; the service files them in
     ``job_state.collectives`` and checks hangs on every step (``CollectiveState.hangs``). Per
