@@ -139,6 +139,11 @@ def _mad(x: np.ndarray, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return m, np.median(np.abs(x - np.expand_dims(m, axis)), axis=axis)
 
 
+def _half_width(m: np.ndarray, mad: np.ndarray, cfg: LocalizeConfig) -> np.ndarray:
+    """Step 2: max(floor, k·s), s = max(1.4826·MAD, rel_floor·|median|)."""
+    return np.maximum(cfg.floor, cfg.k * np.maximum(1.4826 * mad, cfg.rel_floor * np.abs(m)))
+
+
 def _matrices(pats: Sequence[Patterns]) -> tuple[list[str], list[str], list[str], np.ndarray, np.ndarray,
                                                 np.ndarray, np.ndarray]:
     """Step 1."""
@@ -209,14 +214,13 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
             ref_mu = np.nan_to_num(np.nanmedian(present, axis=0), nan=0.0)
             win = np.array([p.window_s for p in pats])[:, None]
             per = np.nanmedian(np.where(N > 0, win / np.maximum(N, 1), np.nan), axis=0)
-        # μ, σ in window shares: what that much per execution costs at the role's typical executions per window
+        # μ, σ in window shares: what that much per execution costs at the role's typical
+        # executions per window
         scale = np.where(np.isfinite(per) & (per > 0), per, 1.0)
         mu_r, sg_r = MU / scale, SG / scale
         mM, madM = _mad(mu_r)
-        def half(m, mad):
-            return np.maximum(cfg.floor, cfg.k * np.maximum(1.4826 * mad, cfg.rel_floor * np.abs(m)))
-        hiB = mB + half(mB, madB)
-        hiM = mM + half(mM, madM)
+        hiB = mB + _half_width(mB, madB, cfg)
+        hiM = mM + _half_width(mM, madM, cfg)
         # σ is left unbounded by default, as in every one of EROICA's ranges: a spread of
         # durations has heavy tails (one 3x call moves it), and what it costs shows in β and μ
         hiS = np.full_like(mM, np.inf)

@@ -262,3 +262,13 @@ def test_l4_collective_evidence_is_typed_like_other_levels():
     assert roles == ["waiter", "culprit", "culprit"]
     assert [evidence_of(f)[0].level for f in fs] == ["L4"] * 3
     assert fs[2].suspects[0].impact_ns == pytest.approx(4e6)
+
+
+def test_bad_settings_name_the_setting():
+    from trainscope.analyzer.deepdive import LocalizeConfig
+    from trainscope.proto.errors import ConfigError
+    for kw, name in (({"delta": 0}, "deepdive.delta"), ({"n_sample": 0}, "deepdive.n_sample"),
+                     ({"k": -1}, "deepdive.k"), ({"min_beta": 1.5}, "deepdive.min_beta"),
+                     ({"rel_floor": -0.1}, "deepdive.rel_floor")):
+        with pytest.raises(ConfigError, match=name):
+            LocalizeConfig(**kw)
