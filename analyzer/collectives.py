@@ -46,7 +46,12 @@ Slow link (Vedrfolnir §III), per analysed window, on the same judged collective
    and its impact in s/iteration (kind ``slow_link``, role ``link``).
 7. The others, where their records carry the ring summary (fields 10-13), go
    through the per-rank waiting graph (``waiting_graph.slow_links``); a link
-   or rank step 6 already named in this window is not named again.
+   or rank step 6 already named in this window is not named again. In a
+   window where step 6 named nothing, the collectives with steps go through
+   it too: a congestion of a whole host spreads eq. (3)'s rating over its
+   NICs, none of which reaches ``min_rating`` alone (8 NICs of a host at
+   0.04-0.08 each on a 64-rank job), while the waiting graph judges each
+   rank's links pooled and names every one of them (the verdict: their host).
 
 Hang (Mycroft §4.3 trigger "no completion for a timeout", then §5's "which rank
 has not started the op"), checked on every analyzer step, not per window:
@@ -300,7 +305,8 @@ class CollectiveState:
 
     def _slow_links(self, job_id, window, judged, iterations, step_ns) -> list[Finding]:
         """Steps 6-7: the provenance rating on the collectives with step records, the ring-summary
-        waiting graph on the others; a rank named by step 6 is not named again by step 7."""
+        waiting graph on the others (on all of them when the rating named nothing); a rank named by
+        step 6 is not named again by step 7."""
         cfg = self.config
         stepped, plain = [], []
         for gid, members, seq, row in judged:
@@ -316,6 +322,8 @@ class CollectiveState:
                                         cfg.provenance, step_ns)
         for _, _, _, row in judged:
             self._release(row)
+        if not out:     # the rating named nothing: the ring summary of the same records may (step 7)
+            plain = judged
         if plain:
             named = {s.rank for f in out for s in f.suspects}
             out += [f for f in waiting_graph.slow_links(job_id, window, plain, self.hosts, iterations,

@@ -127,6 +127,17 @@ def test_a_rank_named_from_steps_is_not_named_again_from_the_ring_summary(nic):
     assert {s.rank for f in _links(plain) for s in f.suspects} == {8, 9}
 
 
+def test_a_congested_host_is_named_by_the_ring_summary_when_the_rating_names_nothing():
+    """Congestion of a whole host spreads eq. (3)'s rating over its NICs (none reaches
+    min_rating alone): the step records' ring summary names the host's ranks instead."""
+    windows, topo = _windows("net_congestion:host=1,onset=10it,factor=3")
+    _, found = _judge(windows)
+    links = _links(found)
+    host1 = set((topo.host == 1).nonzero()[0].tolist())
+    assert {s.rank for f in links for s in f.suspects} == host1
+    assert all(f.window.index == 1 and f.evidence["rule"] != PROVENANCE for f in links)
+
+
 def test_step_columns_are_one_array_and_refuse_ragged_records():
     r = telemetry_pb2.CollectiveRecord(op="allreduce", algo="ring", iteration=4, step_index=[0, 1],
                                        step_dst=[3, 3], step_bytes=[10, 10], step_start_ns=[0, 5],
