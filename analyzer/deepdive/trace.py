@@ -13,7 +13,14 @@ Steps:
    names the file and says what to do.
 2. Keep the complete events of the known categories; everything else
    (flow arrows, metadata, the profiler's own span) is dropped.
-3. Columns: category code, interned name id, ``ts``/``dur`` (µs, float64),
+3. Names are made comparable across processes (:func:`function_name`):
+   CPython's ``<built-in method wait of Work object at 0x7f...>`` carries the
+   object's address, so every rank's (and every list's) ``append`` would be a
+   function of its own; a module frame's ``file(N): <module>`` carries the
+   line the frame was at when profiling began; an installed file's path
+   carries the environment's prefix. Those parts go, what identifies the
+   function (its name, its class, the file and definition line) stays.
+4. Columns: category code, interned name id, ``ts``/``dur`` (µs, float64),
    ``tid`` (the device stream for device events, the thread otherwise), the
    correlation id (-1 when none). ``ProfilerStep#N`` annotations are kept
    apart as the iteration marks.
@@ -26,6 +33,7 @@ import dataclasses
 import gzip
 import json
 import os
+import re
 import zlib
 from typing import Any
 
@@ -41,6 +49,30 @@ _CAT_CODE = {c: i for i, c in enumerate(CATEGORIES)}
 _CAT_CODE["cuda_driver"] = RUNTIME
 _CAT_CODE["gpu_user_annotation"] = -1     # device-side copies of annotations: not work
 _DEVICE = (KERNEL, MEMCPY, MEMSET)
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+|0x[0-9a-fA-F]{6,}")
+_MODULE_LINE = re.compile(r"\(\d+\): <module>$")
+_INSTALLED = re.compile(r"^[^()<>]*?/(?:site|dist)-packages/")
+
+
+def function_name(name: str) -> str:
+    """One function's name as every process spells it (step 3).
+
+    ``<built-in method wait of torch._C._distributed_c10d.Work object at 0x7f0a>`` ->
+    ``<built-in method wait of torch._C._distributed_c10d.Work object>``; other hex addresses
+    become ``0x…``; ``train.py(12): <module>`` -> ``train.py: <module>``;
+    ``/venv/lib/python3.11/site-packages/torch/nn/modules/module.py(1747): _call_impl`` ->
+    ``torch/nn/modules/module.py(1747): _call_impl`` (a function's definition line stays: it
+    tells apart functions of one name in one file).
+    """
+    if "0x" in name:
+        name = _ADDRESS.sub(lambda m: "" if m.group(0).startswith(" at ") else "0x…", name)
+    if name.endswith("<module>"):
+        name = _MODULE_LINE.sub(": <module>", name)
+    if "-packages/" in name:
+        name = _INSTALLED.sub("", name, count=1)
+    return name
 
 
 class TraceError(BadInput):
@@ -128,6 +160,10 @@ def read_trace(path: str | os.PathLike) -> TraceColumns:
     if not (np.isfinite(ts).all() and np.isfinite(dur).all()):
         raise TraceError(p, "non-finite ts or dur in events: the trace is corrupt; export it again")
     names, name_id = np.unique(np.asarray(raw_names, dtype=object), return_inverse=True)
+    norm = [function_name(n) for n in names.tolist()]         # step 3, once per distinct name
+    if norm != names.tolist():
+        names, back = np.unique(np.asarray(norm, dtype=object), return_inverse=True)
+        name_id = back.reshape(-1)[name_id]
     is_step = np.fromiter((n.startswith("ProfilerStep#") for n in raw_names), dtype=bool, count=len(xs))
     steps = np.stack([ts[is_step], ts[is_step] + dur[is_step]], axis=1) if is_step.any() else np.zeros((0, 2))
     so = np.argsort(steps[:, 0], kind="stable")
