@@ -432,7 +432,7 @@ def _ranges(ranks: list[int]) -> str:
 
 
 #: What a level's comparisons compared a rank with (``WindowContext.comparisons`` keys).
-_COMPARED = {"L1": "iteration_history", "L2": "peers", "L3": "peers", "pace": "own_pace"}
+_COMPARED = {"L1": "iteration_history", "L2": "peers", "L3": "peers", "L4": "peers", "pace": "own_pace"}
 
 _STATE_ORDER = {STALLED: 3, DEGRADED: 2, UNKNOWN: 1, HEALTHY: 0}
 #: the cost a window's ``_why`` wrote; the job's verdict restates it with the job's figures
