@@ -208,8 +208,14 @@ def cmd_analyzer(args) -> int:
         deep_dive_processors=tuple(args.deep_dive_processor or ()), keep_windows=args.keep_windows,
         verdict=verdict_settings(args))
     daemon = AnalyzerDaemon(cfg)
+    follower = None
     try:
         daemon.start()
+        # completed deep dives of this host analysed (L4) and merged into the verdicts (analyzer/deepdive/results.py)
+        from trainscope.analyzer.deepdive.results import DeepDiveFollower
+        from trainscope.analyzer.store import DiagnosisStore
+        follower = DeepDiveFollower(env.deep_dive_dir(), DiagnosisStore(store_path, keep_windows=args.keep_windows))
+        follower.start()
         if daemon.metrics_server is not None:
             print(f"metrics on {daemon.metrics_server.url}", flush=True)
         stop = threading.Event()
@@ -218,6 +224,9 @@ def cmd_analyzer(args) -> int:
         print(f"trainscope analyzer reading {daemon.where}; diagnoses to {store_path}", flush=True)
         daemon.run(stop, lambda v: print(f"[{v.job_id} {window_label(v.window)}] {v.summary}", flush=True))
     finally:
+        if follower is not None:
+            follower.close()
+            follower.store.close()
         daemon.stop()
     return 0
 
