@@ -117,6 +117,9 @@ class Validator:
         self._streams: dict[tuple[str, int, int], _StreamState] = {}
         self._clocks: dict[tuple[str, int], _RankClock] = {}
         self._seen: dict[int, None] = {}  # digests of recent batches with a seq, oldest first
+        # validated Resources by their wire bytes: a sender's identity repeats on every batch,
+        # so it is built once, not per batch (bounded like the stream tables)
+        self._resources: dict[bytes, Resource] = {}
         self._clock = clock
         self._wall_ns = wall_ns
         self._lock = threading.Lock()
@@ -165,7 +168,15 @@ class Validator:
             raise BadInput("world_size", f"world_size {r.world_size} outside 1..{lim.max_world_size}")
         if not 0 <= r.rank < r.world_size:
             raise BadInput("unknown_rank", f"rank {r.rank} outside world of {r.world_size}")
-        return Resource.from_pb(r)
+        key = r.SerializeToString()
+        res = self._resources.get(key)
+        if res is None:
+            res = Resource.from_pb(r)
+            with self._lock:
+                if len(self._resources) >= self.limits.max_streams_tracked:
+                    self._resources.pop(next(iter(self._resources)), None)  # oldest first
+                self._resources[key] = res
+        return res
 
     def release(self, d: Decoded) -> None:
         """Forget that ``d`` was received (it was refused after validation: it will come again)."""
@@ -246,9 +257,14 @@ class Validator:
             raise BadInput("empty", "kernel batch with no records")
         if any(len(n) > lim.max_name_chars for n in cols.names):
             cols = dataclasses.replace(cols, names=tuple(self._name(n, "kernel_name") for n in cols.names))
+        # fast path, one pass each: duration - 1 wraps 0 to 2**64 - 1, so one max checks both
+        # bounds of the durations; start alone first (start + duration near 2**64 would wrap)
+        start_hi = np.uint64(lim.max_timestamp_ns - MAX_RECORD_NS)
+        if (int((cols.duration_ns - np.uint64(1)).max()) < MAX_RECORD_NS
+                and int(cols.start_ns.max()) <= start_hi):
+            return cols, len(cols), int((cols.start_ns + cols.duration_ns).max())
         bad_dur = (cols.duration_ns == 0) | (cols.duration_ns > MAX_RECORD_NS)
-        # start alone first: start + duration of a start near 2**64 would wrap
-        bad_ts = (cols.start_ns > np.uint64(lim.max_timestamp_ns - MAX_RECORD_NS)) & ~bad_dur
+        bad_ts = (cols.start_ns > start_hi) & ~bad_dur
         bad = bad_dur | bad_ts
         nbad = int(bad.sum())
         if nbad:
@@ -420,6 +436,7 @@ class IngestServicer:
         dur = self.durability
         entry = self._open.get(key)
         malformed = 0
+        drops_seen: dict[tuple[str, int], int] = {}  # (job, rank) -> dropped_total set in this stream
         for raw in request_iterator:
             try:
                 d = self.validator.decode(raw)
@@ -463,9 +480,15 @@ class IngestServicer:
             self.metrics.inc("batches_in", signal=d.signal)
             self.metrics.inc("events_in", d.records, signal=d.signal)
             self.metrics.inc("bytes_in", d.nbytes, signal=d.signal)
-            # a running total; re-sent batches carry older values, so keep the highest
-            self.metrics.set_max("collector_dropped", d.dropped_total, job=d.resource.job_id,
-                                 rank=str(d.resource.rank))
+            # a running total; re-sent batches carry older values, so keep the highest (set once
+            # per stream and rank, and again when it grows: the same value again changes nothing)
+            rk = (d.resource.job_id, d.resource.rank)
+            if drops_seen.get(rk, -1) < d.dropped_total:
+                if len(drops_seen) >= 4096:  # a stream carrying ever more ranks: stay bounded
+                    drops_seen.clear()
+                drops_seen[rk] = d.dropped_total
+                self.metrics.set_max("collector_dropped", d.dropped_total, job=d.resource.job_id,
+                                     rank=str(d.resource.rank))
             if d.sent_unix_ns:
                 lag = (time.time_ns() - d.sent_unix_ns) / 1e9
                 if math.isfinite(lag):

@@ -170,6 +170,9 @@ class _RankState:
         self.mark_ends: list[int] = []
         self.pending = _KernelChunks()
         self.names_cap = 0  # set by the windower: max_names_per_rank, raised when open data needs more
+        # the last batch's string table and its ids: a sender's batches mostly repeat it
+        self.last_table: tuple[str, ...] | None = None
+        self.last_lut: np.ndarray | None = None
 
     def chunks(self) -> Iterator[_KernelChunks]:
         yield self.pending
@@ -188,17 +191,29 @@ class _RankState:
         dropped = len(self.names) - len(keep)
         self.names = [self.names[i] for i in keep.tolist()]
         self.name_ids = {n: i for i, n in enumerate(self.names)}
+        self.last_table = self.last_lut = None
         return dropped
 
     def lut(self, names) -> np.ndarray:
-        """Map a batch's string table to this rank's global name ids."""
-        out = np.empty(len(names), dtype=np.uint32)
-        for i, n in enumerate(names):
-            gid = self.name_ids.get(n)
-            if gid is None:
-                gid = self.name_ids[n] = len(self.names)
-                self.names.append(n)
-            out[i] = gid
+        """Map a batch's string table to this rank's global name ids (new names are appended).
+
+        1. the same table as the last batch's: its ids again (one tuple comparison);
+        2. else one ``dict.get`` per name, looped in C (``map``); 3. only names not seen
+        before go through Python, in order, to be appended.
+        """
+        if names == self.last_table:
+            return self.last_lut
+        ids = list(map(self.name_ids.get, names))
+        if None in ids:
+            for i, n in enumerate(names):
+                if ids[i] is None:
+                    gid = self.name_ids.get(n)   # a name repeated within one table
+                    if gid is None:
+                        gid = self.name_ids[n] = len(self.names)
+                        self.names.append(n)
+                    ids[i] = gid
+        out = np.array(ids, dtype=np.uint32)
+        self.last_table, self.last_lut = tuple(names), out
         return out
 
 
@@ -259,14 +274,31 @@ class Windower:
             st.names_cap = max(self.config.max_names_per_rank, 2 * len(st.names))
         gid = st.lut(cols.names)[cols.name_id]
         end_max = int((cols.start_ns + cols.duration_ns).max())
-        self._note_first(st, int(cols.start_ns.min()))
+        start_min = int(cols.start_ns.min())
+        self._note_first(st, start_min)
         if st.mode == WindowMode.TIME:
-            self._route(st, cols.start_ns // np.uint64(self.config.length_ns),
-                        cols.start_ns, cols.duration_ns, gid, cols.stream, cols.kind)
+            length = self.config.length_ns
+            if start_min // length == int(cols.start_ns.max()) // length:
+                # the whole batch in one window (the common case): no per-record window index
+                self._append_one(st, start_min // length, cols.start_ns, cols.duration_ns, gid,
+                                 cols.stream, cols.kind, start_min, end_max)
+            else:
+                self._route(st, cols.start_ns // np.uint64(length),
+                            cols.start_ns, cols.duration_ns, gid, cols.stream, cols.kind)
         else:
             st.pending.append(cols.start_ns, cols.duration_ns, gid, cols.stream, cols.kind)
             self._assign_pending(st, final=False)
         self._advance(st, end_max)
+
+    def _append_one(self, st: _RankState, index: int, start, dur, gid, stream, kind, lo: int, hi: int) -> None:
+        """``_route`` for records all in window ``index``, whose earliest start and latest end are known."""
+        w = self._window(st, index)
+        if w is None:
+            self.metrics.inc("drops", len(start), where="late")
+            return
+        w.kernels.append(start, dur, gid, stream, kind)
+        w.lo = min(w.lo, lo)
+        w.hi = max(w.hi, hi)
 
     def _route(self, st: _RankState, widx: np.ndarray, start, dur, gid, stream, kind) -> None:
         """Append records to their windows; one slice per distinct window index."""
