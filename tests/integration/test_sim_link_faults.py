@@ -11,6 +11,10 @@ collectives level) → verdicts. A 32-rank job (TP=2, PP=2, DP=8 on four
 * ``nvlink_degrade`` on rank 13: the NVLink of the TP pair 12-13 on host 1
   (nothing in a 2-GPU ring tells its two ends apart);
 * healthy: no verdict names anybody, no slow-link finding is active.
+
+With step records (``collective_steps=True``) the same faults are named by the
+provenance rating (``provenance.py``, Vedrfolnir §III-D) inside the
+collectives level, with the steps they slowed.
 """
 from __future__ import annotations
 
@@ -22,9 +26,12 @@ from trainscope.deploy.embedded import SimAnalysis, run_sim_embedded
 pytestmark = pytest.mark.integration
 
 
-def _run(tmp_path, fault: str | None, seed: int = 7):
+PROVENANCE = "Vedrfolnir §III-D contributor rating (eqs. 1-3)"
+
+
+def _run(tmp_path, fault: str | None, seed: int = 7, steps: bool = False):
     cfg = sim_config(ranks=32, tp=2, pp=2, iterations=40, seed=seed, faults=[fault] if fault else [],
-                     job_id="links", home=str(tmp_path), window_iterations=10)
+                     job_id="links", home=str(tmp_path), window_iterations=10, collective_steps=steps)
     a = SimAnalysis()
     run_sim_embedded(cfg, **a.hooks())
     return sorted(a.verdicts, key=lambda v: v.window.index)
@@ -66,3 +73,16 @@ def test_healthy_run_names_nobody(tmp_path):
     assert verdicts
     assert not any(v.ranks for v in verdicts), [v.summary for v in verdicts if v.ranks]
     assert not _slow_links(verdicts)
+
+
+def test_step_records_name_the_nic_by_provenance(tmp_path):
+    """(A healthy job with step records names nobody: tests/unit/test_collectives_steps.py.)"""
+    verdicts = _run(tmp_path, "nic_degrade:nic=1:0,onset=10it,factor=2", steps=True)
+    found = _slow_links(verdicts)
+    assert found and all(d.evidence["rule"] == PROVENANCE for d in found), [d.evidence for d in found]
+    assert {s.rank for d in found for s in d.suspects} == {8, 9}
+    assert all(s.evidence["hardware"] == "NIC" and s.evidence["steps"] for d in found for s in d.suspects)
+    named = [v for v in verdicts if v.ranks]
+    assert named and {r.rank for r in named[-1].ranks[:2]} == {8, 9}, named[-1].summary
+    assert named[-1].ranks[0].role == "link" and named[-1].host == "sim-host-0001"
+    assert all(v.window.index >= 1 for v in named)
