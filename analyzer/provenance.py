@@ -2,7 +2,8 @@
 
 Input: ``waiting_graph.StepBlock`` s of one analysed window (the step
 records of ``CollectiveRecord`` fields 14-19, the simulator's
-``use_step_records`` today; NCCL's profiler plugin would give them), with
+``collective_steps`` today; NCCL's profiler plugin would give them; kept per window by
+``collectives.CollectiveState``, step 6), with
 their waiting graph and critical path (``waiting_graph.critical_path``).
 Without switch telemetry, the "ports" of the provenance graph are the ranks'
 own: each flow step leaves through its sender's transmit port and enters its
