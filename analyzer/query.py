@@ -470,3 +470,102 @@ def window_span(w) -> str:
         b = dt.datetime.fromtimestamp(w.end_ns / 1e9, dt.timezone.utc)
         return f"{a:%Y-%m-%d %H:%M:%S}-{b:%H:%M:%S} UTC"
     return f"t={w.start_ns / 1e9:.0f}-{w.end_ns / 1e9:.0f} s"
+
+
+# ------------------------------------------------------------ deep dives (L4)
+def deep_dives(root: str, job: str) -> list[dict]:
+    """``trainscope query deep-dive``: the job's deep dives under ``root``, oldest first.
+
+    Read from the files the processor and the analyzer leave per dive (``<root>/<job>/<dive>/``:
+    ``manifest.json``, ``analysis.json``; ``analyzer/deepdive/results.py``), not from the store:
+    a dive that is running or not analysed yet is listed too. Each entry: when, trigger, ranks and
+    their outcomes, iterations, trace paths, the functions the analysis found (or each rank's top
+    functions on its critical path), and the Perfetto view (the suspect's trace, a healthy peer's,
+    each with its critical-path file). Unknown job or no dive: ``ConfigError`` naming ``--job``.
+    """
+    from trainscope.analyzer.deepdive.results import ANALYSIS, read_manifest
+    from trainscope.proto import env
+
+    jdir = os.path.dirname(env.deep_dive_trace_dir(root, job, "x"))
+    if not os.path.isdir(jdir):
+        try:
+            known = sorted(e.name for e in os.scandir(root) if e.is_dir())
+        except OSError:
+            known = []
+        raise ConfigError("--job", job, f"no deep dive of this job under {root}" + (
+            f"; jobs with deep dives there: {_listed(known)}" if known else
+            " (none there: run `trainscope profile --job J`, or pass --deep-dive-dir)"))
+    out = []
+    for e in os.scandir(jdir):
+        man = read_manifest(e.path) if e.is_dir(follow_symlinks=False) else None
+        if man is None:
+            continue
+        try:
+            with open(os.path.join(e.path, ANALYSIS), encoding="utf-8") as f:
+                ana = json.load(f)
+        except (OSError, ValueError):
+            ana = None
+        ranks = man.get("ranks") or {}
+        found = []
+        if ana and not ana.get("error"):
+            for o in ana.get("outliers") or ():
+                who = [r for r, s in zip(o["ranks"], o["slower"]) if s] if not o.get("common") else []
+                imp = [x for x, s in zip(o["impact_s"], o["slower"]) if s and x is not None]
+                found.append({"function": o["function"], "kind": o["kind"], "ranks": who, "common": o.get("common"),
+                              "impact_s": max(imp) if imp else None, "evidence": o.get("evidence", "")})
+        state = ("analysed" if ana and not ana.get("error") else "not analysed: " + ana["error"] if ana
+                 else "complete, analysis pending" if man.get("complete") else "running")
+        start = int(man.get("start_iteration") or 0)
+        out.append({
+            "dive_id": man.get("dive_id", e.name), "job": man.get("job", job), "directory": e.path,
+            "requested": _iso(int(man.get("requested_unix_ns") or 0)), "trigger": man.get("trigger", ""),
+            "reason": man.get("reason", ""), "state": state, "partial": bool(man.get("partial")),
+            "iterations": [start, start + int(man.get("iterations") or 0) - 1],
+            "ranks_expected": man.get("ranks_expected", []),
+            "ranks": {r: {"outcome": v.get("outcome"), "iterations": [v.get("first_iteration"), v.get("last_iteration")],
+                          "trace": v.get("trace") or None, "trace_bytes": v.get("trace_bytes", 0)}
+                      for r, v in sorted(ranks.items(), key=lambda kv: int(kv[0]))},
+            "found": found, "suspects": (ana or {}).get("suspects", []),
+            "top": {r: [t["function"] for t in v.get("top", [])[:3]] for r, v in ((ana or {}).get("ranks") or {}).items()},
+            "perfetto": (ana or {}).get("perfetto", {}), "verdict": (ana or {}).get("verdict"),
+            "_sort": int(man.get("requested_unix_ns") or 0)})
+    if not out:
+        raise ConfigError("--job", job, f"no deep dive of this job under {jdir} (no manifest.json there)")
+    out.sort(key=lambda d: (d.pop("_sort"), d["dive_id"]))
+    return out
+
+
+def render_deep_dives(dives: list[dict]) -> str:
+    """The text form of :func:`deep_dives`."""
+    lines = []
+    for d in dives:
+        a, b = d["iterations"]
+        done = sum(1 for v in d["ranks"].values() if v["outcome"] == "done")
+        lines.append(f"deep dive {d['dive_id']} of job {d['job']} ({d['trigger'] or 'manual'}, requested "
+                     f"{d['requested'] or '?'}): iterations {a}-{b}, {done}/{len(d['ranks_expected'])} ranks traced"
+                     f"{' (partial)' if d['partial'] else ''}; {d['state']}")
+        if d["reason"]:
+            lines.append(f"  reason: {d['reason']}")
+        for r, v in d["ranks"].items():
+            where = f"{v['trace']} ({(v['trace_bytes'] or 0) / 1e6:.1f} MB)" if v["trace"] else "no trace"
+            lines.append(f"  rank {r}: {v['outcome']}, {where}")
+        for f in d["found"][:10]:
+            who = "every rank (common)" if f["common"] else "rank(s) " + _listed(f["ranks"])
+            cost = f", {f['impact_s'] * 1e3:.3g} ms/iteration" if f["impact_s"] else ""
+            lines.append(f"  found: {f['function']} ({f['kind']}) on {who}{cost}")
+        if d["state"] == "analysed" and not d["found"]:
+            lines.append("  found: no function out of line on any rank (healthy)")
+            for r, top in list(d["top"].items())[:4]:
+                lines.append(f"  rank {r} top of its critical path: {'; '.join(top)}")
+        for who in ("suspect", "peer"):
+            v = d["perfetto"].get(who)
+            if v:
+                label = "suspect" if who == "suspect" else "healthy peer"
+                cp = f" + critical path {v['critical_path']}" if v.get("critical_path") else ""
+                lines.append(f"  Perfetto ({label}, rank {v['rank']}): {v['trace']}{cp}")
+        if d["perfetto"]:
+            lines.append("  open each file in https://ui.perfetto.dev (Open trace file)")
+        if d.get("verdict"):
+            lines.append("  verdict: " + (f"merged into window {d['verdict']['window']}" if d["verdict"].get("merged")
+                                          else d["verdict"].get("why", "")))
+    return "\n".join(lines)

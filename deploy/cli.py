@@ -307,6 +307,11 @@ def cmd_query(args) -> int:
     from trainscope.analyzer.query import Query, QueryConfig
     from trainscope.analyzer.query_model import QueryError, as_json
 
+    if args.what == "deep-dive":   # read from the deep-dive directory, not the store
+        from trainscope.analyzer.query import deep_dives, render_deep_dives
+        dives = deep_dives(args.deep_dive_dir or env.deep_dive_dir(), args.job)
+        print(json.dumps(dives, indent=2) if args.json else render_deep_dives(dives))
+        return 0
     if args.store:
         path, setting = args.store, "--store"
     else:

@@ -211,6 +211,11 @@ def _add_query_parser(sub, handlers: Handlers) -> None:
     r = qs.add_parser("ranks", parents=[common, job], help="rank -> host, device, parallel coordinates")
     r.add_argument("--rank", type=int, help="only this rank (default: every rank)")
     r.add_argument("--host", help="only this host's ranks (default: every host)")
+    dd = qs.add_parser("deep-dive", parents=[common],
+                       help="a job's deep dives (L4): traces, the functions found, the Perfetto view")
+    dd.add_argument("--job", required=True, help="job id (required)")
+    dd.add_argument("--deep-dive-dir", metavar="DIR",
+                    help=f"root of the deep-dive traces (env {env.DEEP_DIVE_DIR}; default: the runtime dir's deepdive)")
     q.set_defaults(func=handlers["query"])
 
 
