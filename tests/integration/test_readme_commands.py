@@ -51,6 +51,9 @@ PLAN = {
     "trainscope processor": "test_daemons_with_defaults_only",
     "trainscope processor --kafka-bootstrap broker1:9092,broker2:9092": "test_daemons_with_defaults_only",
     "trainscope analyzer": "test_daemons_with_defaults_only",
+    "trainscope processor --collective-raw triggered": "test_daemons_with_defaults_only",
+    "trainscope sim --collective-steps": "SKIP: a default-size simulation; tests/integration/test_sim_link_faults.py "
+                                         "runs the simulator with collective_steps through the embedded pipeline",
     "trainscope sim --ranks N --tp T --pp P --ep E --fault TYPE:scope,onset=60s,... --duration 300s":
         "test_sim_and_replay",
     "trainscope replay DIR": "test_sim_and_replay",
@@ -174,6 +177,7 @@ def test_quick_start_demo_then_every_query_and_report(tmp_path):
 
 @pytest.mark.parametrize("command", ["trainscope processor",
                                      "trainscope processor --kafka-bootstrap broker1:9092,broker2:9092",
+                                     "trainscope processor --collective-raw triggered",
                                      "trainscope analyzer"])
 def test_daemons_with_defaults_only(tmp_path, command):
     """Started as written, ready, SIGTERM, exit 0, no traceback. The analyzer tails the default home's store,
