@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 #: Longest plausible single record: a kernel or phase longer than this is a
 #: corrupt timestamp (e.g. a negative value cast to unsigned), not a slowdown.
 MAX_RECORD_NS = 24 * 3600 * 10**9
+_ONE = np.uint64(1)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -260,7 +261,7 @@ class Validator:
         # fast path, one pass each: duration - 1 wraps 0 to 2**64 - 1, so one max checks both
         # bounds of the durations; start alone first (start + duration near 2**64 would wrap)
         start_hi = np.uint64(lim.max_timestamp_ns - MAX_RECORD_NS)
-        if (int((cols.duration_ns - np.uint64(1)).max()) < MAX_RECORD_NS
+        if (int((cols.duration_ns - _ONE).max()) < MAX_RECORD_NS
                 and int(cols.start_ns.max()) <= start_hi):
             return cols, len(cols), int((cols.start_ns + cols.duration_ns).max())
         bad_dur = (cols.duration_ns == 0) | (cols.duration_ns > MAX_RECORD_NS)

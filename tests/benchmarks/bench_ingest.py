@@ -1,6 +1,6 @@
 """End-to-end ingest: sender processes -> gRPC (unix socket and TCP loopback) -> processor process -> sinks.
 
-    python tests/benchmarks/bench_ingest.py [--senders 2] [--events 2000000] [--batch 16384]
+    python tests/benchmarks/bench_ingest.py [--senders 2] [--events 1000000] [--batch 16384,1024,128]
                                             [--transport unix,tcp] [--baseline REV]
 
 Every sender is its own process with a real ``BatchExporter``; the processor is its own
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -129,7 +130,7 @@ def baseline_tree(rev: str) -> str:
     return tmp
 
 
-def run_once(target_kind: str, args, pythonpath: str | None) -> dict:
+def run_once(target_kind: str, args, batch: int, pythonpath: str | None) -> dict:
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
@@ -153,7 +154,7 @@ def run_once(target_kind: str, args, pythonpath: str | None) -> dict:
     world = args.senders * args.ranks_per_sender
     senders = [subprocess.Popen([sys.executable, "-c", SENDER, address, str(TRACE), str(i * args.ranks_per_sender),
                                  str(args.ranks_per_sender), str(world), str(args.events // args.senders),
-                                 str(args.batch), str(i)],
+                                 str(batch), str(i)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                for i in range(args.senders)]
     for s in senders:
@@ -184,8 +185,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--senders", type=int, default=2, help="sender processes")
     ap.add_argument("--ranks-per-sender", type=int, default=4)
-    ap.add_argument("--events", type=int, default=2_000_000, help="kernel events in all")
-    ap.add_argument("--batch", type=int, default=16384, help="kernel events per batch")
+    ap.add_argument("--events", type=int, default=1_000_000, help="kernel events in all")
+    ap.add_argument("--batch", default="16384,1024,128", help="kernel events per batch (comma-separated list)")
     ap.add_argument("--transport", default="unix,tcp")
     ap.add_argument("--runs", type=int, default=1, help="runs per configuration (best processor CPU kept)")
     ap.add_argument("--py-spy", default="", metavar="DIR",
@@ -198,31 +199,43 @@ def main(argv=None) -> int:
     variants = [("current", None)]
     if args.baseline:
         variants.insert(0, (f"baseline {args.baseline}", baseline_tree(args.baseline)))
+    batches = [int(b) for b in args.batch.split(",")]
     print(f"end-to-end ingest: {args.senders} sender processes x {args.ranks_per_sender} ranks, "
-          f"{args.events:,} kernel events, {args.batch:,} events per batch, processor in its own process",
+          f"{args.events:,} kernel events per run, processor in its own process (trace {TRACE.name})",
           flush=True)
-    print(f"{'processor':22} {'transport':9} {'events out':>11} {'proc CPU s':>10} {'events/CPU-s':>13} "
-          f"{'wall s':>7} {'events/wall-s':>14}", flush=True)
-    results: dict[tuple[str, str], float] = {}
-    for transport in args.transport.split(","):
-        for name, path in variants:
-            best = None
-            for _ in range(args.runs):
-                r = run_once(transport, args, path)
-                if best is None or r["cpu_s"] < best["cpu_s"]:
-                    best = r
-            r = best
-            sent = sum(o["events"] for o in r["senders"])
-            lost = "" if r["events_out"] == sent else f"  (ONLY {r['events_out']:,} of {sent:,} sent; in {r['events_in']:,})"
-            rate = r["events_out"] / r["cpu_s"]
-            results[(name, transport)] = rate
-            print(f"{name:22} {transport:9} {r['events_out']:>11,} {r['cpu_s']:>10.2f} {rate:>13,.0f} "
-                  f"{r['wall_total_s']:>7.2f} {r['events_out'] / r['wall_total_s']:>14,.0f}{lost}", flush=True)
+    print(f"{'processor':22} {'transport':9} {'batch':>6} {'events out':>11} {'proc CPU s':>10} "
+          f"{'events/CPU-s':>13} {'wall s':>7} {'events/wall-s':>14}", flush=True)
+    results: dict[tuple[str, str, int], float] = {}
+    try:
+        for batch in batches:
+            for transport in args.transport.split(","):
+                for name, path in variants:
+                    best = None
+                    for _ in range(args.runs):
+                        r = run_once(transport, args, batch, path)
+                        if best is None or r["cpu_s"] < best["cpu_s"]:
+                            best = r
+                    r = best
+                    if path and not r["module"].startswith(path):
+                        raise SystemExit(f"baseline ran {r['module']}, not the tree in {path}")
+                    sent = sum(o["events"] for o in r["senders"])
+                    lost = "" if r["events_out"] == sent else \
+                        f"  (ONLY {r['events_out']:,} of {sent:,} sent; in {r['events_in']:,})"
+                    rate = r["events_out"] / r["cpu_s"]
+                    results[(name, transport, batch)] = rate
+                    print(f"{name:22} {transport:9} {batch:>6,} {r['events_out']:>11,} {r['cpu_s']:>10.2f} "
+                          f"{rate:>13,.0f} {r['wall_total_s']:>7.2f} "
+                          f"{r['events_out'] / r['wall_total_s']:>14,.0f}{lost}", flush=True)
+    finally:
+        for _, path in variants:
+            if path:
+                shutil.rmtree(path, ignore_errors=True)   # the tree this run unpacked
     if args.baseline:
-        for transport in args.transport.split(","):
-            b, c = results[(variants[0][0], transport)], results[("current", transport)]
-            print(f"{transport}: {c:,.0f} events per processor CPU-second, baseline {b:,.0f}: {c / b:.2f}x "
-                  f"(target >= 1,000,000)")
+        for batch in batches:
+            for transport in args.transport.split(","):
+                b, c = results[(variants[0][0], transport, batch)], results[("current", transport, batch)]
+                print(f"{transport}, {batch:,} events per batch: {c:,.0f} events per processor CPU-second, "
+                      f"baseline {b:,.0f}: {c / b:.2f}x (target >= 1,000,000)")
     return 0
 
 
