@@ -41,6 +41,11 @@ Steps:
    Without it, at 1,000+ ranks the ranks in the joint tails of healthy noise
    differ from enough sampled peers (Δ ≈ 0.1 against M = 0, MAD = 0) to be
    called outliers while costing well under 1 % of the window.
+   Steadiness (``steady``, an addition): the function's β in its median
+   iteration (``patterns`` step 4) must also be that far from the role's
+   median: a 4-rank gloo job on a shared 2-core host had a healthy rank
+   named for ``aten::select`` or ``stack`` costing 4 ms per iteration, all of
+   it one preempted iteration; a hot loop costs in every iteration.
 6. Impact, s per iteration: (β_w − median β) × the rank's mean iteration
    time (the extra critical-path time the function costs the rank per step),
    when the traces have iteration marks.
@@ -96,6 +101,9 @@ class LocalizeConfig:
     rel_floor: float = 0.02
     """Smallest rank-to-rank spread, as a share of the median (GPU-to-GPU personality, docs/noise.md)."""
     seed: int = 0
+    steady: bool = True
+    """An outlier's β must be out of line in its median iteration too (``patterns`` step 4): a one-off
+    stall of one iteration (a rank preempted on a shared host) is not a function's behaviour."""
 
     def __post_init__(self) -> None:
         if self.n_sample < 1:
@@ -160,10 +168,12 @@ def _matrices(pats: Sequence[Patterns]) -> tuple[list[str], list[str], list[str]
     MU = np.zeros_like(B)
     SG = np.zeros_like(B)
     N = np.zeros_like(B)
+    BM = np.zeros_like(B)
     for i, p in enumerate(pats):
         cols = np.fromiter((index[f] for f in p.functions), dtype=np.int64, count=len(p.functions))
         B[i, cols], MU[i, cols], SG[i, cols], N[i, cols] = p.beta, p.mu, p.sigma, p.count
-    return list(index), kinds, launched, B, MU, SG, N
+        BM[i, cols] = p.beta if p.beta_median is None else p.beta_median
+    return list(index), kinds, launched, B, MU, SG, N, BM
 
 
 def differential_distance(B: np.ndarray, MU: np.ndarray, SG: np.ndarray, cfg: LocalizeConfig,
@@ -203,7 +213,7 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
     out: list[Outlier] = []
     for role, ranks in sorted(by_role.items()):
         pats = [patterns[r] for r in ranks]
-        funcs, kinds, launched, B, MU, SG, N = _matrices(pats)
+        funcs, kinds, launched, B, MU, SG, N, BM = _matrices(pats)
         if not funcs:
             continue
         R = len(ranks)
@@ -227,10 +237,12 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
         loB = np.zeros_like(hiB)
         loM = np.zeros_like(hiM)
         loS = np.zeros_like(hiS)
+        given = np.zeros(len(funcs), dtype=bool)
         if expected:
             for j, (f, kd) in enumerate(zip(funcs, kinds)):
                 e = expected.get(f) or expected.get(kd)
                 if e is not None:
+                    given[j] = True
                     loB[j], hiB[j] = e.beta
                     loM[j], hiM[j] = e.mu[0] / scale[j], e.mu[1] / scale[j]
                     loS[j], hiS[j] = e.sigma[0] / scale[j], e.sigma[1] / scale[j]
@@ -248,6 +260,14 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
         band_m = np.maximum(cfg.floor, cfg.k * cfg.rel_floor * ref_mu / scale)
         material = (np.abs(B - mB) >= band_b) | (np.abs(mu_r - ref_mu / scale) >= band_m)
         bad = (B > cfg.min_beta) & ((D > 0) | ((Dl > thr) & material))
+        if cfg.steady:
+            # ... in its median iteration too: a one-off stall of one iteration moves β, not its median
+            mBM = np.median(BM, axis=0)
+            steady = np.abs(BM - mBM) >= np.maximum(cfg.floor, cfg.k * cfg.rel_floor * mBM)
+            # against a given range: β out of it in the median iteration too, or D from μ/σ alone
+            in_b = (B <= hiB) & (B >= loB)
+            steady[:, given] = ((BM > hiB) | (BM < loB) | ((D > 0) & in_b))[:, given]
+            bad &= steady
         # 6. impact per iteration
         per_iter = np.array([p.window_s / p.iterations if p.iterations else np.nan for p in pats])
         impact = (B - mB) * per_iter[:, None]

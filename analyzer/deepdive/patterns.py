@@ -21,7 +21,14 @@ Steps:
    only) is one more function, ``IDLE`` (kind "idle"), one execution per
    gap: EROICA has no such entry because its traces always hold the host
    functions; without them an idle GPU would be invisible to localisation.
-4. Function identity: its name (a kernel's demangled name, an op's name, a
+4. Steadiness: β per iteration (the critical time of the executions that
+   start in each ``ProfilerStep`` over that step's length), and its median
+   over the iterations, ``beta_median``: a function that costs more in every
+   iteration (a hot loop) moves it, a one-off stall of one iteration (the
+   scheduler preempting a rank on a shared host) does not (``localize``'s
+   steadiness rule). Without iteration marks, or for the idle pseudo-function,
+   it is β.
+5. Function identity: its name (a kernel's demangled name, an op's name, a
    Python function's ``file(line): name``). EROICA keys Python functions by
    their whole call stack; Kineto's name already carries file and line, and
    the stack is left out (a known simplification).
@@ -56,6 +63,7 @@ class Patterns:
     launched_by: tuple[str, ...]   # the CPU op / Python function most of its executions came from, "" if none
     window_s: float
     iterations: int
+    beta_median: np.ndarray | None = None   # step 4: median over iterations of β per iteration; None: β
 
     def as_dict(self) -> dict[str, tuple[float, float, float]]:
         return {f: (float(b), float(m), float(s)) for f, b, m, s in zip(self.functions, self.beta, self.mu, self.sigma)}
@@ -104,6 +112,7 @@ def behaviour_patterns(cp: CriticalPath) -> Patterns:
     funcs = tuple(tr.names[f] for f in keep)
     beta = total[keep] / window_s if window_s > 0 else np.zeros(keep.size)
     sigma, count = np.sqrt(var), n[keep]
+    beta_median = _beta_median(cp, keep, beta)          # step 4
     gaps = cp.idle_gaps() * 1e-6
     if gaps.size and window_s > 0:                      # step 3
         funcs, kinds, launched_by = funcs + (IDLE,), kinds + ("idle",), launched_by + ("",)
@@ -111,7 +120,25 @@ def behaviour_patterns(cp: CriticalPath) -> Patterns:
         mu = np.append(mu, gaps.mean())
         sigma = np.append(sigma, gaps.std())
         count = np.append(count, gaps.size)
+        beta_median = np.append(beta_median, beta[-1])
     return Patterns(functions=funcs, kinds=kinds, beta=beta, mu=mu, sigma=sigma, count=count,
-                    launched_by=launched_by, window_s=window_s, iterations=cp.iterations)
+                    launched_by=launched_by, window_s=window_s, iterations=cp.iterations, beta_median=beta_median)
+
+
+def _beta_median(cp: CriticalPath, keep: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    """Step 4: per function (``keep``), the median over iterations of its share of each iteration."""
+    tr = cp.trace
+    steps = tr.steps
+    if steps.shape[0] < 3:
+        return beta.copy()
+    on = np.flatnonzero(cp.critical > 0)
+    it = np.searchsorted(steps[:, 0], tr.ts[on], side="right") - 1
+    inside = (it >= 0) & (tr.ts[on] < steps[np.maximum(it, 0), 1])
+    on, it = on[inside], it[inside]
+    n_it, nn = steps.shape[0], len(tr.names)
+    per = np.bincount(tr.name[on].astype(np.int64) * n_it + it, weights=cp.critical[on],
+                      minlength=nn * n_it).reshape(nn, n_it)
+    length = np.maximum(steps[:, 1] - steps[:, 0], 1e-9)
+    return np.median(per[keep] / length[None, :], axis=1)
 
 

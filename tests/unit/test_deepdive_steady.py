@@ -1,0 +1,45 @@
+"""Steadiness (``localize`` step 5, ``patterns`` step 4): a one-off stall of one iteration is not a function's
+behaviour; a function slower in every iteration is.
+
+Seen on a real 4-rank gloo deep dive on a shared 2-core host: healthy ranks were named for
+``aten::select`` or ``<built-in method stack>`` costing ~4 ms per iteration, all of it one preempted
+iteration. Hand-written CPU-only traces, 6 iterations of 1 ms, each rank on its own clock.
+"""
+from __future__ import annotations
+
+import json
+
+from trainscope.analyzer.deepdive import LocalizeConfig, localize_traces
+
+
+def write(path, rank: int, select_us) -> None:
+    ev, t = [], 7000.0 + 101.0 * rank
+    for i, sel in enumerate(select_us):
+        ev += [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i}", "ts": t, "dur": 1000.0 + sel,
+                "pid": 1, "tid": 1},
+               {"ph": "X", "cat": "python_function", "name": "train.py(20): step", "ts": t + 1, "dur": 998.0 + sel,
+                "pid": 1, "tid": 1},
+               {"ph": "X", "cat": "cpu_op", "name": "aten::select", "ts": t + 10, "dur": sel, "pid": 1, "tid": 1},
+               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": t + 20 + sel, "dur": 600.0, "pid": 1, "tid": 1}]
+        t += 1000.0 + sel
+    path.write_text(json.dumps({"traceEvents": ev}))
+
+
+def job(tmp_path, slow: dict[int, list[float]]):
+    paths = {}
+    for r in range(4):
+        paths[r] = tmp_path / f"rank-{r}.json"
+        write(paths[r], r, slow.get(r, [50.0] * 6))
+    return paths
+
+
+def named(res):
+    return {(o.function, r) for o in res.outliers for r, s in zip(o.ranks, o.slower) if s}
+
+
+def test_one_preempted_iteration_is_not_named_but_a_steady_cost_is(tmp_path):
+    stall = job(tmp_path, {0: [50.0, 50.0, 1600.0, 50.0, 50.0, 50.0]})     # one iteration 32x: 26 % of the window
+    assert named(localize_traces(stall, cfg=LocalizeConfig(steady=False))) == {("aten::select", 0)}  # without the rule
+    assert named(localize_traces(stall)) == set()
+    steady = job(tmp_path, {0: [300.0] * 6})                                 # 6x in every iteration
+    assert named(localize_traces(steady)) == {("aten::select", 0)}
