@@ -121,3 +121,19 @@ def test_without_a_covering_window_the_diagnoses_are_stored_alone(tmp_path):
 def test_analyze_dive_without_manifest(tmp_path):
     doc, res = analyze_dive(str(tmp_path))
     assert res is None and "manifest" in doc["error"]
+
+
+def test_two_functions_on_one_rank_are_two_diagnoses(tmp_path):
+    """Level, window, scope and suspects alike: the function tells them apart (else one replaces the other)."""
+    import dataclasses
+
+    from trainscope.analyzer.deepdive.results import _diagnosis
+    from trainscope.analyzer.model import Finding, SuspectRank
+
+    a = Finding(level="L4", kind="function_outlier", job_id="j", window=records_pb2.Window(index=1),
+                suspects=(SuspectRank(rank=2, score=1.0),), evidence={"function": "train.py(8): hot_loop"})
+    b = dataclasses.replace(a, evidence={"function": "<built-in method wait of Work object>"})
+    assert a.id == b.id and _diagnosis(a).id != _diagnosis(b).id
+    store = DiagnosisStore(str(tmp_path / "s.sqlite"))
+    store.put([_diagnosis(a), _diagnosis(b)], None)
+    assert store.count_diagnoses("j") == 2
