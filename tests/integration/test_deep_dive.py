@@ -9,7 +9,14 @@ processor, profiles the SAME iterations (the command's start iteration, not a
 wall time): the four reports name equal iteration ranges, each trace holds
 exactly those ``ProfilerStep#`` marks, and the traces, summaries and the
 manifest are 0600 in 0700 directories. A second request during the cool-down is
-refused. One job, ~20 s on 2 cores.
+refused.
+
+The job's rank 2 runs a Python hot loop in its training step (``hot_loop`` below, ~20 ms a step):
+L1-L3 can say that rank 2 is slow, only a function-level view says why. The analyzer's deep-dive
+follower (``analyzer/deepdive/results.py``) analyses the completed dive: the localisation names
+``hot_loop`` on rank 2 and no healthy rank, its L4 diagnosis is stored, and ``trainscope query
+deep-dive`` lists the dive with the function, the suspect's and a healthy peer's traces and their
+critical-path files. One job for both tests, ~20-25 s on 2 cores.
 """
 from __future__ import annotations
 
@@ -32,9 +39,52 @@ from trainscope.proto import env
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.integration
 
-TRAIN = Path(__file__).resolve().parents[1] / "support" / "train_collectives.py"
 WORLD = 4
 ITERATIONS = 4
+HOT_RANK = 2
+
+#: A small gloo job (as tests/support/train_collectives.py, plain all-reduce) whose rank HOT_RANK runs a
+#: Python hot loop every step; nothing here knows trainscope.
+TRAIN_SCRIPT = """
+import sys, time
+import torch, torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def hot_loop(n):
+    s = 0
+    for i in range(n):
+        s += i * i
+    return s
+
+
+def main():
+    steps, hot_rank = int(sys.argv[1]), int(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(100 + rank)
+    loader = DataLoader(TensorDataset(torch.randn(steps * 32, 64, generator=g),
+                                      torch.randn(steps * 32, 8, generator=g)), batch_size=32)
+    for step, (x, y) in enumerate(loader):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        time.sleep(0.02)
+        if rank == hot_rank:
+            hot_loop(150_000)
+        loss.backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        dist.all_reduce(flat)
+        opt.step()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+main()
+"""
 
 
 def clean_env(deep_dir: Path) -> dict:
@@ -49,6 +99,9 @@ def cli(*args: str, environ: dict, timeout: float = 60) -> subprocess.CompletedP
 
 
 def run_once(tmp: Path):
+    tmp.mkdir(parents=True, exist_ok=True)
+    train = tmp / "train_hot.py"
+    train.write_text(TRAIN_SCRIPT)
     deep = tmp / "deep"
     proc = start_processor(window=WindowConfig(iterations=10, lateness_s=1),
                            control=ControlConfig(directory=str(deep), lead_s=1.0, cooldown_s=600))
@@ -57,7 +110,7 @@ def run_once(tmp: Path):
         [sys.executable, "-m", "trainscope.deploy.cli", "run", "--processor", proc.address, "--no-processor",
          "--no-stacks", "--run-dir", str(tmp / "run"), "--job-id", "dd", "--",
          sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-         str(TRAIN), "--steps", "140"],
+         str(train), "140", str(HOT_RANK)],
         env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
@@ -78,10 +131,17 @@ def run_once(tmp: Path):
     return job.returncode, out, p, again, deep
 
 
-def test_manual_profile_makes_every_rank_trace_the_same_iterations(tmp_path):
-    rc, out, p, again, deep = run_once(tmp_path / "a1")
-    if rc != 0 and TORCH_EXIT_ABORT in out:  # torch 2.13's gloo exit abort (tests/support/torch_jobs.py)
-        rc, out, p, again, deep = run_once(tmp_path / "a2")
+@pytest.fixture(scope="module")
+def dive(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("deep_dive")
+    got = run_once(tmp / "a1")
+    if got[0] != 0 and TORCH_EXIT_ABORT in got[1]:  # torch 2.13's gloo exit abort (tests/support/torch_jobs.py)
+        got = run_once(tmp / "a2")
+    return got
+
+
+def test_manual_profile_makes_every_rank_trace_the_same_iterations(dive):
+    rc, out, p, again, deep = dive
     assert p.returncode == 0, (p.stdout, p.stderr, out[-2000:])
     doc = json.loads(p.stdout)
     assert doc["complete"] is True
@@ -111,3 +171,44 @@ def test_manual_profile_makes_every_rank_trace_the_same_iterations(tmp_path):
     # one window at a time, then a cool-down: the second request is refused with the reason
     assert again.returncode == 1 and "cool-down" in again.stderr, (again.stdout, again.stderr)
     assert rc == 0, out[-3000:]
+
+
+def test_the_analysis_names_the_hot_loop_on_its_rank_and_no_healthy_rank(dive, tmp_path, capsys):
+    from trainscope.analyzer.deepdive.results import DeepDiveFollower, FollowerConfig
+    from trainscope.analyzer.store import DiagnosisStore
+
+    rc, out, p, _, deep = dive
+    assert p.returncode == 0, (p.stdout, p.stderr, out[-2000:])
+    dive_id = json.loads(p.stdout)["dive_id"]
+    store = DiagnosisStore(str(tmp_path / "store.sqlite"))
+    (doc,) = DeepDiveFollower(str(deep), store, FollowerConfig(verdict_wait_s=0)).scan()  # no window verdict here
+    assert doc["dive_id"] == dive_id and doc["ranks_analysed"] == list(range(WORLD)), doc
+    named = {(o["function"], r) for o in doc["outliers"] if not o["common"]
+             for r, slower in zip(o["ranks"], o["slower"]) if slower}
+    print("\n" + "\n".join(f"outlier {o['function']} ranks {o['ranks']} slower {o['slower']} "
+                            f"impact {o['impact_s']}" for o in doc["outliers"]))
+    assert any(f.endswith(": hot_loop") and r == HOT_RANK for f, r in named), doc["outliers"]
+    assert {r for _, r in named} == {HOT_RANK}, named           # no healthy rank named
+    assert doc["suspects"] == [HOT_RANK]
+    # stored as L4 diagnoses naming only the hot rank
+    diags = list(store.diagnoses("dd", level="L4"))
+    assert diags and {s.rank for d in diags for s in d.suspects} == {HOT_RANK}
+    assert any("hot_loop" in d.evidence["function"] for d in diags), [dict(d.evidence) for d in diags]
+    store.close()
+    # trainscope query deep-dive (in this process): the function, the suspect's and a healthy peer's traces
+    from trainscope.deploy.cli import main
+    capsys.readouterr()
+    assert main(["query", "deep-dive", "--job", "dd", "--deep-dive-dir", str(deep), "--json"]) == 0
+    (listed,) = json.loads(capsys.readouterr().out)
+    assert listed["state"] == "analysed" and any(f["function"].endswith(": hot_loop") and f["ranks"] == [HOT_RANK]
+                                                 for f in listed["found"]), listed["found"]
+    view = listed["perfetto"]
+    assert view["suspect"]["rank"] == HOT_RANK and view["peer"]["rank"] != HOT_RANK
+    for who in ("suspect", "peer"):
+        cp = Path(view[who]["critical_path"])
+        assert stat.S_IMODE(cp.stat().st_mode) == 0o600
+        assert any(e.get("cat") == "critical_path" for e in json.loads(cp.read_text())["traceEvents"])
+    assert main(["query", "deep-dive", "--job", "dd", "--deep-dive-dir", str(deep)]) == 0
+    text = capsys.readouterr().out
+    assert "hot_loop" in text and f"Perfetto (suspect, rank {HOT_RANK})" in text, text
+    assert main(["query", "deep-dive", "--job", "nope", "--deep-dive-dir", str(deep)]) == 2
