@@ -50,7 +50,12 @@ def write_kineto_trace(
            "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": world_size},
            "traceEvents": ev}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "wt") as f:
-        json.dump(doc, f)
+    data = json.dumps(doc).encode()   # one C-encoder call: json.dump's streaming encoder is ~2x slower
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "wb") as raw:
+        if path.endswith(".gz"):
+            with gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6) as g:   # level 9 costs 3x for ~5 %
+                g.write(data)
+        else:
+            raw.write(data)
     return path
