@@ -218,6 +218,7 @@ def merge_into(stored: records_pb2.Verdict, l4: records_pb2.Verdict) -> records_
     out.kernels.extend(k for k in l4.kernels if k not in out.kernels)
     if l4.ranks and (out.state or HEALTHY) == HEALTHY:
         out.state = DEGRADED
+        out.confidence = l4.confidence     # a healthy verdict's confidence says nothing about the L4 suspect
     if l4.ranks:
         kinds = set(filter(None, out.comparison.split("+"))) | set(filter(None, l4.comparison.split("+")))
         out.comparison = "+".join(sorted(kinds))
@@ -326,7 +327,7 @@ class DeepDiveFollower:
         if stored is None:
             return False
         findings = [dataclasses.replace(f, window=stored.window) for f in findings]
-        l4 = merge(doc["job"], stored.window, findings, {})
+        l4 = merge(doc["job"], stored.window, findings, {}, step_ns=max(f.step_ns for f in findings))
         out = merge_into(stored, l4)
         diagnoses = [_diagnosis(f) for f in findings]
         self.store.put(diagnoses, out)

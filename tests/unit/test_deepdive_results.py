@@ -80,7 +80,8 @@ def test_a_dive_is_analysed_and_its_suspect_merged_into_the_covering_window(tmp_
     l4 = list(store.diagnoses("j", level="L4"))
     assert l4 and all(x.window.index == 1 for x in l4)
     v = store.latest_verdict("j")
-    assert [s.rank for s in v.ranks] == [1] and v.state == "degraded"
+    assert [s.rank for s in v.ranks] == [1] and v.state == "degraded" and v.confidence > 0
+    assert v.ranks[0].impact_pct > 10      # 0.4 ms of a ~1.1 ms step
     assert "hot_loop" in v.ranks[0].why or any(x.level == "L4" for x in v.findings)
     job = merge_windows(store.verdicts("j"))
     assert [s.rank for s in job.ranks] == [1]
