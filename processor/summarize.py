@@ -34,6 +34,36 @@ class SummaryConfig:
             raise ConfigError("summary.max_stacks", self.max_stacks, "must be >= 0")
 
 
+def _keys(name_id: np.ndarray, stream: np.ndarray, n_names: int) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct (name id, stream) keys of a window, sorted, as ``name_id << 32 | stream``
+    (uint64), and each record's key index: what ``numpy.unique(composite, return_inverse=True)``
+    gives, without its sort of every record.
+
+    1. streams are few and small: number them densely through one bincount of the stream ids;
+    2. a dense key ``name_id * streams + stream number`` orders records exactly as the composite
+       does; 3. one bincount over the dense keys finds the keys present, a cumulative count
+       numbers them. Falls back to ``numpy.unique`` when stream ids or the dense key space are
+       too large for a bincount to be cheap.
+    """
+    n = name_id.shape[0]
+    smax = int(stream.max())
+    if smax < 1 << 16:
+        seen = np.bincount(stream, minlength=smax + 1)
+        streams = np.flatnonzero(seen)
+        ns = streams.shape[0]
+        if n_names * ns <= 4 * n + (1 << 16):
+            number = np.zeros(smax + 1, np.int64)
+            number[streams] = np.arange(ns)
+            dense = name_id.astype(np.int64) * ns + number[stream]
+            present = np.flatnonzero(np.bincount(dense, minlength=n_names * ns))
+            index = np.zeros(n_names * ns, np.intp)
+            index[present] = np.arange(present.shape[0])
+            uniq = ((present // ns).astype(np.uint64) << np.uint64(32)) | streams[present % ns].astype(np.uint64)
+            return uniq, index[dense]
+    composite = (name_id.astype(np.uint64) << np.uint64(32)) | stream.astype(np.uint64)
+    return np.unique(composite, return_inverse=True)
+
+
 class Summarizer:
     def __init__(self, config: SummaryConfig = SummaryConfig()) -> None:
         self.config = config
@@ -54,8 +84,7 @@ class Summarizer:
         n = len(k)
         if not n:
             return None
-        composite = (k.name_id.astype(np.uint64) << np.uint64(32)) | k.stream.astype(np.uint64)
-        uniq, inv = np.unique(composite, return_inverse=True)
+        uniq, inv = _keys(k.name_id, k.stream, len(k.names))
         dur = k.duration_ns.astype(np.float64)
         table = kde.cluster_keys(dur, inv, len(uniq), self.config.kde)
         total = np.bincount(inv, weights=dur, minlength=len(uniq))

@@ -227,3 +227,33 @@ def test_final_marker_of_a_rank_that_never_marked_an_iteration_keeps_its_kernels
     w.add_kernels(RES, kernels([1, 2, 3]))
     w.finish_rank(RES)
     assert len(closed) == 1 and len(closed[0].kernels) == 3 and closed[0].window.final
+
+
+def test_repeated_and_changed_string_tables_map_every_record_to_its_own_name():
+    """The per-rank cache of the last string table: a repeated table, a reordered one, one with
+    new names and one repeating a name must all give each record its own name, before and
+    after the name table is compacted."""
+    w, closed, _, _ = make(length_s=10, lateness_s=0, max_names_per_rank=3)
+
+    def batch(names, ids, t):
+        n = len(ids)
+        return KernelColumns.build(names, [t + i for i in range(n)], [1000] * n, ids, [0] * n)
+
+    sent = []
+    for names, ids in ((("a", "b"), [0, 1, 1]), (("a", "b"), [1, 0]), (("b", "a"), [0, 1]),
+                       (("c", "a", "c"), [0, 1, 2]), (("d", "e"), [1, 0]), (("d", "e"), [0])):
+        w.add_kernels(RES, batch(names, ids, len(sent)))
+        sent += [names[i] for i in ids]
+    w.flush()
+    got = [c.kernels.names[i] for c in closed for i in c.kernels.name_id[np.argsort(c.kernels.start_ns)]]
+    assert got == sent
+
+
+def test_a_batch_within_one_window_and_one_across_two_land_in_the_right_windows():
+    w, closed, _, _ = make(length_s=10, lateness_s=0)
+    w.add_kernels(RES, kernels([1 * S, 2 * S, 3 * S]))           # one window
+    w.add_kernels(RES, kernels([9 * S, 12 * S, 5 * S]))           # across two, out of order
+    w.flush()
+    by_index = {c.window.index: sorted(c.kernels.start_ns.tolist()) for c in closed}
+    assert by_index == {0: [1 * S, 2 * S, 3 * S, 5 * S, 9 * S], 1: [12 * S]}
+    assert closed[0].window.end_ns == 10 * S
