@@ -174,7 +174,7 @@ class Validator:
         if res is None:
             res = Resource.from_pb(r)
             with self._lock:
-                if len(self._resources) >= self.limits.max_streams_tracked:
+                if len(self._resources) >= min(self.limits.max_streams_tracked, 16384):
                     self._resources.pop(next(iter(self._resources)), None)  # oldest first
                 self._resources[key] = res
         return res

@@ -96,3 +96,20 @@ def test_unknown_fields_from_a_newer_collector_are_ignored_not_rejected(proc):
     raw = batch(RES, 1, cols(10)) + bytes([0x98, 0x06, 0x07])
     s = raw_stream(proc.address, [raw])
     assert s.batches_accepted == 1 and s.records_accepted == 10
+
+
+def test_each_sender_identity_decodes_to_its_own_resource():
+    """The validator builds a sender's Resource once and reuses it: a second process of the
+    same rank (another pid) or another rank must still get its own, and every batch the
+    one its bytes name."""
+    from trainscope.processor.ingest import Validator
+    from trainscope.processor.selfmetrics import SelfMetrics
+
+    v = Validator(SelfMetrics())
+    a = Resource(job_id="job", rank=1, world_size=4, pid=11)
+    b = Resource(job_id="job", rank=1, world_size=4, pid=12)
+    c = Resource(job_id="job", rank=2, world_size=4, pid=11)
+    got = [v.decode(batch(r, seq, cols(3, start=seq * 100_000))).resource
+           for seq, r in enumerate((a, b, a, c, b), start=1)]
+    assert got == [a, b, a, c, b]
+    assert got[0] is got[2]  # built once per identity
