@@ -18,6 +18,14 @@ timestamps ending at the wall clock), ``--ranks-per-sender`` ranks each. Figures
 Baseline in the same run: the processor process runs the package as it was at
 ``--baseline`` (``git archive`` of that revision into a temporary directory, first on
 PYTHONPATH); senders always run the current code. ``--baseline ''`` skips it.
+``--py-spy DIR`` samples the processor process (threads holding the GIL) into collapsed
+stacks, one file per configuration: how the per-batch costs below were found.
+
+Measured (2-core shared machine, 1,000,000 events, 2 senders x 4 ranks; per processor CPU-s):
+16,384 events per batch 3.4-3.6 M (baseline e56ed0f 2.5 M), 1,024: 1.9 M (1.5-1.6 M),
+128: 0.62-0.63 M (0.53 M). At 128 a batch costs ~200 us of processor CPU, of which ~85 us
+is gRPC's own per-message work (a processor refusing every batch unparsed) and ~40 us decode
+and bookkeeping: small batches are bound by the per-message cost, not by the per-event work.
 """
 from __future__ import annotations
 
