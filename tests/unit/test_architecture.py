@@ -285,3 +285,16 @@ def test_the_unit_tier_starts_no_process():
                     and isinstance(node.value, ast.Name) and node.value.id == "os"):
                 bad.append(f"{path.name}:{node.lineno}")
     assert not bad, "processes started in the unit tier:\n" + "\n".join(bad)
+
+
+def test_every_stage_package_is_installed():
+    """`pip install .` ships only the packages pyproject.toml lists: a new stage subpackage left out
+    installs nothing (analyzer/deepdive was missing, so the installed `trainscope analyzer` could not
+    import its deep-dive follower)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"trainscope." + ".".join(p.parent.relative_to(ROOT).parts)
+             for stage in ("collector", "processor", "analyzer", "proto", "deploy")
+             for p in (ROOT / stage).rglob("__init__.py")}
+    assert found - listed == set(), f"add to pyproject.toml [tool.setuptools] packages: {sorted(found - listed)}"
