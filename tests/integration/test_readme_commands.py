@@ -64,6 +64,8 @@ PLAN = {
     "trainscope profile --job J": "SKIP: needs a running job; tests/integration/test_deep_dive.py runs it on one",
     "trainscope profile --job J --iterations 5 --wait 60":
         "SKIP: needs a running job; tests/integration/test_deep_dive.py runs it on one",
+    "trainscope query deep-dive --job J":
+        "SKIP: needs a deep dive; tests/integration/test_deep_dive.py runs it on a real job's",
 }
 
 #: placeholders of the README's synopses -> what a new user would type
