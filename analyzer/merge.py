@@ -26,9 +26,11 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
    same rule names the NIC and the network switch they share (the
    Resource's ``nic``/``switch`` attributes; a switch only when the
    suspects span several hosts), and the parallel group: the sibling
-   group a group-level finding named, else the smallest group (tp, ep,
-   cp, pp, dp) holding ≥ 2/3 of the impact in at least two suspects and
-   at least half its members (a whole TP pair behind one NVLink).
+   group a group-level finding named when it holds two or more culprits
+   or links (one culprit with waiting partners is the rank's fault), else
+   the smallest group (tp, ep, cp, pp, dp) holding ≥ 2/3 of the impact in
+   at least two suspects and at least half its members (a whole TP pair
+   behind one NVLink).
 5. State: ``stalled`` (a stall finding), ``degraded`` (a confirmed suspect,
    an L1 regression, or L1 jitter in k of the last n windows), ``unknown`` (no comparison could be
    made: groups too small and no history yet), else ``healthy``.
@@ -276,10 +278,12 @@ _GROUP_DIMS = ("tp", "ep", "cp", "pp", "dp")
 def _shared_group(suspects: list[RankVerdict], resources: Mapping[int, Resource],
                   active: Sequence[Finding]) -> str:
     """Step 4: "tp 3" when the suspects are one parallel group (see the module docstring)."""
-    named = {rv.rank for rv in suspects}
+    # a group is named when it holds two or more of the culprits/links: one culprit inside a slower
+    # group (its partners waiting) is that rank's fault, not the group's
+    named = {rv.rank for rv in suspects if rv.role in (CULPRIT, LINK)}
     for f in active:
         if f.comparison == "sibling_groups" and f.scope.group in _GROUP_DIMS \
-                and named & {s.rank for s in f.suspects}:
+                and len(named & {s.rank for s in f.suspects}) >= 2:
             return f"{f.scope.group} {f.scope.group_index}"
     for dim in _GROUP_DIMS:
         def of(res: Resource, dim=dim) -> str:

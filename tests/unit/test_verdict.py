@@ -206,6 +206,17 @@ def test_nic_switch_and_group_are_named_when_the_suspects_share_them():
                        phase=False)
     v = merge("j", WIN, [tp_group], res, step_ns=100 * MS)
     assert v.group == "tp 2" and v.host == "h2" and "TP group 2" in v.summary
+    # a sibling-group finding about the TP group of one culprit (its partner waiting) names the rank, not the
+    # group; the same finding with both members doing slow work of their own names the group
+    sibling = dataclasses.replace(finding("L2", "straggler", "forward", [(r, "slower", 5 * MS) for r in (14, 15)]),
+                                  comparison="sibling_groups", scope=Scope(phase="forward", group="tp", group_index=3))
+    culprit = finding("L3", "degraded_kernels", "[compute]", [(15, "slower", 20 * MS)], phase=False)
+    waiter = finding("L2", "slow_communication", "tp-allreduce", [(14, "slower", 18 * MS)], comm=True)
+    one = merge("j", WIN, [culprit, waiter, sibling], res, step_ns=100 * MS)
+    assert one.ranks[0].rank == 15 and one.group == "", (one.group, [(s.rank, s.role) for s in one.ranks])
+    both = finding("L3", "degraded_kernels", "[compute]", [(14, "slower", 20 * MS), (15, "slower", 20 * MS)],
+                   phase=False)
+    assert merge("j", WIN, [both, sibling], res, step_ns=100 * MS).group == "tp 3"
     lone = merge("j", WIN, [finding("L2", "straggler", "forward", [(12, "slower", 5 * MS)])], res, step_ns=100 * MS)
     assert (lone.host, lone.nic, lone.switch_name, lone.group) == ("", "", "", "")
     job = merge_windows([v, v])
