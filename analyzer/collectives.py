@@ -266,11 +266,17 @@ class CollectiveState:
             if len(basis) < cfg.min_collectives:
                 basis = done
             basis_set = set(basis)
-            for s in done:
+            # step 1 for every collective at once: (collectives x members) waits, the last entrant waits
+            # least, its lateness = the others' median wait minus its own (one sort, not a median per row)
+            all_waits = np.array([[grp.seqs[s][m][3] - grp.seqs[s][m][2] for m in ranks] for s in done],
+                                 dtype=np.float64)
+            last = np.argmin(all_waits, axis=1)
+            lateness_all = np.median(np.sort(all_waits, axis=1)[:, 1:], axis=1) - all_waits.min(axis=1)
+            for k, s in enumerate(done):
                 row = grp.seqs[s]
-                waits = np.array([row[m][3] - row[m][2] for m in ranks], dtype=np.float64)
-                i = int(np.argmin(waits))                           # step 1: the last entrant
-                lateness = float(np.median(np.delete(waits, i)) - waits[i])
+                waits = all_waits[k]
+                i = int(last[k])                                    # step 1: the last entrant
+                lateness = float(lateness_all[k])
                 transfer.append((row[ranks[i]][0], row[ranks[i]][1], float(waits[i])))    # step 2
                 # one collective counts against its last entrant only when it was clearly late:
                 # some member is always last, by scheduler noise on a busy host
