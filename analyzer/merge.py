@@ -153,7 +153,7 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     elif persistence is not None and pace_held and persistence.since(JOB_PACE) is not None:
         v.since_window = persistence.since(JOB_PACE)
     # step 4: host, NIC, switch, group
-    host = _shared_host(suspects, resources)
+    host = _shared(suspects, resources, lambda res: res.host)
     if host:
         v.host = host
     v.nic = _shared(suspects, resources, lambda res: res.attributes.get(NIC_ATTRIBUTE, ""))
@@ -244,11 +244,6 @@ def _places_of(rv: RankVerdict) -> set[str]:
     if rv.waited_for >= 0:
         places.add(f"waited for {rv.waited_for}")
     return places
-
-
-def _shared_host(suspects: list[RankVerdict], resources: Mapping[int, Resource]) -> str:
-    """Step 4: the host holding ≥ 2/3 of the suspects' impact, with at least two of them."""
-    return _shared(suspects, resources, lambda res: res.host)
 
 
 def _shared(suspects: list[RankVerdict], resources: Mapping[int, Resource], of) -> str:

@@ -132,14 +132,14 @@ def cmd_replay(args) -> int:
     from trainscope.analyzer.service import AnalyzerConfig
     from trainscope.deploy.replay import kernel_stats_json, run_replay, write_json
 
-    verdict_settings(args)  # a wrong --impact-floor/--persist is refused before anything runs
+    analyzer_config = AnalyzerConfig(**verdict_settings(args))  # a bad --impact-floor/--persist: refused first
 
     output_file("--stats-out", args.stats_out, force=args.force)  # before the replay, not after it
     output_file("--json", args.json, force=args.force)
     with Progress(f"trainscope replay {args.dir}", unit="ranks fed") as progress:
         res = run_replay(args.dir, home=writable_home(_home(args)), window_iterations=args.window_iterations,
                          analyze=not args.no_analyze, replace_store=args.force, progress=progress,
-                         analyzer_config=AnalyzerConfig(**verdict_settings(args)), **_sink_configs(args))
+                         analyzer_config=analyzer_config, **_sink_configs(args))
     total = sum(res.kernel_events_sent.values())
     print(f"replayed job {res.job_id!r}: {len(res.ranks)} ranks, {total:,} kernel events "
           f"in {res.seconds:.2f} s", flush=True)
