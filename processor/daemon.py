@@ -27,7 +27,7 @@ from trainscope.proto.securefs import private_dir
 from trainscope.proto.security import ServerSecurity
 from trainscope.processor.collectives import CollectiveWindowConfig
 from trainscope.processor.pipeline import Pipeline
-from trainscope.processor.selfmetrics import SelfMetrics
+from trainscope.processor.selfmetrics import SelfMetrics, deep_dive_control_metrics
 from trainscope.processor.sink import Sink
 from trainscope.processor.store import SqliteStore, StoreSink
 from trainscope.processor.summarize import SummaryConfig, Summarizer
@@ -150,6 +150,7 @@ class Processor:
         self.control = ControlHub(dataclasses.replace(
             config.control, max_subscribers=max(1, min(config.control.max_subscribers, config.grpc_workers // 2))))
         self.control_servicer = ControlServicer(self.control, config.security)
+        self.registry.register(deep_dive_control_metrics(self.control.stats))  # deep_dive_events_total{event}
         accept, observe = self.pipeline.accept, self.control.observe
 
         def accept_and_observe(d) -> bool:

@@ -147,3 +147,50 @@ class SelfMetrics:
 
     def describe(self) -> Iterable[Metric]:
         return []
+
+
+#: The deep-dive control path's events (``processor/control.py``, ``ControlHub.stats``), exported at 0
+#: before they happen so that ``increase()`` sees the first one; a key the hub adds later is exported too.
+DEEP_DIVE_EVENTS = (
+    "subscribed", "subscribers_refused", "requests_accepted", "requests_refused", "commands_sent",
+    "commands_dropped", "reports", "reports_unknown", "summaries", "summaries_refused", "summaries_dropped",
+    "summary_errors", "manifest_errors", "auth_rejected")
+
+
+class CounterView:
+    """A scrape-time collector over a plain ``Counter`` another part keeps (``ControlHub.stats``):
+    one family ``<prefix>_<name>_total{<label>}``, a sample per key (``keys`` at 0 before they are counted).
+    The counter is read, never written; keys are the code's own event names (a bounded set)."""
+
+    def __init__(self, counts, name: str, doc: str, label: str, *, keys: Iterable[str] = (),
+                 prefix: str = "trainscope_processor") -> None:
+        self.counts, self.name, self.doc, self.label = counts, f"{prefix}_{name}", doc, label
+        self.keys = tuple(keys)
+
+    def collect(self) -> Iterator[Metric]:
+        items: list = []
+        for _ in range(5):  # the hub increments without a lock: a key added during the copy is retried
+            try:
+                items = list(self.counts.items())
+                break
+            except RuntimeError:
+                continue
+        values = dict.fromkeys(self.keys, 0)
+        values.update(items)
+        fam = CounterMetricFamily(self.name, self.doc, labels=[self.label])
+        for key, v in sorted(values.items()):
+            fam.add_metric([str(key)], float(v))
+        yield fam
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+def deep_dive_control_metrics(stats) -> CounterView:
+    """``trainscope_processor_deep_dive_events_total{event}`` over a ``ControlHub``'s ``stats``."""
+    return CounterView(stats, "deep_dive_events",
+                       "Deep-dive control path events on this processor, by event (subscribed, "
+                       "subscribers_refused: control streams; requests_accepted, requests_refused; commands_sent, "
+                       "commands_dropped: to collectors; reports, reports_unknown; summaries, summaries_refused, "
+                       "summaries_dropped, summary_errors; manifest_errors; auth_rejected)",
+                       "event", keys=DEEP_DIVE_EVENTS)
