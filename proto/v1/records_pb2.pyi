@@ -50,20 +50,42 @@ class KernelCluster(_message.Message):
     def __init__(self, count: _Optional[int] = ..., p50_ns: _Optional[float] = ..., p99_ns: _Optional[float] = ..., min_ns: _Optional[float] = ..., max_ns: _Optional[float] = ...) -> None: ...
 
 class KernelStats(_message.Message):
-    __slots__ = ("kernel", "stream", "kind", "clusters", "count", "total_ns")
+    __slots__ = ("kernel", "stream", "kind", "clusters", "count", "total_ns", "kernel_id")
     KERNEL_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     CLUSTERS_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_ID_FIELD_NUMBER: _ClassVar[int]
     kernel: str
     stream: int
     kind: _telemetry_pb2.KernelKind
     clusters: _containers.RepeatedCompositeFieldContainer[KernelCluster]
     count: int
     total_ns: float
-    def __init__(self, kernel: _Optional[str] = ..., stream: _Optional[int] = ..., kind: _Optional[_Union[_telemetry_pb2.KernelKind, str]] = ..., clusters: _Optional[_Iterable[_Union[KernelCluster, _Mapping]]] = ..., count: _Optional[int] = ..., total_ns: _Optional[float] = ...) -> None: ...
+    kernel_id: int
+    def __init__(self, kernel: _Optional[str] = ..., stream: _Optional[int] = ..., kind: _Optional[_Union[_telemetry_pb2.KernelKind, str]] = ..., clusters: _Optional[_Iterable[_Union[KernelCluster, _Mapping]]] = ..., count: _Optional[int] = ..., total_ns: _Optional[float] = ..., kernel_id: _Optional[int] = ...) -> None: ...
+
+class KernelName(_message.Message):
+    __slots__ = ("id", "name")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    name: str
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+
+class KernelNames(_message.Message):
+    __slots__ = ("job_id", "names", "scheme", "processor")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    SCHEME_FIELD_NUMBER: _ClassVar[int]
+    PROCESSOR_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    names: _containers.RepeatedCompositeFieldContainer[KernelName]
+    scheme: int
+    processor: str
+    def __init__(self, job_id: _Optional[str] = ..., names: _Optional[_Iterable[_Union[KernelName, _Mapping]]] = ..., scheme: _Optional[int] = ..., processor: _Optional[str] = ...) -> None: ...
 
 class KernelWindow(_message.Message):
     __slots__ = ("resource", "window", "kernels", "events")
