@@ -61,15 +61,35 @@ class DeepDiveCommand(_message.Message):
     ranks: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, dive_id: _Optional[str] = ..., job_id: _Optional[str] = ..., start_iteration: _Optional[int] = ..., iterations: _Optional[int] = ..., max_duration_s: _Optional[float] = ..., max_bytes: _Optional[int] = ..., with_stack: _Optional[bool] = ..., trigger: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class StackDumpCommand(_message.Message):
+    __slots__ = ("grid_id", "job_id", "group", "trigger", "seq", "ranks", "timeout_s")
+    GRID_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    TRIGGER_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    grid_id: str
+    job_id: str
+    group: str
+    trigger: str
+    seq: int
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    timeout_s: float
+    def __init__(self, grid_id: _Optional[str] = ..., job_id: _Optional[str] = ..., group: _Optional[str] = ..., trigger: _Optional[str] = ..., seq: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
 class ControlCommand(_message.Message):
-    __slots__ = ("sent_unix_ns", "deep_dive", "ping")
+    __slots__ = ("sent_unix_ns", "deep_dive", "ping", "stack_dump")
     SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     DEEP_DIVE_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
+    STACK_DUMP_FIELD_NUMBER: _ClassVar[int]
     sent_unix_ns: int
     deep_dive: DeepDiveCommand
     ping: bool
-    def __init__(self, sent_unix_ns: _Optional[int] = ..., deep_dive: _Optional[_Union[DeepDiveCommand, _Mapping]] = ..., ping: _Optional[bool] = ...) -> None: ...
+    stack_dump: StackDumpCommand
+    def __init__(self, sent_unix_ns: _Optional[int] = ..., deep_dive: _Optional[_Union[DeepDiveCommand, _Mapping]] = ..., ping: _Optional[bool] = ..., stack_dump: _Optional[_Union[StackDumpCommand, _Mapping]] = ...) -> None: ...
 
 class DeepDiveReport(_message.Message):
     __slots__ = ("resource", "dive_id", "outcome", "first_iteration", "last_iteration", "start_unix_ns", "end_unix_ns", "trace_path", "summary_path", "trace_bytes", "detail", "profiler_stop_s")

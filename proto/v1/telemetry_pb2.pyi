@@ -114,6 +114,30 @@ class StackBatch(_message.Message):
     snapshots: _containers.RepeatedCompositeFieldContainer[StackSnapshot]
     def __init__(self, snapshots: _Optional[_Iterable[_Union[StackSnapshot, _Mapping]]] = ...) -> None: ...
 
+class StackDump(_message.Message):
+    __slots__ = ("grid_id", "group", "trigger", "seq", "expected_ranks", "taken_unix_ns", "took_s", "training_thread", "threads", "error")
+    GRID_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    TRIGGER_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    TOOK_S_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_THREAD_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    grid_id: str
+    group: str
+    trigger: str
+    seq: int
+    expected_ranks: _containers.RepeatedScalarFieldContainer[int]
+    taken_unix_ns: int
+    took_s: float
+    training_thread: int
+    threads: _containers.RepeatedCompositeFieldContainer[FoldedStack]
+    error: str
+    def __init__(self, grid_id: _Optional[str] = ..., group: _Optional[str] = ..., trigger: _Optional[str] = ..., seq: _Optional[int] = ..., expected_ranks: _Optional[_Iterable[int]] = ..., taken_unix_ns: _Optional[int] = ..., took_s: _Optional[float] = ..., training_thread: _Optional[int] = ..., threads: _Optional[_Iterable[_Union[FoldedStack, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
+
 class CollectiveGroup(_message.Message):
     __slots__ = ("id", "members")
     ID_FIELD_NUMBER: _ClassVar[int]
@@ -165,16 +189,18 @@ class CollectiveRecord(_message.Message):
     def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., op: _Optional[str] = ..., bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., enqueue_ns: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., iteration: _Optional[int] = ..., ring_steps: _Optional[int] = ..., ring_next: _Optional[int] = ..., send_busy_ns: _Optional[int] = ..., recv_wait_ns: _Optional[int] = ..., algo: _Optional[str] = ..., step_index: _Optional[_Iterable[int]] = ..., step_dst: _Optional[_Iterable[int]] = ..., step_bytes: _Optional[_Iterable[int]] = ..., step_start_ns: _Optional[_Iterable[int]] = ..., step_end_ns: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CollectiveBatch(_message.Message):
-    __slots__ = ("groups", "records", "now_ns", "dropped_records")
+    __slots__ = ("groups", "records", "now_ns", "dropped_records", "dumps")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     NOW_NS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    DUMPS_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedCompositeFieldContainer[CollectiveGroup]
     records: _containers.RepeatedCompositeFieldContainer[CollectiveRecord]
     now_ns: int
     dropped_records: int
-    def __init__(self, groups: _Optional[_Iterable[_Union[CollectiveGroup, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[CollectiveRecord, _Mapping]]] = ..., now_ns: _Optional[int] = ..., dropped_records: _Optional[int] = ...) -> None: ...
+    dumps: _containers.RepeatedCompositeFieldContainer[StackDump]
+    def __init__(self, groups: _Optional[_Iterable[_Union[CollectiveGroup, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[CollectiveRecord, _Mapping]]] = ..., now_ns: _Optional[int] = ..., dropped_records: _Optional[int] = ..., dumps: _Optional[_Iterable[_Union[StackDump, _Mapping]]] = ...) -> None: ...
 
 class TelemetryBatch(_message.Message):
     __slots__ = ("resource", "seq", "sent_unix_ns", "dropped_total", "submitted_total", "final", "kernels", "phases", "iterations", "stacks", "collectives")
