@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from google.protobuf.message import Message
 
@@ -10,6 +10,9 @@ from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.contracts import SIGNALS
 from trainscope.proto.model import Resource
 from trainscope.proto.v1 import records_pb2, telemetry_pb2
+
+if TYPE_CHECKING:
+    from trainscope.processor.kernel_names import NameTable
 
 
 
@@ -44,6 +47,7 @@ class WindowOutput:
     iterations: records_pb2.IterationWindow | None = None
     stacks: records_pb2.StackWindow | None = None
     collectives: records_pb2.CollectiveWindow | None = None   # processor/collectives.py
+    kernel_names: "NameTable | None" = None   # the kernel window's dictionary entries (processor/kernel_names.py)
 
     def records(self) -> Iterator[tuple[str, Message]]:
         """(signal, record) for each signal that has one."""

@@ -14,6 +14,7 @@ import dataclasses
 import numpy as np
 
 from trainscope.processor import kde
+from trainscope.processor.kernel_names import KernelIds, NameTable
 from trainscope.processor.model import ClosedWindow, WindowOutput
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import records_pb2, telemetry_pb2
@@ -28,6 +29,9 @@ class SummaryConfig:
     """Clustering parameters (ARGUS §5.2 filters)."""
     max_stacks: int = 50
     """Folded stacks kept per window and rank, most frequent first."""
+    names_inline: bool = True
+    """Keep kernel names in the windows beside their ids (for consumers older than the
+    kernel-name dictionary, ``processor/kernel_names.py``); off: ids only."""
 
     def __post_init__(self) -> None:
         if self.max_stacks < 0:
@@ -67,19 +71,23 @@ def _keys(name_id: np.ndarray, stream: np.ndarray, n_names: int) -> tuple[np.nda
 class Summarizer:
     def __init__(self, config: SummaryConfig = SummaryConfig()) -> None:
         self.config = config
+        self.ids = KernelIds()
 
     def __call__(self, cw: ClosedWindow) -> WindowOutput:
         res = cw.resource.to_pb()
+        names: list[NameTable] = []
         return WindowOutput(
             raw=cw,
-            kernels=self.kernels(cw, res),
+            kernels=self.kernels(cw, res, names),
+            kernel_names=names[0] if names else None,
             phases=self.phases(cw, res),
             iterations=self.iterations(cw, res),
             stacks=self.stacks(cw, res),
         )
 
-    def kernels(self, cw: ClosedWindow, res) -> records_pb2.KernelWindow | None:
-        """1. key = (name id, stream); 2. cluster every key at once; 3. one KernelStats per key."""
+    def kernels(self, cw: ClosedWindow, res, names_out: list | None = None) -> records_pb2.KernelWindow | None:
+        """1. key = (name id, stream); 2. cluster every key at once; 3. one KernelStats per key,
+        with its kernel-name dictionary id (the window's entries appended to ``names_out``)."""
         k = cw.kernels
         n = len(k)
         if not n:
@@ -94,18 +102,30 @@ class Summarizer:
         # rows are grouped by key: offsets of each key's first cluster row
         offsets = np.searchsorted(table.key, np.arange(len(uniq) + 1))
         out = records_pb2.KernelWindow(resource=res, window=cw.window, events=n)
-        names = k.names
         cnt, p50, p99, lo, hi = (table.count.tolist(), table.p50.tolist(), table.p99.tolist(),
                                  table.min.tolist(), table.max.tolist())
+        kid, inline = self._names(cw, uniq, names_out)
         for j, key in enumerate(uniq.tolist()):
             a, b = int(offsets[j]), int(offsets[j + 1])
             ks = out.kernels.add(
-                kernel=names[key >> 32], stream=key & 0xFFFFFFFF, kind=int(kinds[j]),
+                kernel_id=kid[j], kernel=inline[j], stream=key & 0xFFFFFFFF, kind=int(kinds[j]),
                 count=int(sum(cnt[a:b])), total_ns=float(total[j]),
             )
             for r in range(a, b):
                 ks.clusters.add(count=cnt[r], p50_ns=p50[r], p99_ns=p99[r], min_ns=lo[r], max_ns=hi[r])
         return out
+
+    def _names(self, cw: ClosedWindow, uniq: np.ndarray, names_out: list | None) -> tuple[list[int], list[str]]:
+        """Per key its dictionary id and the name it carries inline ("" unless ``names_inline``
+        or its id is taken by another name: ``processor/kernel_names.py`` step 3)."""
+        table = cw.kernels.names
+        used = [table[i] for i in (uniq >> np.uint64(32)).tolist()]
+        kid = self.ids.of(used)
+        inline = used if self.config.names_inline else [n if not i else "" for n, i in zip(used, kid)]
+        if names_out is not None:
+            entries = {i: n for i, n in zip(kid, used) if i}
+            names_out.append(NameTable(cw.resource.job_id, tuple(entries), tuple(entries.values())))
+        return kid, inline
 
     def phases(self, cw: ClosedWindow, res) -> records_pb2.PhaseWindow | None:
         if not cw.phases:
