@@ -15,6 +15,8 @@ from typing import Mapping
 from trainscope.proto.errors import ConfigError
 
 COMPRESSIONS = ("none", "gzip", "snappy", "lz4", "zstd")
+#: How kernel windows are keyed (``KafkaSinkConfig.key_by``).
+KEY_BY = ("job", "group")
 _NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 #: librdkafka settings this sink owns: its guarantees depend on them.
 _OWNED = frozenset({
@@ -133,6 +135,11 @@ class KafkaSinkConfig:
     """Longest wait between metadata probes while the broker is unreachable (backoff starts at 0.1 s)."""
     close_timeout_s: float = 10.0
     """How long ``close`` tries to drain the spool; the rest stays on disk for the next start."""
+    key_by: str = "job"
+    """Record key of the kernel windows: ``job`` (every rank of a job on one partition: one analyzer
+    sees the whole job) or ``group`` (``<job>/dp<index>``: each data-parallel comparison group on its
+    own key, so a job's kernel windows spread over the partitions and the analyzer group's members
+    share the job's L3, ``analyzer/partition.py``). Other signals are always keyed by job."""
     extra: Mapping[str, object] = dataclasses.field(default_factory=dict)
     """More librdkafka settings (``security.protocol``, ``sasl.*``, ``ssl.*`` ...). Settings this
     sink owns (idempotence, acks, compression, linger, timeouts, callbacks) are rejected."""
@@ -149,6 +156,7 @@ class KafkaSinkConfig:
             ("linger_ms", not 0 <= self.linger_ms <= 60_000, "must be in [0, 60000]"),
             ("spool_max_bytes", self.spool_max_bytes < 4096, "must be at least 4096"),
             ("partitions", self.partitions < 1, "must be >= 1"),
+            ("key_by", self.key_by not in KEY_BY, f"one of {', '.join(KEY_BY)}"),
             ("replication_factor", self.replication_factor != -1 and self.replication_factor < 1,
              "-1 (broker default) or >= 1"),
             ("delivery_timeout_s", not self.delivery_timeout_s * 1000 > max(self.linger_ms, 0),

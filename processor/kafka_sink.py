@@ -14,7 +14,10 @@ Design (why it looks like this):
 3. The producer is idempotent (``enable.idempotence``, ``acks=all``):
    librdkafka's own retries never duplicate or reorder within a partition.
    The key is the job id, so every rank of a job (the ranks the analyzer
-   compares with each other) lands on one partition and one consumer.
+   compares with each other) lands on one partition and one consumer; with
+   ``key_by="group"`` kernel windows are keyed by (job, data-parallel
+   comparison group) instead (``group_key``), so one job's L3 spreads over
+   the partitions and the members of the analyzer group (``analyzer/partition.py``).
 4. Outage: ``_ALL_BROKERS_DOWN`` or a fatal error (``error_cb``), a failed
    delivery, or no delivery progress for a while marks the broker down. The
    sender purges the producer, rewinds the spool to the last commit (skipping
@@ -48,12 +51,35 @@ from google.protobuf.message import Message
 
 from trainscope.processor.kafka_config import _NAME, KafkaSinkConfig
 from trainscope.processor.model import WindowOutput
-from trainscope.proto.contracts import SIGNALS, topic_for
+from trainscope.proto.contracts import SIGNALS, Signal, topic_for
+from trainscope.proto.model import DEFAULT_ORDER, DIMS
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.processor.spool import DiskSpool, SpoolFrame
 from trainscope.proto.errors import ConfigError, SinkError, scrub
 
 log = logging.getLogger(__name__)
+
+
+def group_key(resource, dim: str = "dp") -> str:
+    """``<job>/<dim><index>``: the key of a rank's kernel windows when they are keyed by comparison group.
+
+    Ranks compared with each other along ``dim`` share every other coordinate, so the index is
+    the mixed-radix number of those (the analyzer's ``topology.group_index``); a rank without
+    coordinates is in the job's one group (key: the job id).
+    """
+    c = resource.coords
+    if not any((c.dp_size, c.tp_size, c.pp_size, c.ep_size, c.cp_size)):
+        return resource.job_id
+    order = (c.order or DEFAULT_ORDER).split("-")
+    if sorted(order) != sorted(DIMS):
+        order = DEFAULT_ORDER.split("-")
+    index, scale = 0, 1
+    for d in order:
+        if d != dim:
+            v = getattr(c, d)
+            index += v * scale
+            scale *= max(getattr(c, f"{d}_size"), v + 1, 1)
+    return f"{resource.job_id}/{dim}{index}"
 
 
 class _Demoted(logging.LoggerAdapter):
@@ -157,9 +183,11 @@ class KafkaSink:
         return topic
 
     def export(self, out: WindowOutput) -> None:
+        by_group = self.config.key_by == "group"
         for signal, record in out.records():
             res = record.resource
-            self.export_record(signal, record, key=res.job_id, rank=res.rank)
+            key = group_key(res) if by_group and signal == Signal.KERNELS else res.job_id
+            self.export_record(signal, record, key=key, rank=res.rank)
 
     def export_record(self, signal: str, record: Message, *, key: str, rank: int | None = None) -> bool:
         """Spool one protobuf record for ``topic_for(signal)``; False if it was dropped.
