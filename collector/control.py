@@ -11,7 +11,10 @@ target, socket-directory check and credentials (``ClientSecurity``):
    after a jittered, doubling backoff when it broke (a processor that is down
    costs a connection attempt per backoff, nothing on the training thread).
 2. A ``DeepDiveCommand`` is armed in the rank's :class:`DeepDiveWindow`; the
-   training thread opens the window at the command's iteration boundary.
+   training thread opens the window at the command's iteration boundary. A
+   ``StackDumpCommand`` (the stack grid of a collective trigger, Mycroft §5) goes
+   to the rank's ``StackDumper`` (``stacks.py``): py-spy dumps this process on a
+   thread of its own and the dump returns on the ingest stream.
 3. Reports (``DeepDiveReport``: outcome, iterations covered, trace path) are
    queued (bounded, drop-oldest and counted) by whoever makes them, the
    training thread included, and sent by a second daemon thread with the unary
@@ -48,9 +51,11 @@ class ControlClient:
                  security: ClientSecurity | None = None,
                  channel_factory: Callable[[str], grpc.Channel] | None = None,
                  backoff_initial_s: float = 0.5, backoff_max_s: float = 30.0,
-                 max_reports: int = 64) -> None:
+                 max_reports: int = 64, dumper=None) -> None:
         self.target = target
         self.window = window
+        self.dumper = dumper
+        """``stacks.StackDumper`` for stack-grid commands (None: they are refused and counted)."""
         self._resource_fn = resource_fn
         self._security = security
         self._factory = channel_factory
@@ -62,7 +67,8 @@ class ControlClient:
         self._call = None
         self._forked = False
         self.stats: collections.Counter[str] = collections.Counter()
-        """subscribed, commands, reports_sent, reports_dropped, reconnects, refused."""
+        """subscribed, commands, reports_sent, reports_dropped, reconnects, refused, stack_dumps,
+        stack_dumps_refused."""
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork_in_child)
 
@@ -145,11 +151,16 @@ class ControlClient:
                 self.stats["subscribed"] += 1
                 for msg in self._call:
                     backoff = first
-                    if msg.WhichOneof("command") == "deep_dive":
+                    kind = msg.WhichOneof("command")
+                    if kind == "deep_dive":
                         self.stats["commands"] += 1
                         why = self.window.arm(msg.deep_dive)
                         if why is not None:
                             self.stats["refused"] += 1
+                    elif kind == "stack_dump":
+                        self.stats["stack_dumps"] += 1
+                        if self.dumper is None or not self.dumper.request(msg.stack_dump):
+                            self.stats["stack_dumps_refused"] += 1
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else None
                 broke = code != grpc.StatusCode.CANCELLED or not self._stop.is_set()

@@ -204,13 +204,15 @@ def _start_deep_dive(state: InProcess, environ) -> None:
     """The deep-dive window on the hooks' iteration boundaries and the control stream to the processor."""
     from trainscope.collector.control import ControlClient
     from trainscope.collector.deep_dive import DeepDiveWindow
+    from trainscope.collector.stacks import StackDumper
 
     target = getattr(getattr(state.collector, "exporter", None), "config", None)
     if target is None:
         return
     col = state.collector
     window = DeepDiveWindow(env.deep_dive_dir(environ), col.resource.to_pb(), lambda rep: client.report(rep))
-    client = ControlClient(target.target, lambda: col.resource, window)
+    # stack-grid dumps (Mycroft §5) return on the ingest stream, through the exporter's bounded queue
+    client = ControlClient(target.target, lambda: col.resource, window, dumper=StackDumper(col.exporter.submit))
     state.deep_dive, state.control = window, client
     state.hooks.deep_dive = window
     client.start()

@@ -27,6 +27,11 @@ of the training process (and so does a py-spy crash). The sidecar:
 py-spy needs ptrace rights over the ranks (root, CAP_SYS_PTRACE, or
 ``kernel.yama.ptrace_scope=0``); without them each window fails, is counted in
 ``stats["errors"]`` and logged once.
+
+The stack grid (Mycroft §5) is the other use of py-spy here: :class:`StackDumper`
+takes one ``py-spy dump`` of its own rank when the processor asks (a collective
+trigger on one of the rank's groups, ``StackDumpCommand`` on the control stream)
+and returns it on the ingest stream; :func:`parse_dump` reads py-spy's JSON.
 """
 from __future__ import annotations
 
@@ -313,6 +318,127 @@ class StackSidecar:
                     p.wait()
             self._finish(w)
         self._windows.clear()
+
+
+# ------------------------------------------------------------- stack grid
+def parse_dump(text: str, max_threads: int = 64, max_frames: int = 128) -> list[telemetry_pb2.FoldedStack]:
+    """``py-spy dump --json`` output -> one ``FoldedStack`` per thread (count 1), in the sidecar's
+    folded form: ``thread name;outermost frame;...;innermost frame``, a frame ``function (file:line)``.
+
+    py-spy lists a thread's frames innermost first; the ``max_frames`` innermost are kept (the
+    stack grid clusters on them) and at most ``max_threads`` threads. Raises ``ValueError`` on
+    output that is not py-spy's JSON.
+    """
+    doc = json.loads(text)
+    if not isinstance(doc, list):
+        raise ValueError("py-spy dump: expected a JSON list of threads")
+    out = []
+    for t in doc[:max_threads]:
+        if not isinstance(t, dict):
+            raise ValueError("py-spy dump: a thread is not an object")
+        frames = []
+        for f in (t.get("frames") or ())[:max_frames]:
+            name = str(f.get("name") or "?")
+            where = f.get("short_filename") or os.path.basename(str(f.get("filename") or "?"))
+            frames.append(f"{name} ({where}:{int(f.get('line') or 0)})")
+        tid = int(t.get("os_thread_id") or t.get("thread_id") or 0)
+        name = str(t.get("thread_name") or f"thread-{tid}")
+        out.append(telemetry_pb2.FoldedStack(stack=";".join([name, *reversed(frames)]), count=1,
+                                             thread_id=tid & 0xFFFFFFFF, idle=not t.get("active", False)))
+    return out
+
+
+class StackDumper:
+    """The collector's end of a stack-grid request (``StackDumpCommand``, Mycroft §5).
+
+    1. ``request`` (the control stream's thread; O(1), never blocks): one dump at a time: a
+       request while one runs is refused and counted (the processor rate-limits grids per group).
+    2. A daemon thread runs ``py-spy dump --pid <this process> --json [--nonblocking]`` out of
+       process, killed after the command's timeout: the training thread is never stopped by us
+       (``--nonblocking``: py-spy reads the stacks without pausing the process either).
+    3. The dump (or the reason there is none: py-spy missing, ptrace refused, timeout, bad
+       output) goes to the processor as a ``CollectiveBatch`` with one ``StackDump`` through the
+       exporter's bounded queue (``submit``), like every other record of this rank.
+    py-spy needs ptrace rights over this process (root, CAP_SYS_PTRACE, or
+    ``kernel.yama.ptrace_scope`` 0: at 1 a child may not trace its parent).
+    """
+
+    def __init__(self, submit, *, py_spy: str = "py-spy", pid: int | None = None, nonblocking: bool = True,
+                 run=None, training_thread: int | None = None) -> None:
+        self._submit = submit
+        self.py_spy = shutil.which(py_spy) or (py_spy if os.path.exists(py_spy) else None)
+        self._pid = pid
+        self.nonblocking = nonblocking
+        self._run = run or _run_py_spy
+        self._training = training_thread
+        self._busy = threading.Lock()
+        self.stats: collections.Counter[str] = collections.Counter()
+        """requests, busy, dumps, errors, submitted, dropped."""
+
+    def request(self, cmd) -> bool:
+        """Start one dump for ``cmd`` (a ``StackDumpCommand``); False when one is running."""
+        self.stats["requests"] += 1
+        if not self._busy.acquire(blocking=False):
+            self.stats["busy"] += 1
+            return False
+        try:
+            threading.Thread(target=self._dump_and_release, args=(cmd,), name="trainscope-stack-dump",
+                             daemon=True).start()
+        except RuntimeError:   # interpreter shutdown: no new threads
+            self._busy.release()
+            self.stats["busy"] += 1
+            return False
+        return True
+
+    def _dump_and_release(self, cmd) -> None:
+        try:
+            self.submit(self.dump(cmd))
+        except Exception:  # the thread must never raise into the process
+            log.debug("trainscope stack dump failed", exc_info=True)
+        finally:
+            self._busy.release()
+
+    def dump(self, cmd) -> telemetry_pb2.StackDump:
+        """Step 2 (on the calling thread): one dump of this process for ``cmd``."""
+        pid = self._pid or os.getpid()
+        training = self._training if self._training is not None else threading.main_thread().native_id
+        d = telemetry_pb2.StackDump(grid_id=cmd.grid_id, group=cmd.group, trigger=cmd.trigger, seq=cmd.seq,
+                                    expected_ranks=cmd.ranks, taken_unix_ns=time.time_ns(),
+                                    training_thread=(training or 0) & 0xFFFFFFFF)
+        if self.py_spy is None:
+            d.error = "py-spy not found"
+        else:
+            cmd_line = [self.py_spy, "dump", "--pid", str(pid), "--json",
+                        *(["--nonblocking"] if self.nonblocking else [])]
+            t0 = time.monotonic()
+            try:
+                rc, out, err = self._run(cmd_line, min(max(cmd.timeout_s or 5.0, 0.5), 30.0))
+                if rc != 0:
+                    lines = [ln.strip() for ln in err.splitlines() if ln.strip()]
+                    d.error = (next((ln for ln in lines if ln.lower().startswith("error")),
+                                    lines[0] if lines else f"py-spy exit status {rc}"))[:200]
+                else:
+                    d.threads.extend(parse_dump(out))
+            except subprocess.TimeoutExpired:
+                d.error = "py-spy timed out"
+            except (OSError, ValueError, TypeError, AttributeError) as e:
+                d.error = f"py-spy dump unreadable: {e}"[:200]
+            d.took_s = round(time.monotonic() - t0, 4)
+        self.stats["errors" if d.error else "dumps"] += 1
+        return d
+
+    def submit(self, d: telemetry_pb2.StackDump) -> bool:
+        """Step 3: the dump on the ingest stream (bounded exporter queue; drop counted)."""
+        batch = telemetry_pb2.CollectiveBatch(dumps=[d])
+        ok = self._submit(batch, batch.ByteSize())
+        self.stats["submitted" if ok is not False else "dropped"] += 1
+        return ok is not False
+
+
+def _run_py_spy(cmd: list[str], timeout_s: float) -> tuple[int, str, str]:
+    p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s,
+                       start_new_session=True)
+    return p.returncode, p.stdout, p.stderr
 
 
 def main(argv: Sequence[str] | None = None) -> int:

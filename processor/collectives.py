@@ -51,6 +51,21 @@ Triggers (Mycroft §4.3, Algorithm 1), ``Triggers``: on a sample of at most
    rule judges every window). Counted: ``collective_triggers{kind}``,
    ``collective_raw_records{fate=kept|pulled|summarised}``.
 
+The stack grid (Mycroft §5 evidence; ``stack_grid.py``):
+
+7. a trigger on a group (hang or straggler) sends one ``StackDumpCommand``
+   through the control channel (``grids.control``: the host's ``ControlHub``) to
+   every member of the group subscribed to this processor, at once, so their
+   py-spy dumps are taken at about the same moment; at most one grid per
+   (job, group) and ``grid_cooldown_s``. Counted:
+   ``stack_grid_requests{outcome=sent|cooldown|unreachable|error}``.
+8. the dumps come back on the ingest stream (``CollectiveBatch.dumps``),
+   validated like records (bounded threads and stack lengths), and are
+   emitted at once, each as a ``CollectiveWindow`` of its rank holding only
+   the dump (no records, no summaries, ``now_ns`` 0 so the analyzer's rank
+   clock is not moved); the analyzer clusters them (``analyzer/stack_grid.py``).
+   Counted: ``stack_grid_dumps{outcome=ok|error}``.
+
 The closed window's ``raw`` part carries a window with ``end_ns = 0``, so
 ``processor/durability.py`` never counts a collective window as closing a
 rank's iteration windows; collective batches are admitted with end 0 for the
@@ -69,6 +84,7 @@ import numpy as np
 
 from trainscope.processor.model import ClosedWindow, WindowOutput
 from trainscope.processor.selfmetrics import SelfMetrics
+from trainscope.processor.stack_grid import MAX_DUMPS_PER_BATCH, GridRequests, valid_dump
 from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import Resource
@@ -109,15 +125,23 @@ class TriggerConfig:
     """Step 6: closed windows per rank whose raw records a trigger can still pull (5 x 2 s: Mycroft's Δ)."""
     max_groups: int = 10_000
     """(job, group) pairs watched; beyond it the oldest is forgotten (a killed job never says it ended)."""
+    stack_grid: bool = True
+    """Step 7: a trigger asks every member of its group for one py-spy dump (the stack grid)."""
+    grid_cooldown_s: float = 60.0
+    """Step 7: processor seconds between two grids of one (job, group)."""
+    grid_timeout_s: float = 5.0
+    """Step 7: a member's py-spy is killed after this long (its dump then carries the error)."""
 
     def __post_init__(self) -> None:
         if self.raw_records not in RAW_MODES:
             raise ConfigError("collectives.trigger.raw_records", self.raw_records, f"must be one of {RAW_MODES}")
-        for f in ("hang_s", "horizon_s", "hot_s"):
+        for f in ("hang_s", "horizon_s", "hot_s", "grid_timeout_s"):
             if not getattr(self, f) > 0:
                 raise ConfigError(f"collectives.trigger.{f}", getattr(self, f), "must be > 0")
         if not self.slow_factor > 1:
             raise ConfigError("collectives.trigger.slow_factor", self.slow_factor, "must be > 1")
+        if not self.grid_cooldown_s >= 0:
+            raise ConfigError("collectives.trigger.grid_cooldown_s", self.grid_cooldown_s, "must be >= 0")
         for f in ("sample_ranks", "min_completions", "baseline_evals", "relearn_evals", "lookback_windows",
                   "max_groups"):
             if not (isinstance(getattr(self, f), int) and getattr(self, f) >= 1):
@@ -310,7 +334,8 @@ def size_class(nbytes: int) -> int:
 
 def validate(batch: telemetry_pb2.CollectiveBatch, world_size: int, max_ts: int, metrics: SelfMetrics,
              config: CollectiveWindowConfig = CollectiveWindowConfig()) -> tuple[tuple, int, int]:
-    """Step 1: (payload, records, end) where payload is ``(groups, records, now_ns, dropped)``.
+    """Step 1: (payload, records, end) where payload is ``(groups, records, now_ns, dropped, dumps)``
+    (step 8's stack-grid dumps; a batch may hold only those).
 
     ``end`` is always 0: see the module docstring (durability)."""
     if len(batch.records) > config.max_records_per_batch:
@@ -337,10 +362,16 @@ def validate(batch: telemetry_pb2.CollectiveBatch, world_size: int, max_ts: int,
             metrics.inc("records_rejected", 1, reason=reason)
         else:
             good.append(r)
-    if not good:
+    dumps = tuple(d for d in batch.dumps[:MAX_DUMPS_PER_BATCH] if valid_dump(d, world_size, metrics))
+    if len(batch.dumps) > MAX_DUMPS_PER_BATCH:
+        metrics.inc("records_rejected", len(batch.dumps) - MAX_DUMPS_PER_BATCH, reason="stack_dump")
+    if not good and not dumps:
         raise ValueError("collective batch with no valid records")
-    now = batch.now_ns if 0 < batch.now_ns <= max_ts else max(max(r.end_ns, r.enqueue_ns) for r in good)
-    return (tuple(groups), tuple(good), now, batch.dropped_records), len(good), 0
+    if 0 < batch.now_ns <= max_ts:
+        now = batch.now_ns
+    else:
+        now = max((max(r.end_ns, r.enqueue_ns) for r in good), default=0)
+    return (tuple(groups), tuple(good), now, batch.dropped_records, dumps), len(good) + len(dumps), 0
 
 
 class _Open:
@@ -378,10 +409,16 @@ class CollectiveWindows:
         self._hot: dict[tuple[str, str], float] = {}     # (job, group) -> processor clock it stays hot until
         self._ring_seen: dict[tuple[str, int], float] = {}   # when each ring was last appended to
         self._swept = self._clock()
+        self.grids = GridRequests(config.trigger, self.metrics, clock)
+        """Step 7; its ``control`` is the host's ``ControlHub`` (None: no grids)."""
 
     def add(self, resource: Resource, payload: tuple) -> None:
-        """Step 2: file one validated batch under its rank's open window."""
-        groups, records, now_ns, collector_dropped = payload
+        """Step 2: file one validated batch under its rank's open window (step 8: dumps go out at once)."""
+        groups, records, now_ns, collector_dropped = payload[:4]
+        if len(payload) > 4 and payload[4]:
+            self._emit_dumps(resource, payload[4])
+            if not records:
+                return
         key = (resource.job_id, resource.rank)
         held = self._open.get(key)
         if held is None:
@@ -479,9 +516,25 @@ class CollectiveWindows:
             return False
         return True
 
+    # ------------------------------------------------------------ steps 7-8
+    def _emit_dumps(self, resource: Resource, dumps) -> None:
+        """Step 8: a rank's dumps, each at once in a ``CollectiveWindow`` of their own."""
+        key = (resource.job_id, resource.rank)
+        for d in dumps:
+            index = self._index.get(key, 0)
+            self._index[key] = index + 1
+            window = records_pb2.Window(kind=records_pb2.WINDOW_KIND_TIME, index=index)
+            rec = records_pb2.CollectiveWindow(resource=resource.to_pb(), window=window, dumps=[d])
+            self.metrics.inc("stack_grid_dumps", 1, outcome="error" if d.error else "ok")
+            raw = ClosedWindow(resource=resource, window=records_pb2.Window(kind=window.kind, index=index),
+                               kernels=KernelColumns.empty())
+            self._emit(WindowOutput(raw=raw, collectives=rec))
+
     def _on_trigger(self, t: Trigger) -> None:
-        """A trigger on a group: hot for ``hot_s``; pull the group's records from every member's ring."""
+        """A trigger on a group: hot for ``hot_s``; pull the group's records from every member's ring;
+        ask for its stack grid (step 7)."""
         self._hot[(t.job_id, t.group)] = self._clock() + self.config.trigger.hot_s
+        self.grids.request(t)
         if not self._gated:
             return   # every window carries its raw records already
         for m in t.members:

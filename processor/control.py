@@ -189,6 +189,23 @@ class ControlHub:
         with self._lock:
             return sorted(self._subs.get(job, {}))
 
+    def send(self, job: str, ranks, msg: control_pb2.ControlCommand) -> list[int]:
+        """Queue ``msg`` on the streams of ``job``'s subscribed ``ranks`` (any thread; never blocks):
+        the stack grid's dump command (``stack_grid.py``). Returns the ranks reached."""
+        reached = []
+        with self._lock:
+            subs = self._subs.get(job, {})
+            for r in ranks:
+                sub = subs.get(r)
+                if sub is None:
+                    continue
+                try:
+                    sub.queue.put_nowait(msg)
+                    reached.append(r)
+                except queue.Full:
+                    self.stats["commands_dropped"] += 1
+        return reached
+
     # ------------------------------------------------------------------ pace
     def observe(self, d) -> None:
         """An accepted ingest batch (``processor.ingest.Decoded``): iteration marks update the job's pace."""

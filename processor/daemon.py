@@ -151,6 +151,7 @@ class Processor:
             config.control, max_subscribers=max(1, min(config.control.max_subscribers, config.grpc_workers // 2))))
         self.control_servicer = ControlServicer(self.control, config.security)
         self.registry.register(deep_dive_control_metrics(self.control.stats))  # deep_dive_events_total{event}
+        self.pipeline.collectives.grids.control = self.control  # a collective trigger asks for the stack grid
         accept, observe = self.pipeline.accept, self.control.observe
 
         def accept_and_observe(d) -> bool:

@@ -46,6 +46,10 @@ COUNTERS = {
                             ("kind",)),
     "collective_raw_records": ("Raw collective records by fate (kept: emitted with their window; pulled: "
                                "emitted by a trigger; summarised: summaries only)", ("fate",)),
+    "stack_grid_requests": ("Stack grids asked for at a collective trigger, by outcome (sent; cooldown: one per "
+                            "group and grid_cooldown_s; unreachable: no member subscribed here; error)", ("outcome",)),
+    "stack_grid_dumps": ("py-spy dumps of the stack grid received, by outcome (ok; error: the rank said why none)",
+                         ("outcome",)),
 }
 GAUGES = {
     "lag_seconds": ("Now minus the send time of the newest batch, by signal", ("signal",)),
