@@ -36,18 +36,20 @@ class Window(_message.Message):
     def __init__(self, kind: _Optional[_Union[WindowKind, str]] = ..., index: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., first_iteration: _Optional[int] = ..., last_iteration: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class KernelCluster(_message.Message):
-    __slots__ = ("count", "p50_ns", "p99_ns", "min_ns", "max_ns")
+    __slots__ = ("count", "p50_ns", "p99_ns", "min_ns", "max_ns", "shape")
     COUNT_FIELD_NUMBER: _ClassVar[int]
     P50_NS_FIELD_NUMBER: _ClassVar[int]
     P99_NS_FIELD_NUMBER: _ClassVar[int]
     MIN_NS_FIELD_NUMBER: _ClassVar[int]
     MAX_NS_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
     count: int
     p50_ns: float
     p99_ns: float
     min_ns: float
     max_ns: float
-    def __init__(self, count: _Optional[int] = ..., p50_ns: _Optional[float] = ..., p99_ns: _Optional[float] = ..., min_ns: _Optional[float] = ..., max_ns: _Optional[float] = ...) -> None: ...
+    shape: int
+    def __init__(self, count: _Optional[int] = ..., p50_ns: _Optional[float] = ..., p99_ns: _Optional[float] = ..., min_ns: _Optional[float] = ..., max_ns: _Optional[float] = ..., shape: _Optional[int] = ...) -> None: ...
 
 class KernelStats(_message.Message):
     __slots__ = ("kernel", "stream", "kind", "clusters", "count", "total_ns", "kernel_id")
