@@ -1,7 +1,8 @@
 """Turn a closed window into the compact records that leave the processor.
 
 Kernels: one ``KernelStats`` per (kernel, stream) holding its duration
-clusters (count, p50, p99, min, max) from KDE valley clustering (ARGUS §5.2),
+clusters (count, p50, p99, min, max, and ``shape``: p10/p25/p75/p90 packed by
+``trainscope.proto.cluster_shape``) from KDE valley clustering (ARGUS §5.2),
 computed for all keys of the window in one vectorised call. Phases and
 iterations: plain order statistics per name. Stacks: folded stacks merged over
 the window's snapshots, most frequent first, bounded.
@@ -16,6 +17,7 @@ import numpy as np
 from trainscope.processor import kde
 from trainscope.processor.kernel_names import KernelIds, NameTable
 from trainscope.processor.model import ClosedWindow, WindowOutput
+from trainscope.proto import cluster_shape
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import records_pb2, telemetry_pb2
 
@@ -104,6 +106,7 @@ class Summarizer:
         out = records_pb2.KernelWindow(resource=res, window=cw.window, events=n)
         cnt, p50, p99, lo, hi = (table.count.tolist(), table.p50.tolist(), table.p99.tolist(),
                                  table.min.tolist(), table.max.tolist())
+        shape = cluster_shape.pack(table.min, table.max, table.quantiles).tolist()
         kid, inline = self._names(cw, uniq, names_out)
         for j, key in enumerate(uniq.tolist()):
             a, b = int(offsets[j]), int(offsets[j + 1])
@@ -112,7 +115,8 @@ class Summarizer:
                 count=int(sum(cnt[a:b])), total_ns=float(total[j]),
             )
             for r in range(a, b):
-                ks.clusters.add(count=cnt[r], p50_ns=p50[r], p99_ns=p99[r], min_ns=lo[r], max_ns=hi[r])
+                ks.clusters.add(count=cnt[r], p50_ns=p50[r], p99_ns=p99[r], min_ns=lo[r], max_ns=hi[r],
+                                shape=shape[r])
         return out
 
     def _names(self, cw: ClosedWindow, uniq: np.ndarray, names_out: list | None) -> tuple[list[int], list[str]]:

@@ -41,8 +41,9 @@ def assert_matches_numpy(table: ClusterTable, d, keys=None):
             members = vals[start:start + table.count[i]]
             start += table.count[i]
             assert members[0] == table.min[i] and members[-1] == table.max[i]
-            p50, p99 = np.percentile(members, [50, 99])
+            p10, p25, p50, p75, p90, p99 = np.percentile(members, [10, 25, 50, 75, 90, 99])
             assert table.p50[i] == p50 and table.p99[i] == p99
+            np.testing.assert_allclose(table.quantiles[i], [p10, p25, p75, p90], rtol=1e-12)
         # Boundaries fall between distinct values: no value is in two clusters.
         assert np.all(table.max[rows][:-1] < table.min[rows][1:])
 
@@ -109,9 +110,14 @@ def test_finds_modes_and_their_members(spec):
 def test_one_mode_any_size_is_one_exact_cluster(n):
     rng = np.random.default_rng(n)
     d = rng.lognormal(LN(5000.0), 0.2, n)
-    t = one_key(d)
+    t = one_key(d, KdeConfig(split_small=False))
     assert len(t) == 1 and t.count[0] == n
     assert_matches_numpy(t, d)
+    # with split_small (the default) a small key splits only at gaps of >= 1.5x (step 8b)
+    t = one_key(d)
+    assert_matches_numpy(t, d)
+    gaps = np.diff(np.log(np.sort(d)))
+    assert len(t) == (1 + int((gaps >= LN(1.5)).sum()) if n < 8 else 1)
 
 
 def test_a_million_samples_one_mode():
@@ -155,11 +161,23 @@ def test_two_modes_with_small_n():
     assert np.array_equal(np.searchsorted(t.max, d), labels)
 
 
-def test_below_exact_threshold_is_one_cluster_even_if_bimodal():
+def test_below_exact_threshold_is_one_cluster_without_split_small():
     d = np.array([1.0, 1.0, 1.0, 100.0, 100.0, 100.0, 100.0])
-    t = one_key(d, KdeConfig(exact_below=8))
+    t = one_key(d, KdeConfig(exact_below=8, split_small=False))
     assert len(t) == 1 and t.count[0] == 7
     assert_matches_numpy(t, d)
+
+
+def test_small_keys_split_at_wide_gaps_only():
+    # step 8b: below exact_below, every gap of >= min_spacing (1.5x) is a boundary, narrower ones are not;
+    # keys at or above exact_below are left to the KDE (no split between 7 calls near 10 and 1 at 20)
+    d = np.array([7.0, 11, 12, 14, 149, 244, 3844, 5, 5, 5, 5, 5, 5, 5, 10, 10, 10, 10, 10, 10, 10, 20])
+    k = np.array([0] * 7 + [1] * 7 + [2] * 8)
+    t = cluster_keys(d, k, 3)
+    assert t.count[t.rows(0)].tolist() == [1, 3, 1, 1, 1]
+    assert t.count[t.rows(1)].tolist() == [7]
+    assert t.count[t.rows(2)].tolist() == [8]
+    assert_matches_numpy(t, d, k)
 
 
 def test_all_equal_values_are_one_cluster():
