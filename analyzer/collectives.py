@@ -62,6 +62,9 @@ has not started the op"), checked on every analyzer step, not per window:
    first-stuck rank is the one whose last collective on the group is the
    oldest (lowest seq); it is the culprit of a ``stall`` finding naming the
    group and seq; the members in flight are its waiters.
+
+Stall and late-start findings carry the group's stack grid when its py-spy dumps
+are in (Mycroft §5 evidence, ``stack_grid.py``).
 """
 from __future__ import annotations
 
@@ -71,7 +74,7 @@ from typing import Mapping
 
 import numpy as np
 
-from trainscope.analyzer import provenance, waiting_graph
+from trainscope.analyzer import provenance, stack_grid, waiting_graph
 from trainscope.analyzer.model import CULPRIT, WAITER, Finding, Scope, SuspectRank
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import records_pb2
@@ -104,6 +107,8 @@ class CollectivesConfig:
     """Step 6: slow links from step records (``provenance.py``)."""
     max_step_flows: int = 4_000_000
     """Step 6: flow steps held per job (40 bytes each); records beyond it keep no steps (counted)."""
+    stack_grid: stack_grid.StackGridConfig = dataclasses.field(default_factory=stack_grid.StackGridConfig)
+    """The py-spy dumps of a triggering group, clustered and attached to stall and late-start findings."""
 
     def __post_init__(self) -> None:
         for f in ("hang_timeout_s", "late_factor", "min_late_ms", "slow_factor"):
@@ -187,6 +192,7 @@ class CollectiveState:
         self.records = 0
         self.step_flows = 0                 # step 6: flow steps held (bounded by max_step_flows)
         self.steps_dropped = 0              # records whose steps were not kept (bound reached)
+        self.grids = stack_grid.GridBook(config.stack_grid)   # Mycroft §5 evidence (analyzer/stack_grid.py)
 
     def _release(self, row: Mapping[int, tuple]) -> None:
         self.step_flows -= sum(v[9].flows for v in row.values() if v[9] is not None)
@@ -199,6 +205,8 @@ class CollectiveState:
             self.hosts[rank] = rec.resource.host
         if rec.resource.coords.pp_size > 1:
             self.stages[rank] = rec.resource.coords.pp
+        if rec.dumps:
+            self.grids.absorb(rank, rec.dumps)
         ids = []
         for g in rec.groups:
             grp = self.groups.get(g.id)
@@ -356,7 +364,7 @@ class CollectiveState:
             SuspectRank(m, 1.0, {"waited_ms": round(sum(w) / len(w) / 1e6, 3), "group": gid, "seq": seq,
                                  "ratio": 2.0}, impact_ns=sum(w) / it, role=WAITER, waited_for=rank)
             for m, w in sorted(waits_of.items()) if m != rank and w)
-        out = [culprit]
+        out = [self.grids.attach(culprit, gid, 0, grp.members)]
         if waiters:
             out.append(Finding(level=LEVEL, kind="collective_wait", job_id=job_id, window=window,
                                scope=Scope(group="collective"), suspects=waiters, comparison="peers",
@@ -410,15 +418,16 @@ class CollectiveState:
                     "group": gid, "seq": seq, "op": op, "last_seq": last_seen[first],
                     "function": f"never entered {op} (group {gid}, seq {seq})",
                     "waited_s": round(waited / 1e9, 3)}, impact_ns=float(waited), role=CULPRIT)]
-                out.append(Finding(
+                out.append(self.grids.attach(Finding(
                     level=LEVEL, kind="stall", job_id=job_id, window=window, scope=Scope(group="collective"),
                     suspects=tuple(suspects), severity=waited / 1e9, job_impact_ns=float(waited), comparison="job",
                     evidence={"rule": "collective hang (Mycroft §4.3 timeout, §5 not started)", "group": gid,
                               "seq": seq, "op": op, "first_stuck_rank": first,
                               "waiting_ranks": sorted(waiting), "absent_ranks": absent,
-                              "waited_s": round(waited / 1e9, 3), "hang_timeout_s": cfg.hang_timeout_s}))
+                              "waited_s": round(waited / 1e9, 3), "hang_timeout_s": cfg.hang_timeout_s}),
+                    gid, seq, grp.members))
                 break
-        return out
+        return out + self.grids.updates()   # stalls issued again once their stack grid is in
 
 
 __all__ = ["CollectiveState", "CollectivesConfig", "LEVEL"]
