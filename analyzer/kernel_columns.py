@@ -27,7 +27,10 @@ no Python object is made per rank, kernel or cluster.
    order, kernels in wire order). Names of one length are hashed to 64 bits
    as rows of bytes; every name is then compared byte for byte with the first
    name of its hash, so a hash collision is caught, never trusted (it raises
-   and the caller reads the messages).
+   and the caller reads the messages). A ``KernelStats`` with a kernel id (7,
+   fixed64) and no name is keyed by (id, stream) and named from the job's
+   dictionary (``names``: id → name; ``kernel#<id>`` when it has no entry);
+   keys of named and id-only records with one (name, stream) are one key.
 """
 from __future__ import annotations
 
@@ -35,6 +38,8 @@ import dataclasses
 from typing import Mapping
 
 import numpy as np
+
+from trainscope.processor.kernel_names import label
 
 _WIRE_OK = np.array([True, True, True, False, False, True, False, False])   # groups (3, 4) unsupported
 _TOP = np.uint64(0x8080808080808080)
@@ -179,6 +184,40 @@ def _name_words(buf: _Buffer, a: np.ndarray, length: int) -> np.ndarray:
     return w
 
 
+def _keys(buf: _Buffer, name_a: np.ndarray, name_b: np.ndarray, stream: np.ndarray, kid_pos: np.ndarray,
+          names: Mapping[int, str] | None) -> tuple[np.ndarray, list[tuple[str, int]]]:
+    """Step 5 over named and id-only records: a key id per item (order of first appearance) and
+    the keys as (name, stream)."""
+    def text(i: int) -> str:
+        return bytes(buf.bytes[name_a[i]:name_b[i]]).decode("utf-8", "replace")
+
+    named = name_b > name_a
+    if named.all() or not (kid_pos >= 0).any():
+        key_id, first = _name_ids(buf, name_a, name_b, stream)
+        return key_id, [(text(i), int(stream[i])) for i in first.tolist()]
+    local = np.empty(named.size, dtype=np.int64)
+    cand: list[tuple[int, tuple[str, int]]] = []           # (first item, key) per local key
+    sel = np.flatnonzero(named)
+    if sel.size:
+        kn, fn = _name_ids(buf, name_a[sel], name_b[sel], stream[sel])
+        local[sel] = kn
+        cand += [(int(sel[f]), (text(int(sel[f])), int(stream[sel[f]]))) for f in fn.tolist()]
+    sel = np.flatnonzero(~named)
+    kid = np.where(kid_pos[sel] >= 0, buf.words[np.maximum(kid_pos[sel], 0)], np.uint64(0))
+    pairs, fi, inv = np.unique(np.stack([kid, stream[sel].astype(np.uint64)], axis=1), axis=0,
+                               return_index=True, return_inverse=True)
+    local[sel] = len(cand) + inv.reshape(-1)
+    lookup = names.get if names is not None else (lambda k: None)
+    for (k, sid), f in zip(pairs.tolist(), fi.tolist()):
+        cand.append((int(sel[f]), (lookup(k) or label(k) if k else "", int(sid))))
+    order = sorted(range(len(cand)), key=lambda c: cand[c][0])
+    number: dict[tuple[str, int], int] = {}
+    remap = np.empty(len(cand), dtype=np.int64)
+    for c in order:
+        remap[c] = number.setdefault(cand[c][1], len(number))
+    return remap[local], list(number)
+
+
 def _name_ids(buf: _Buffer, a: np.ndarray, b: np.ndarray, stream: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Step 5: per item a key id for (bytes a:b, stream), ids in order of first appearance, and the
     first item of each key."""
@@ -237,23 +276,24 @@ class KernelColumns:
 
 
 KERNELS = (Field(3, 2, repeated=True),)
-STATS = (Field(1, 2), Field(2, 0), Field(4, 2, repeated=True), Field(5, 0), Field(6, 1))
+STATS = (Field(1, 2), Field(2, 0), Field(4, 2, repeated=True), Field(5, 0), Field(6, 1), Field(7, 1))
 CLUSTER = (Field(1, 0), Field(2, 1), Field(3, 1), Field(5, 1))
 
 
-def kernel_columns(kernels: Mapping[int, object]) -> KernelColumns:
-    """Steps 1-5 for {rank: KernelWindow} (ranks in ascending order). Raises ``WireError`` on bytes it
-    does not handle."""
+def kernel_columns(kernels: Mapping[int, object], names: Mapping[int, str] | None = None) -> KernelColumns:
+    """Steps 1-5 for {rank: KernelWindow} (ranks in ascending order); ``names``: the job's kernel-name
+    dictionary, for records with ids and no names. Raises ``WireError`` on bytes it does not handle."""
     ranks = sorted(kernels)
     data = bytearray()
     bounds = [0]
     for r in ranks:
         data += kernels[r].SerializeToString()
         bounds.append(len(data))
-    return columns_from_bytes(data, np.asarray(ranks, dtype=np.int64), np.asarray(bounds, dtype=np.int64))
+    return columns_from_bytes(data, np.asarray(ranks, dtype=np.int64), np.asarray(bounds, dtype=np.int64), names)
 
 
-def columns_from_bytes(data, ranks: np.ndarray, bounds: np.ndarray) -> KernelColumns:
+def columns_from_bytes(data, ranks: np.ndarray, bounds: np.ndarray,
+                       names: Mapping[int, str] | None = None) -> KernelColumns:
     """Steps 2-5 on serialised KernelWindows: message ``i`` (rank ``ranks[i]``) is ``data[bounds[i]:bounds[i+1]]``."""
     buf = _Buffer(data)
     ks_msg, ks_a, ks_b = scan(buf, bounds[:-1], bounds[1:], KERNELS)[3]
@@ -263,9 +303,7 @@ def columns_from_bytes(data, ranks: np.ndarray, bounds: np.ndarray) -> KernelCol
     has = n_cl > 0                                        # a KernelStats without clusters is no distribution
     name_a, name_b = st[1][0][has], st[1][1][has]
     stream = st[2][has]
-    key_id, first = _name_ids(buf, name_a, name_b, stream)
-    keys = [(bytes(buf.bytes[name_a[i]:name_b[i]]).decode("utf-8", "replace"), int(stream[i]))
-            for i in first.tolist()]
+    key_id, keys = _keys(buf, name_a, name_b, stream, st[7][has], names)
     cl = scan(buf, cl_a, cl_b, CLUSTER)
 
     def double(p):
@@ -290,14 +328,15 @@ class KernelTotals:
     total_ns: np.ndarray
 
 
-def totals_from_bytes(data, bounds: np.ndarray) -> KernelTotals:
-    """Steps 2-5 without the clusters: what ``trainscope query kernels`` sums per (kernel, rank)."""
+def totals_from_bytes(data, bounds: np.ndarray, names: Mapping[int, str] | None = None) -> KernelTotals:
+    """Steps 2-5 without the clusters: what ``trainscope query kernels`` sums per (kernel, rank);
+    ``names``: the kernel-name dictionary of the records' job."""
     buf = _Buffer(data)
     bounds = np.asarray(bounds, dtype=np.int64)
     msg, a, b = scan(buf, bounds[:-1], bounds[1:], KERNELS)[3]
-    st = scan(buf, a, b, (Field(1, 2), Field(5, 0), Field(6, 1)))
+    st = scan(buf, a, b, (Field(1, 2), Field(5, 0), Field(6, 1), Field(7, 1)))
     name_a, name_b = st[1]
-    name_id, first = _name_ids(buf, name_a, name_b, np.zeros(name_a.size, dtype=np.int64))
-    names = [bytes(buf.bytes[name_a[i]:name_b[i]]).decode("utf-8", "replace") for i in first.tolist()]
+    name_id, keys = _keys(buf, name_a, name_b, np.zeros(name_a.size, dtype=np.int64), st[7], names)
+    names = [k for k, _ in keys]
     total = np.where(st[6] >= 0, buf.doubles[np.maximum(st[6], 0)], 0.0)
     return KernelTotals(names, name_id, msg, st[5], total)

@@ -235,7 +235,7 @@ class Query:
         if last:
             held = records.windows(Signal.KERNELS, job)
             first = held[-last][1] if len(held) >= last else None
-        busy = _kernel_busy(records.raw(Signal.KERNELS, job, first_window=first))
+        busy = _kernel_busy(records.raw(Signal.KERNELS, job, first_window=first), records.kernel_names(job))
         if rank not in busy.ranks and not flagged.by:
             raise QueryError(f"job {job!r} has no kernel records or kernel findings for rank {rank}")
         rows = []
@@ -361,7 +361,7 @@ class _Busy:
     are the ones adding the records one by one gives), read from the wire format at once
     (``kernel_columns.totals_from_bytes``)."""
 
-    def __init__(self, rows) -> None:
+    def __init__(self, rows, names=None) -> None:
         from trainscope.analyzer.kernel_columns import totals_from_bytes
 
         ranks = np.array([r[0] for r in rows], dtype=np.int64)
@@ -369,7 +369,7 @@ class _Busy:
         self.ranks = set(ranks.tolist())
         order = sorted(self.ranks)
         self.rank_index = {r: i for i, r in enumerate(order)}
-        tot = totals_from_bytes(bytearray().join(r[3] for r in rows), bounds)
+        tot = totals_from_bytes(bytearray().join(r[3] for r in rows), bounds, names)  # ids named by the job's dictionary
         self.names = {name: i for i, name in enumerate(tot.names)}
         R = len(order)
         pos = np.searchsorted(np.asarray(order, dtype=np.int64), ranks[tot.message]) if order else tot.message
@@ -395,8 +395,8 @@ class _Busy:
         return self.calls[k], self.busy[k]
 
 
-def _kernel_busy(rows) -> _Busy:
-    return _Busy(rows)
+def _kernel_busy(rows, names=None) -> _Busy:
+    return _Busy(rows, names)
 
 
 class _Tally:

@@ -9,6 +9,13 @@ One small Protocol, three implementations:
   (the scale-out path). A record that cannot be parsed is counted and kept
   (``bad_records``) with its raw bytes, never fatal (confluent-kafka's
   ``ConsumeError`` carries the message the same way).
+
+Kernel windows carry kernel ids; every source also reads the jobs' kernel-name
+dictionaries (``<prefix>.kernel_names.v1`` from offset 0, or the store's
+``kernel_names`` table) and hands on kernel windows with their names filled in
+(``kernel_names.NameResolver``: a window whose names have not come yet waits,
+bounded, with the rest of its job). ``names.counters`` counts bad and
+conflicting entries and ids that stayed unknown.
 """
 from __future__ import annotations
 
@@ -19,8 +26,11 @@ from typing import Protocol
 
 from google.protobuf.message import DecodeError, Message
 
+from trainscope.analyzer.kernel_names import NameResolver
 from trainscope.processor.bus import EmbeddedBus
-from trainscope.proto.contracts import RECORD_TYPES, SIGNALS, topic_for
+from trainscope.processor.kernel_names import KERNEL_NAMES, from_signed
+from trainscope.proto.contracts import RECORD_TYPES, SIGNALS, Signal, topic_for
+from trainscope.proto.v1 import records_pb2
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +55,7 @@ class _Parsing:
     def __init__(self, max_bad: int = 1000) -> None:
         self.bad_records: collections.deque[BadRecord] = collections.deque(maxlen=max_bad)
         self.bad_total = 0
+        self.names = NameResolver()
 
     def parse(self, signal: str, raw: bytes) -> Message | None:
         try:
@@ -66,9 +77,16 @@ class BusSource(_Parsing):
         self.bus = bus
         self.topics = {topic_for(s, prefix): s for s in SIGNALS}
         self.offsets = {t: 0 if from_beginning else bus.end_offset(t) for t in self.topics}
+        self.names_topic = topic_for(KERNEL_NAMES, prefix)
+        self.names_offset = 0   # the dictionary: always from the beginning
 
     def poll(self, timeout_s: float = 0.0) -> list[tuple[str, Message]]:
         out = []
+        names = self.bus.poll(self.names_topic, self.names_offset)   # before the windows that use them
+        if names:
+            self.names_offset = names[-1].offset + 1
+        for r in names:
+            self.names.add_raw(r.value)
         for topic, signal in self.topics.items():
             recs = self.bus.poll(topic, self.offsets[topic])
             if recs:
@@ -77,7 +95,8 @@ class BusSource(_Parsing):
                 rec = self.parse(signal, r.value)
                 if rec is not None:
                     out.append((signal, rec))
-        if not out and timeout_s > 0:
+        out = self.names.resolve(out)
+        if not out and not self.names.held and timeout_s > 0:
             # wait on one topic; others are picked up on the next poll
             t = next(iter(self.topics))
             self.bus.poll(t, self.offsets[t], max_records=1, timeout_s=timeout_s)
@@ -95,6 +114,7 @@ class StoreSource(_Parsing):
         import sqlite3
         self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
         self.last_id = from_id
+        self.last_name_row = 0
 
     def poll(self, timeout_s: float = 0.0) -> list[tuple[str, Message]]:
         import sqlite3
@@ -106,6 +126,19 @@ class StoreSource(_Parsing):
         except sqlite3.OperationalError as e:   # store not created yet, or busy
             log.debug("store poll: %s", e)
             rows = []
+        try:   # after the records: entries are committed with (or before) the windows that use them
+            names = self._db.execute("SELECT rowid, job, id, name FROM kernel_names WHERE rowid > ? ORDER BY rowid",
+                                     (self.last_name_row,)).fetchall()
+        except sqlite3.OperationalError as e:   # a store of an older version: no dictionary
+            log.debug("store poll (kernel names): %s", e)
+            names = []
+        if names:
+            self.last_name_row = names[-1][0]
+            by_job: dict = collections.defaultdict(list)
+            for _, job, kid, name in names:
+                by_job[job].append(records_pb2.KernelName(id=from_signed(kid), name=name))
+            for job, entries in by_job.items():
+                self.names.add(records_pb2.KernelNames(job_id=job, names=entries))
         if not rows and timeout_s > 0:
             time.sleep(min(timeout_s, 0.2))
         out = []
@@ -114,7 +147,7 @@ class StoreSource(_Parsing):
             rec = self.parse(signal, value)
             if rec is not None:
                 out.append((signal, rec))
-        return out
+        return self.names.resolve(out)
 
     def close(self) -> None:
         self._db.close()
@@ -190,8 +223,50 @@ class KafkaSource(_Parsing):
             raise ConfigError("kafka.extra", extra, scrub(str(e), extra)) from None
         self._consumer.subscribe(list(self.topics))
         self.errors = 0
+        # the dictionary: every member reads all of it from the beginning (assigned, no group, no
+        # commits), on restart too; partitions are (re)assigned as the topic appears or grows
+        self.names_topic = topic_for(KERNEL_NAMES, prefix)
+        self._names = Consumer({**{k: v for k, v in settings.items() if k not in ("group.instance.id",)},
+                                "group.id": f"{group_id}.kernel-names", "enable.auto.commit": False,
+                                "auto.offset.reset": "earliest"})
+        self._names_parts: set[int] = set()
+        self._names_check = 0.0
+        self._assign_names()
+
+    def _assign_names(self) -> None:
+        import time
+
+        from confluent_kafka import OFFSET_BEGINNING, KafkaException, TopicPartition
+        self._names_check = time.monotonic() + (5.0 if not self._names_parts else 60.0)
+        try:
+            md = self._names.list_topics(timeout=2.0)   # all topics: naming it would auto-create it uncompacted
+        except KafkaException as e:
+            log.debug("kernel names: no metadata yet: %s", e)
+            return
+        t = md.topics.get(self.names_topic)
+        if t is None or t.error is not None:
+            return
+        new = sorted(set(t.partitions) - self._names_parts)
+        if new:
+            self._names.incremental_assign([TopicPartition(self.names_topic, p, OFFSET_BEGINNING) for p in new])
+            self._names_parts.update(new)
+
+    def _poll_names(self, timeout_s: float) -> None:
+        import time
+
+        if time.monotonic() >= self._names_check:
+            self._assign_names()
+        if not self._names_parts:
+            return
+        for m in self._names.consume(num_messages=10_000, timeout=timeout_s):
+            if m.error():
+                self.errors += 1
+                log.debug("kafka consume error (kernel names): %s", m.error())
+                continue
+            self.names.add_raw(m.value())
 
     def poll(self, timeout_s: float = 0.0) -> list[tuple[str, Message]]:
+        self._poll_names(0.0)
         msgs = self._consumer.consume(num_messages=10_000, timeout=max(timeout_s, 0.0))
         out = []
         for m in msgs:
@@ -205,7 +280,10 @@ class KafkaSource(_Parsing):
             rec = self.parse(signal, m.value())
             if rec is not None:
                 out.append((signal, rec))
-        return out
+        if self.names.held or any(s == Signal.KERNELS for s, _ in out):
+            self._poll_names(0.05 if self.names.held else 0.0)   # names sent just before their windows
+        return self.names.resolve(out)
 
     def close(self) -> None:
         self._consumer.close()
+        self._names.close()

@@ -3,7 +3,9 @@
 Topics are bounded logs with offsets, so the analyzer reads the embedded bus
 and Kafka through the same shape of API (poll from an offset, keys, headers).
 Topic names are the Kafka ones (``topic_for``) so nothing changes when a
-broker is configured. The oldest records are dropped past ``max_records``
+broker is configured. A job's kernel-name dictionary entries go to
+``<prefix>.kernel_names.v1`` before the first window that uses them
+(``processor/kernel_names.py``); readers read that topic from offset 0. The oldest records are dropped past ``max_records``
 per topic and counted (``drops{where="bus"}``).
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ import dataclasses
 import threading
 from typing import Deque
 
+from trainscope.processor.kernel_names import KERNEL_NAMES, Sent
 from trainscope.processor.model import WindowOutput
 from trainscope.proto.contracts import TOPIC_PREFIX, topic_for
 from trainscope.processor.selfmetrics import SelfMetrics
@@ -75,9 +78,17 @@ class BusSink:
         self.bus = bus
         self.metrics = metrics
         self.prefix = prefix
+        self._sent = Sent()
 
     def export(self, out: WindowOutput) -> None:
         key = out.raw.resource.job_id.encode()
+        names = self._sent.new(out.kernel_names)
+        if names is not None:  # the window's new dictionary entries, before the window
+            value = names.SerializeToString()
+            self.bus.publish(topic_for(KERNEL_NAMES, self.prefix), key, value, (("signal", KERNEL_NAMES.encode()),))
+            self._sent.mark(names)
+            self.metrics.inc("records_out", sink=self.name, signal=KERNEL_NAMES)
+            self.metrics.inc("bytes_out", len(value), sink=self.name, signal=KERNEL_NAMES)
         for signal, rec in out.records():
             value = rec.SerializeToString()
             self.bus.publish(topic_for(signal, self.prefix), key, value,

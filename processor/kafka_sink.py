@@ -35,6 +35,12 @@ Design (why it looks like this):
    budget of ``close_timeout_s`` spent waiting with nothing acknowledged; when
    it is used up the sink says once what stays spooled, and later flushes return
    at once until a record is delivered again (which refills the budget).
+6. The kernel-name dictionary (``processor/kernel_names.py``): a window's new (job, id →
+   name) entries are spooled before the window, one record per entry keyed ``<job>/<id>``
+   on ``<prefix>.kernel_names.v1``, created with ``cleanup.policy=compact`` (the newest
+   record per key is kept for ever: a consumer that starts later reads the whole dictionary
+   from offset 0). After an outage every entry counts as unsent again (a broker with memory
+   storage comes back without them); re-sent entries are identical, so harmless.
 """
 from __future__ import annotations
 
@@ -50,6 +56,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from google.protobuf.message import Message
 
 from trainscope.processor.kafka_config import _NAME, KafkaSinkConfig
+from trainscope.processor.kernel_names import KERNEL_NAMES, Sent, split
 from trainscope.processor.model import WindowOutput
 from trainscope.proto.contracts import SIGNALS, Signal, topic_for
 from trainscope.proto.model import DEFAULT_ORDER, DIMS
@@ -139,6 +146,10 @@ class KafkaSink:
             raise ConfigError("kafka.extra", dict(config.extra), scrub(str(e), config.extra)) from None
         self._topics: dict[str, str] = {}
         self._wanted = {self.topic_for(s) for s in SIGNALS}  # created at start; others on first use
+        self._names_topic = self.topic_for(KERNEL_NAMES)
+        self._wanted.add(self._names_topic)
+        self._sent = Sent()              # dictionary entries spooled, per job (processor thread)
+        self._resend_names = False       # set by the sender after an outage
         self._ensured: set[str] = set()  # topics settled on this broker incarnation
         self._present: set[str] = set()  # ... of which seen in metadata (must not vanish)
         self._window: collections.deque[_Entry] = collections.deque()
@@ -183,6 +194,13 @@ class KafkaSink:
         return topic
 
     def export(self, out: WindowOutput) -> None:
+        if self._resend_names:
+            self._resend_names = False
+            self._sent.forget()
+        names = self._sent.new(out.kernel_names)
+        if names is not None:   # before the window: one compacted record per entry
+            if all([self.export_record(KERNEL_NAMES, one, key=key) for key, one in split(names)]):
+                self._sent.mark(names)
         by_group = self.config.key_by == "group"
         for signal, record in out.records():
             res = record.resource
@@ -472,6 +490,7 @@ class KafkaSink:
         self._since_rewind = 0
         self._spool.rewind()
         self._up = False
+        self._resend_names = True   # the broker may come back without the dictionary
         self._ensured, self._present = set(), set()
         self._suspect = False
         self._backoff = 0.1
@@ -522,7 +541,8 @@ class KafkaSink:
         self._present |= topics.difference(missing)
         ok = True
         timeout = min(self.config.delivery_timeout_s, 10.0)
-        new = [NewTopic(t, num_partitions=self.config.partitions, replication_factor=self.config.replication_factor)
+        new = [NewTopic(t, num_partitions=self.config.partitions, replication_factor=self.config.replication_factor,
+                        config={"cleanup.policy": "compact"} if t == self._names_topic else {})
                for t in missing]
         for topic, fut in (self._admin.create_topics(new, request_timeout=timeout) if new else {}).items():
             try:

@@ -18,6 +18,12 @@ one rank or a few windows of a 10,000-rank job reads only those rows
 (``records(..., rank=, first_window=)``, ``newest_per_rank``, ``ranks``,
 ``windows``).
 
+Kernel names: ``KernelWindow`` rows carry kernel ids (``processor/kernel_names.py``); the
+job's dictionary is the ``kernel_names`` table (job, id as signed 64-bit, name), written in the
+window's own transaction (first entry of an id kept), never aged out (a job's distinct
+kernels: kilobytes). ``records`` gives kernel windows with their names filled in;
+``raw`` gives the bytes as stored, and ``kernel_names(job)`` the dictionary to read them with.
+
 Retention: ``max_rows`` per signal (oldest deleted first) bounds the file; and
 ``keep_windows`` (default None: never) ages out, per job and window kind, the
 records of windows older than the newest ``keep_windows`` — only when set,
@@ -37,8 +43,9 @@ import threading
 import time
 from typing import Iterator
 
+from trainscope.processor.kernel_names import KERNEL_NAMES, Sent, fill_names, from_signed, to_signed
 from trainscope.processor.model import WindowOutput
-from trainscope.proto.contracts import RECORD_TYPES, SIGNALS
+from trainscope.proto.contracts import RECORD_TYPES, SIGNALS, Signal
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.securefs import open_private
@@ -58,6 +65,12 @@ CREATE TABLE IF NOT EXISTS records (
 );
 CREATE INDEX IF NOT EXISTS records_by_job ON records (signal, job, window_index, rank);
 CREATE INDEX IF NOT EXISTS records_by_rank ON records (signal, job, rank, window_index);
+CREATE TABLE IF NOT EXISTS kernel_names (
+    job TEXT NOT NULL,
+    id INTEGER NOT NULL,
+    name TEXT NOT NULL,
+    PRIMARY KEY (job, id)
+);
 """
 #: The processor's tables in a store file (the analyzer adds ``analyzer.store.TABLES``).
 TABLES = frozenset({"records"})
@@ -165,15 +178,24 @@ class SqliteStore:
         self.put_many([(signal, rec)])
 
     def put_many(self, items) -> None:
-        """Insert (signal, record) pairs in one transaction."""
+        """Insert (signal, record) pairs in one transaction; ``(KERNEL_NAMES, KernelNames)`` items
+        go to the dictionary table."""
+        names = [(n.job_id, to_signed(e.id), e.name) for signal, n in items if signal == KERNEL_NAMES
+                 for e in n.names if e.id]
         rows = [(signal, rec.resource.job_id, rec.resource.rank, rec.window.kind, rec.window.index,
-                 rec.window.start_ns, rec.window.end_ns, rec.SerializeToString()) for signal, rec in items]
-        if not rows:
+                 rec.window.start_ns, rec.window.end_ns, rec.SerializeToString()) for signal, rec in items
+                if signal != KERNEL_NAMES]
+        if not rows and not names:
             return
+
+        def write(db) -> None:
+            if names:
+                db.executemany("INSERT OR IGNORE INTO kernel_names (job, id, name) VALUES (?,?,?)", names)
+            db.executemany("INSERT INTO records (signal, job, rank, window_kind, window_index, window_start,"
+                           " window_end, value) VALUES (?,?,?,?,?,?,?,?)", rows)
+
         with self._lock:
-            self._transaction(lambda db: db.executemany(
-                "INSERT INTO records (signal, job, rank, window_kind, window_index, window_start,"
-                " window_end, value) VALUES (?,?,?,?,?,?,?,?)", rows))
+            self._transaction(write)
             before = self._inserted
             self._inserted += len(rows)
             if self._inserted // 10_000 != before // 10_000:
@@ -248,8 +270,26 @@ class SqliteStore:
         """Stored records of one signal (optionally one job, one rank, windows from ``first_window``
         on), in insertion order."""
         cls = RECORD_TYPES[signal]
-        for (value,) in self._select("value", signal, job, rank, first_window, " ORDER BY id"):
-            yield cls.FromString(value)
+        rows = self._select("value" if signal != Signal.KERNELS else "value, job", signal, job, rank, first_window,
+                            " ORDER BY id")
+        if signal != Signal.KERNELS:
+            for (value,) in rows:
+                yield cls.FromString(value)
+            return
+        books: dict[str, dict[int, str]] = {}
+        for value, j in rows:
+            kw = cls.FromString(value)
+            book = books.get(j)
+            if book is None:
+                book = books[j] = self.kernel_names(j)
+            fill_names(kw, book.get)
+            yield kw
+
+    def kernel_names(self, job: str) -> dict[int, str]:
+        """The job's kernel-name dictionary, id -> name."""
+        with self._lock:
+            rows = self._db.execute("SELECT id, name FROM kernel_names WHERE job = ?", (job,)).fetchall()
+        return {from_signed(i): n for i, n in rows}
 
     def raw(self, signal: str, job: str | None = None, *, rank: int | None = None,
             first_window: int | None = None) -> list[tuple[int, int, int, bytes]]:
@@ -311,6 +351,11 @@ def _fault(e: BaseException) -> str | None:
     return None  # OverflowError, IntegrityError, ...: this record will never fit
 
 
+def _records(items) -> int:
+    """The window records among a window's items (its dictionary entries are not counted)."""
+    return sum(1 for signal, _ in items if signal != KERNEL_NAMES)
+
+
 class StoreSink:
     """Writes every window's records to the local store (a ``Sink``), retrying failed writes."""
 
@@ -326,9 +371,13 @@ class StoreSink:
         self._next_retry = 0.0
         self.fault: str | None = None       # what the last failed write said, until a write succeeds
         self.fault_since: float | None = None
+        self._sent = Sent()                 # dictionary entries written, per job
 
     def export(self, out: WindowOutput) -> None:
         items = list(out.records())
+        names = self._sent.new(out.kernel_names)
+        if names is not None:   # written in the window's transaction, marked sent once it is
+            items.insert(0, (KERNEL_NAMES, names))
         if not items:
             return
         if self._backlog:
@@ -347,7 +396,7 @@ class StoreSink:
             if kind is None:
                 log.warning("store refused a window's records for good (%s: %s); dropped",
                             type(e).__name__, e)
-                self.metrics.inc("drops", len(items), where="store_invalid")
+                self.metrics.inc("drops", _records(items), where="store_invalid")
                 return True
             if self.fault is None:
                 self.fault_since = time.monotonic()
@@ -357,8 +406,10 @@ class StoreSink:
             self._trim_backlog()
             self._next_retry = time.monotonic() + self._retry_every
             return False
-        for signal, _ in items:
+        for signal, rec in items:
             self.metrics.inc("records_out", sink=self.name, signal=signal)
+            if signal == KERNEL_NAMES:
+                self._sent.mark(rec)
         if self.fault is not None:
             log.warning("store writes recovered after %.1f s (%s)",
                         time.monotonic() - (self.fault_since or 0.0), self.fault)
@@ -368,7 +419,7 @@ class StoreSink:
     def _trim_backlog(self) -> None:
         while len(self._backlog) > self._backlog_max:
             lost = self._backlog.pop()  # the newest: keep the order of what is kept
-            self.metrics.inc("drops", len(lost), where="store_backlog")
+            self.metrics.inc("drops", _records(lost), where="store_backlog")
         self.metrics.set("store_backlog", len(self._backlog))
 
     def retry(self, force: bool = False) -> bool:
@@ -401,7 +452,7 @@ class StoreSink:
 
     def close(self) -> None:
         if self._backlog:
-            n = sum(len(i) for i in self._backlog)
+            n = sum(_records(i) for i in self._backlog)
             log.error("store still failing at close (%s): %d records of %d windows not stored",
                       self.fault, n, len(self._backlog))
             self.metrics.inc("drops", n, where="store_backlog")

@@ -31,7 +31,7 @@ class SummaryConfig:
     """Clustering parameters (ARGUS §5.2 filters)."""
     max_stacks: int = 50
     """Folded stacks kept per window and rank, most frequent first."""
-    names_inline: bool = True
+    names_inline: bool = False
     """Keep kernel names in the windows beside their ids (for consumers older than the
     kernel-name dictionary, ``processor/kernel_names.py``); off: ids only."""
 

@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from trainscope.processor.kernel_names import kernel_id
 from trainscope.processor.model import ClosedWindow
 from trainscope.processor.summarize import Summarizer, _keys
 from trainscope.proto.columnar import KernelColumns
@@ -31,5 +32,7 @@ def test_window_summary_has_one_entry_per_kernel_and_stream_with_its_count():
     cw = ClosedWindow(resource=Resource(job_id="j", rank=0, world_size=1), window=records_pb2.Window(index=0),
                       kernels=k, phases=(), iterations=(), stacks=())
     out = Summarizer().kernels(cw, cw.resource.to_pb())
-    got = [(ks.kernel, ks.stream, ks.count, ks.total_ns) for ks in out.kernels]
+    by_id = {kernel_id(n): n for n in names}   # windows carry dictionary ids, no names
+    assert all(not ks.kernel for ks in out.kernels)
+    got = [(by_id[ks.kernel_id], ks.stream, ks.count, ks.total_ns) for ks in out.kernels]
     assert got == [("gemm", 7, 2, 210.0), ("gemm", 13, 1, 120.0), ("nccl", 13, 3, 1500.0), ("copy", 7, 1, 30.0)]
