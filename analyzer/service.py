@@ -298,6 +298,8 @@ class Analyzer:
                 break
             for signal, rec in recs:
                 self.ingest(signal, rec)
+        for signal, rec in getattr(getattr(self.source, "names", None), "flush", list)():
+            self.ingest(signal, rec)   # kernel windows still waiting for names: ids labelled
         out = []
         for job in list(self._jobs.values()):
             self._check_hang(job)   # a replay of a hung job: its collectives say who never entered
