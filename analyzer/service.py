@@ -181,8 +181,15 @@ class _Job:
 
 class Analyzer:
     def __init__(self, config: AnalyzerConfig, source: RecordSource, sinks: Sequence[DiagnosisSink] = (),
-                 *, metrics: AnalyzerMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 *, metrics: AnalyzerMetrics | None = None, clock: Callable[[], float] = time.monotonic,
+                 window_gate: Callable[[str, JobWindow, float], bool] | None = None,
+                 before_analysis: Callable[[JobWindow], None] | None = None) -> None:
+        """``window_gate(job, jw, first_seen)``: False holds a window that is otherwise ready (not
+        past ``window_timeout_s``); ``before_analysis(jw)`` may add to a window before its levels
+        run. Both are for the partitioned mode (``partition.py``: the L3 partials of the group)."""
         self.config = config
+        self.window_gate = window_gate
+        self.before_analysis = before_analysis
         self.source = source
         self.metrics = metrics or AnalyzerMetrics()
         self.sinks = list(sinks)
@@ -310,6 +317,9 @@ class Analyzer:
 
     def _ready(self, job: _Job, o: _Open, now: float) -> str | None:
         jw = o.jw
+        if now - o.first_seen < self.config.window_timeout_s and self.window_gate is not None \
+                and not self.window_gate(job.job_id, jw, o.first_seen):
+            return None
         if (job.world_size and now - o.last_seen >= self.config.grace_s
                 and all(len(getattr(jw, sig)) >= job.world_size for sig in job.signals)):
             return "complete"
@@ -326,6 +336,8 @@ class Analyzer:
         o = job.open.pop(key)
         jw = o.jw
         job.done_upto[key[0]] = max(job.done_upto.get(key[0], -1), key[1])
+        if self.before_analysis is not None:
+            self.before_analysis(jw)
         scale = window_scale(jw)
         ctx = WindowContext(jw, scale, job.history, reported=job.reported_l1, job_state=job)
         for det in self.detectors:
@@ -387,6 +399,17 @@ class Analyzer:
                                       for r in missing),
                        severity=len(missing) / max(len(expected), 1),
                        evidence={"missing": missing, "reason": reason})
+
+    def open_windows(self, job_id: str) -> set[tuple[int, int]]:
+        """The (kind, index) of the job's windows not analysed yet."""
+        job = self._jobs.get(job_id)
+        return set(job.open) if job is not None else set()
+
+    def forget_job(self, job_id: str) -> None:
+        """Drop a job's state (its records moved to another analyzer of the group)."""
+        job = self._jobs.get(job_id)
+        if job is not None:
+            self._forget(job)
 
     def _forget(self, job: _Job) -> None:
         self._jobs.pop(job.job_id, None)

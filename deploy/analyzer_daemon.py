@@ -4,7 +4,10 @@ Mirrors ``processor/daemon.py``: a validated config, a class that wires the
 parts, ``start``/``stop`` and a context manager.
 
 1. Source: a Kafka consumer group when ``kafka_bootstrap`` is set, else a
-   tail of the processor's local store.
+   tail of the processor's local store. With ``partitioned`` (opt-in, needs
+   Kafka and processors with ``key_by="group"``) the members of the group share
+   each job's L3 by comparison group (``analyzer/partition_member.py``): more
+   analyzers, shorter analysis of a large job's window.
 2. Sinks: the local diagnosis store always; Kafka's diagnosis topic as well
    when there is a broker (its own spool under ``spool_dir``).
 3. Metrics: flagged suspects on ``127.0.0.1:prometheus_port/metrics`` when a
@@ -55,10 +58,17 @@ class AnalyzerDaemonConfig:
     verdict: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """``AnalyzerConfig`` fields that decide when a finding names a rank: ``impact`` (the floor),
     ``persist_k``/``persist_n`` (from ``--impact-floor``/``--persist``)."""
+    partitioned: bool = False
+    """Share each job's L3 with the other members of the consumer group, by comparison group
+    (``analyzer/partition.py``); needs Kafka, and processors keying kernel windows by group."""
+    partitions: int = 6
+    """Partitions of the topics the partitioned mode creates when missing (as the processor's sink)."""
 
     def __post_init__(self) -> None:
         if self.prometheus_port is not None and not 0 <= self.prometheus_port <= 65535:
             raise ConfigError("--prometheus-port", self.prometheus_port, "must be in 0..65535, 0 meaning any free port")
+        if self.partitioned and not self.kafka_bootstrap:
+            raise ConfigError("--partitioned", True, "needs a Kafka broker (--kafka-bootstrap)")
         if not 1.0 <= self.session_timeout_s <= 300.0:
             raise ConfigError("--session-timeout-s", self.session_timeout_s, "must be in [1, 300]")
         if not self.kafka_bootstrap and not os.path.exists(self.store_path):
@@ -89,16 +99,21 @@ class AnalyzerDaemon:
 
         self.config = config
         sinks: list = [StoreDiagnosisSink(DiagnosisStore(config.store_path, keep_windows=config.keep_windows))]  # step 2
+        kafka_sink = None
         if config.kafka_bootstrap:  # step 1
             from trainscope.processor.kafka_config import KafkaSinkConfig
             from trainscope.processor.kafka_sink import KafkaSink
-            self.source = KafkaSource(config.kafka_bootstrap, group_id=config.group_id,
-                                      extra=dict(config.kafka_extra), instance_id=config.group_instance_id,
-                                      session_timeout_s=config.session_timeout_s)
-            sinks.append(KafkaDiagnosisSink(KafkaSink(KafkaSinkConfig(
+            if not config.partitioned:
+                self.source = KafkaSource(config.kafka_bootstrap, group_id=config.group_id,
+                                          extra=dict(config.kafka_extra), instance_id=config.group_instance_id,
+                                          session_timeout_s=config.session_timeout_s)
+            kafka_sink = KafkaSink(KafkaSinkConfig(
                 bootstrap=config.kafka_bootstrap, client_id="trainscope-analyzer", spool_dir=config.spool_dir,
-                extra={k: v for k, v in config.kafka_extra.items() if k.startswith(("security.", "sasl.", "ssl."))}))))
-            self.where = f"Kafka {config.kafka_bootstrap} (group {config.group_id})"
+                partitions=config.partitions,
+                extra={k: v for k, v in config.kafka_extra.items() if k.startswith(("security.", "sasl.", "ssl."))}))
+            sinks.append(KafkaDiagnosisSink(kafka_sink))
+            self.where = (f"Kafka {config.kafka_bootstrap} (group {config.group_id}"
+                          f"{', partitioned by comparison group' if config.partitioned else ''})")
         else:
             self.source = StoreSource(config.store_path)
             self.where = f"store {config.store_path}"
@@ -107,9 +122,21 @@ class AnalyzerDaemon:
                                          if config.deep_dive_processors else None)
         sinks.append(self.triggers)
         self.metrics = AnalyzerMetrics()
-        self.analyzer = Analyzer(AnalyzerConfig(window_timeout_s=config.window_timeout_s, **config.verdict),
-                                 self.source, sinks,
-                                 metrics=self.metrics)
+        analyzer_config = AnalyzerConfig(window_timeout_s=config.window_timeout_s, **config.verdict)
+        if config.partitioned:
+            from trainscope.analyzer.partition import PARTIALS
+            from trainscope.analyzer.partition_member import PartitionedMember
+            self.source = PartitionedMember(
+                analyzer_config, config.kafka_bootstrap, sinks=sinks, metrics=self.metrics,
+                publish=lambda d: kafka_sink.export_record(PARTIALS, d, key=d.job_id),
+                group_id=config.group_id, extra=dict(config.kafka_extra), instance_id=config.group_instance_id,
+                session_timeout_s=config.session_timeout_s, partitions=config.partitions,
+                member=config.group_instance_id or "")
+            self.analyzer = self.source.analyzer
+            self._stepper = self.source
+        else:
+            self.analyzer = Analyzer(analyzer_config, self.source, sinks, metrics=self.metrics)
+            self._stepper = self.analyzer
         self.metrics_server = None
 
     def start(self) -> "AnalyzerDaemon":
@@ -131,7 +158,7 @@ class AnalyzerDaemon:
     def run(self, stop: threading.Event, on_verdict: Callable | None = None) -> None:
         """Step 4: analyse until ``stop`` is set."""
         while not stop.is_set():
-            for v in self.analyzer.step(0.5):
+            for v in self._stepper.step(0.5):
                 if on_verdict is not None and (v.ranks or v.findings):
                     on_verdict(v)
 

@@ -83,7 +83,8 @@ def _sink_configs(args) -> dict:
     if bootstrap:
         from trainscope.processor.kafka_config import KafkaSinkConfig
         out["kafka"] = KafkaSinkConfig(bootstrap=bootstrap, extra=secure_flags.kafka_extra(args),
-                                       spool_dir=os.path.join(_home(args), "kafka-spool"))
+                                       spool_dir=os.path.join(_home(args), "kafka-spool"),
+                                       key_by=getattr(args, "kafka_key_by", None) or "job")
     port = getattr(args, "prometheus_port", None)
     if port is None:
         port = env.integer(env.PROMETHEUS_PORT, None)
@@ -206,7 +207,7 @@ def cmd_analyzer(args) -> int:
         kafka_extra=secure_flags.kafka_extra(args), metrics_security=secure_flags.metrics_security(args),
         group_instance_id=args.group_instance_id or default_instance_id(home), session_timeout_s=args.session_timeout_s,
         deep_dive_processors=tuple(args.deep_dive_processor or ()), keep_windows=args.keep_windows,
-        verdict=verdict_settings(args))
+        verdict=verdict_settings(args), partitioned=args.partitioned)
     daemon = AnalyzerDaemon(cfg)
     follower = None
     try:

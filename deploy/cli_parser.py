@@ -44,6 +44,9 @@ def build_parser(handlers: Handlers, description: str) -> argparse.ArgumentParse
     an.add_argument("--window-timeout-s", type=float, default=60.0,
                     help="analyse a window this long after its first record even if ranks are missing")
     an.add_argument("--home", help=f"state directory (env {env.HOME}; default ./.trainscope)")
+    an.add_argument("--partitioned", action="store_true",
+                    help="share each job's L3 with the group's other analyzers, by comparison group (needs Kafka "
+                         "and processors run with --kafka-key-by group)")
     an.add_argument("--keep-windows", type=int, metavar="N",
                     help="age out each job's diagnoses and verdicts of windows older than its newest N (counted; default: keep all)")
     an.add_argument("--deep-dive-processor", action="append", metavar="ADDR",
@@ -225,6 +228,9 @@ def _add_sink_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prometheus-port", type=int, help="serve /metrics on 127.0.0.1:PORT (0 = any)")
     p.add_argument("--remote-write-url", help="Prometheus remote-write endpoint")
     p.add_argument("--perfetto-url", help="directory or fsspec URL for per-window Perfetto traces")
+    p.add_argument("--kafka-key-by", choices=("job", "group"), default="job",
+                   help="key of kernel windows on Kafka: job (default), or group (job and data-parallel group: "
+                        "for analyzers run with --partitioned)")
     p.add_argument("--home", help=f"state directory (env {env.HOME}; default ./.trainscope)")
     secure_flags.add_kafka_flags(p)
 
