@@ -7,7 +7,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Consumer
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from trainscope.deploy.replay import run_replay
 from trainscope.processor.kafka_config import KafkaSinkConfig
@@ -33,7 +33,8 @@ def test_replayed_trace_reaches_kafka_exactly(kafka_bootstrap, tmp_path):
     store = SqliteStore(res.store_path)
     # compare parsed records (map fields such as Resource.attributes have no fixed byte order)
     canon = lambda raw: records_pb2.KernelWindow.FromString(raw).SerializeToString(deterministic=True)  # noqa: E731
-    stored = sorted(r.SerializeToString(deterministic=True) for r in store.records("kernels"))
+    stored = sorted(canon(r[3]) for r in store.raw("kernels"))   # as stored: kernel ids, no names
+    book = store.kernel_names(res.job_id)
     store.close()
     assert len(stored) >= 4  # 2 ranks x several iteration windows
 
@@ -58,3 +59,23 @@ def test_replayed_trace_reaches_kafka_exactly(kafka_bootstrap, tmp_path):
     assert keys == {res.job_id.encode()}   # keyed by job: all ranks on one partition
     total = sum(records_pb2.KernelWindow.FromString(v).events for v in got)
     assert total == sum(res.kernel_events_sent.values())
+    # every id the windows carry is named on the compacted dictionary topic, as in the store
+    ids = {ks.kernel_id for v in got for ks in records_pb2.KernelWindow.FromString(v).kernels}
+    assert 0 not in ids and ids <= set(book)
+    names: dict[int, str] = {}
+    consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"g{uuid.uuid4().hex[:8]}",
+                         "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    try:
+        md = consumer.list_topics(f"{prefix}.kernel_names.v1", timeout=10)
+        consumer.assign([TopicPartition(f"{prefix}.kernel_names.v1", p, OFFSET_BEGINNING)
+                         for p in md.topics[f"{prefix}.kernel_names.v1"].partitions])
+        deadline = time.monotonic() + 30
+        while not ids <= set(names) and time.monotonic() < deadline:
+            for m in consumer.consume(1000, 0.5):
+                if not m.error():
+                    (e,) = records_pb2.KernelNames.FromString(m.value()).names   # one entry per record
+                    assert m.key() == f"{res.job_id}/{e.id:016x}".encode()
+                    names[e.id] = e.name
+    finally:
+        consumer.close()
+    assert {i: names.get(i) for i in ids} == {i: book[i] for i in ids}
