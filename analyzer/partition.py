@@ -48,7 +48,7 @@ from google.protobuf import json_format
 
 from trainscope.analyzer.impact import WindowScale, window_scale
 from trainscope.analyzer.l3_kernels import L3Config, flatten_kernels, kernel_findings
-from trainscope.analyzer.levels import WindowContext, _groups_compared
+from trainscope.analyzer.levels import WindowContext
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
 from trainscope.analyzer.significance import small_group_threshold, z_threshold
 from trainscope.analyzer.topology import CATEGORIES, group_of, has_coords, rank_to_group
