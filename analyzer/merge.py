@@ -95,6 +95,9 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     evidence += _host_evidence(active, evidence, partners)
     ranked = attribute(evidence, resources, jw, iterations, partners, step_ns)
     host_fn = {s.rank: s.evidence.get("function") for f in active if f.level == "L5" for s in f.suspects}
+    # the stack grid of a collective finding (Mycroft §5, analyzer/stack_grid.py): where the rank was at the trigger
+    grid = {s.rank: s.evidence["stack_grid"] for f in active if f.level == "collectives" for s in f.suspects
+            if isinstance(s.evidence.get("stack_grid"), str)}
     stalled_ranks = {s.rank for f in active if f.kind == "stall" for s in f.suspects}
 
     # step 3: persistence
@@ -167,11 +170,13 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
         s = v.ranks.add(rank=rv.rank, score=rv.score_ns / 1e9, role=rv.role, impact_s=cost / 1e9,
                         impact_pct=100.0 * cost / step_ns if step_ns > 0 else 0.0,
                         host=res.host if res else "", waited_for=rv.waited_for,
-                        why=_why(rv, step_ns, host_fn.get(rv.rank)))
+                        why=_why(rv, step_ns, host_fn.get(rv.rank))
+                        + (f"; stack grid: {grid[rv.rank]}" if rv.rank in grid else ""))
         s.evidence.update({"levels": sorted(rv.levels), "culprit_levels": sorted(rv.culprit_levels),
                            "where": rv.where[:10], "waiters": rv.waiters[:16],
                            "comparisons": sorted(rv.comparisons),
-                           **({"host_function": host_fn[rv.rank]} if host_fn.get(rv.rank) else {})})
+                           **({"host_function": host_fn[rv.rank]} if host_fn.get(rv.rank) else {}),
+                           **({"stack_grid": grid[rv.rank]} if rv.rank in grid else {})})
     v.pending.extend(pending)
     v.phases.extend(_places(suspects, active, "phase"))
     v.kernels.extend(_places(suspects, active, "kernel"))

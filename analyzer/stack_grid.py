@@ -18,9 +18,10 @@ rank in ``CollectiveWindow.dumps``. Per grid (its id is shared by its dumps):
    missing, ptrace refused, not subscribed to a processor that triggered) is
    listed with why, never clustered.
 4. Evidence: the clusters (ranks, the representative's stack, innermost
-   first, with line numbers) and one line, e.g.
-   ``rank 2: 1 of 4 ranks in `main (train.py:63) <- <module> (train.py:80)`;
-   ranks 0,1,3 in `all_reduce (distributed_c10d.py:2501) <- ...```.
+   first, with files and line numbers) and one line (the innermost frame with
+   its line, the next ones by name), e.g. ``rank 2: 1 of 4 ranks in
+   `main (train.py:63) <- <module>`; ranks 0,1,3 in
+   `all_reduce (torch/distributed/distributed_c10d.py:3252) <- wrapper <- ...```.
 5. Attaching (``GridBook.attach``): a stall finding takes the grid of its
    group and seq (a hang grid), a late-start finding the group's newest grid
    of any trigger received within ``max_age_s``. A stall finding made before
@@ -131,7 +132,11 @@ def _ranks(rs: Iterable[int]) -> str:
 
 
 def _shown(stack: list[str], n: int) -> str:
-    return " <- ".join(stack[:n]) + (" <- ..." if len(stack) > n else "") if stack else "(no Python frame)"
+    """The innermost frame with its file and line, the next ``n - 1`` by function name."""
+    if not stack:
+        return "(no Python frame)"
+    names = [stack[0]] + [f.rsplit(" (", 1)[0] for f in stack[1:n]]
+    return " <- ".join(names) + (" <- ..." if len(stack) > n else "")
 
 
 def evidence(grid: Grid, members: Iterable[int] = (), cfg: StackGridConfig = StackGridConfig()) -> dict:

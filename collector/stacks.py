@@ -419,7 +419,7 @@ class StackDumper:
                                     lines[0] if lines else f"py-spy exit status {rc}"))[:200]
                 else:
                     d.threads.extend(parse_dump(out))
-            except subprocess.TimeoutExpired:
+            except (subprocess.TimeoutExpired, TimeoutError):
                 d.error = "py-spy timed out"
             except (OSError, ValueError, TypeError, AttributeError) as e:
                 d.error = f"py-spy dump unreadable: {e}"[:200]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,11 +29,14 @@ import time
 from pathlib import Path
 
 import pytest
+from google.protobuf.json_format import MessageToDict
 
 from support.pipeline import start_processor
 from support.torch_jobs import TORCH_EXIT_ABORT, retry_torch_abort
+from trainscope.analyzer.collectives import CollectivesConfig
 from trainscope.analyzer.service import Analyzer, AnalyzerConfig
 from trainscope.analyzer.sources import BusSource
+from trainscope.processor.collectives import CollectiveWindowConfig, TriggerConfig
 from trainscope.processor.windows import WindowConfig
 
 torch = pytest.importorskip("torch")
@@ -56,9 +60,10 @@ def torchrun(*args: str) -> list[str]:
 class LiveJob:
     """A processor, a live analyzer on its bus, and one job under ``trainscope run``."""
 
-    def __init__(self, tmp: Path, job_id: str, *args: str) -> None:
-        self.proc = start_processor(window=WindowConfig(iterations=10, lateness_s=1))
-        self.analyzer = Analyzer(AnalyzerConfig(), BusSource(self.proc.bus), [])
+    def __init__(self, tmp: Path, job_id: str, *args: str, analyzer: AnalyzerConfig | None = None,
+                 **processor) -> None:
+        self.proc = start_processor(window=WindowConfig(iterations=10, lateness_s=1), **processor)
+        self.analyzer = Analyzer(analyzer or AnalyzerConfig(), BusSource(self.proc.bus), [])
         self.verdicts: list = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -218,3 +223,53 @@ def test_a_healthy_ddp_job_names_nobody_and_the_comm_hook_changes_no_result(tmp_
     assert max(g.judged for g in state.groups.values()) >= steps   # ... and judged
     bad = [v for v in job.seen() if any(f.level == "collectives" and not f.informational for f in v.findings)]
     assert bad == [], [v.summary for v in bad]
+
+
+def test_a_hang_carries_the_stack_grid_that_sets_the_stuck_rank_apart(tmp_path):
+    """The stack grid (Mycroft §5) on a real hang: rank 2 of a 4-rank plain job stops before its
+    all-reduce; the processor's hang trigger (3 s here) sends a dump command over each rank's control
+    stream, every rank's collector runs the real py-spy on itself (root here: ptrace allowed), the
+    dumps come back on the ingest stream and the analyzer clusters them: rank 2 alone in the training
+    script's main, ranks 0, 1, 3 together in the all-reduce. One grid for the group (rate-limited)."""
+    if shutil.which("py-spy") is None:
+        pytest.skip("py-spy is not installed")
+    trigger = CollectiveWindowConfig(trigger=TriggerConfig(hang_s=3.0))
+    hang_file = tmp_path / "hang.txt"
+    job = LiveJob(tmp_path, "grid", "--mode", "plain", "--steps", "400", "--hang-rank", str(HANG_RANK),
+                  "--hang-from", "10", "--hang-file", str(hang_file), analyzer=AnalyzerConfig(collectives=CollectivesConfig(hang_timeout_s=3.0)),
+                  collectives=trigger)
+
+    def grid_of(v) -> dict | None:
+        for f in collective_findings(v, "stall"):
+            ev = MessageToDict(f.evidence)
+            if "stack_grid" in ev:
+                return ev
+        return None
+
+    try:
+        v, at = job.wait_for(lambda v: v.state == "stalled" and grid_of(v) is not None, timeout_s=60)
+        assert v is not None, [x.summary for x in job.seen()][-5:]
+        print(f"\njob started -> stuck {float(hang_file.read_text()) - job.started:.1f} s, "
+              f"stuck -> verdict with the grid {at - float(hang_file.read_text()):.1f} s")
+        ev = grid_of(v)
+        grid = ev["stack_grid"]
+        print(f"\nstack grid {grid['grid']}: {grid['summary']}")
+        assert ev["first_stuck_rank"] == HANG_RANK and ev["seq"] == 10 + 1
+        assert grid["trigger"] == "hang" and grid["group"] == "0" and grid["seq"] == 10 + 1
+        assert grid["ranks_dumped"] == WORLD and grid["missing"] == [] and grid["complete"]
+        assert [int(r) for r in grid["odd_ranks"]] == [HANG_RANK]
+        big, odd = grid["clusters"]
+        assert [int(r) for r in big["ranks"]] == [0, 1, 3] and [int(r) for r in odd["ranks"]] == [HANG_RANK]
+        # the waiting ranks' training thread is inside the all-reduce; the stuck one is in the script itself
+        assert any(f.startswith("all_reduce (") for f in big["stack"]), big["stack"]
+        assert odd["stack"][0].startswith("main (") and "train_collectives.py:" in odd["stack"][0], odd["stack"]
+        assert not any("all_reduce" in f for f in odd["stack"])
+        assert grid["summary"].startswith(f"rank {HANG_RANK}: 1 of {WORLD} ranks in `main ("), grid["summary"]
+        assert f"; ranks 0,1,3 in `" in grid["summary"]
+        (culprit,) = [s for s in v.ranks if s.rank == HANG_RANK]
+        assert "; stack grid: in `main (" in culprit.why, culprit.why
+        m = job.proc.metrics
+        assert m.get("stack_grid_requests", outcome="sent") == 1      # one grid per group and cool-down
+        assert m.get("stack_grid_dumps", outcome="ok") == WORLD
+    finally:
+        job.close()
