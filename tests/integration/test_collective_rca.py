@@ -13,8 +13,11 @@ communication hook (DDP). Nothing in the training script knows trainscope.
   verdict names it as the first-stuck rank, with the sequence number, well
   before the iteration-based stall rule (about 75 s on this job, naming nobody);
 * healthy (DDP): nobody is named by the collective level, and the job's
-  results with the collector's communication hook equal those without trainscope.
-Five 4-rank jobs (~2.5 min on 2 cores).
+  results with the collector's communication hook equal those without trainscope;
+* stack grid (Mycroft §5): at the hang trigger every rank is dumped by the real
+  py-spy and the dumps, clustered by stack, set the stuck rank apart in the
+  stall finding's evidence and the culprit's why.
+Six 4-rank jobs (~3 min on 2 cores).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from google.protobuf.json_format import MessageToDict
 from support.pipeline import start_processor
 from support.torch_jobs import TORCH_EXIT_ABORT, retry_torch_abort
 from trainscope.analyzer.collectives import CollectivesConfig
+from trainscope.analyzer.report import contract_verdict_json
 from trainscope.analyzer.service import Analyzer, AnalyzerConfig
 from trainscope.analyzer.sources import BusSource
 from trainscope.processor.collectives import CollectiveWindowConfig, TriggerConfig
@@ -268,6 +272,9 @@ def test_a_hang_carries_the_stack_grid_that_sets_the_stuck_rank_apart(tmp_path):
         assert f"; ranks 0,1,3 in `" in grid["summary"]
         (culprit,) = [s for s in v.ranks if s.rank == HANG_RANK]
         assert "; stack grid: in `main (" in culprit.why, culprit.why
+        # the replay contract's JSON (trainscope query verdict --json, replay --json) carries it too
+        (js,) = [x for x in contract_verdict_json(v)["suspects"] if x["rank"] == HANG_RANK]
+        assert js["evidence"]["stack_grid"].startswith("in `main (") and "stack grid" in js["why"]
         m = job.proc.metrics
         assert m.get("stack_grid_requests", outcome="sent") == 1      # one grid per group and cool-down
         assert m.get("stack_grid_dumps", outcome="ok") == WORLD
