@@ -53,6 +53,28 @@ Slow link (Vedrfolnir §III), per analysed window, on the same judged collective
    0.04-0.08 each on a 64-rank job), while the waiting graph judges each
    rank's links pooled and names every one of them (the verdict: their host).
 
+A host's network as one element (Mycroft §5, from the affected ranks to the
+root cause; ARGUS §9.2 case 2), per analysed window, after steps 6-7:
+
+8. Congestion on a host's network slows every link of its ranks, but only in
+   bursts: a NIC found slow in a fifth of a window's collectives, each of
+   its rings carrying a share of the excess, and the point-to-point sends
+   (PP) that collective records never show, leave every one of the host's
+   findings under the impact floor while the job loses several % of its
+   step (``net_congestion`` factor 2, bursts of 6 s every 30 s: eight NIC
+   findings at 0.7-0.8 % each, the job 2.6-3.1 % slower than its healthy
+   twin). When two or more ranks of one host H are named by steps 6-7, all
+   of them on H and each under the floor, and the iterations they were slow
+   in leave at least ``host_min_clean`` iterations of the window clean, H's
+   network is judged as one element: its impact is what those slow
+   iterations cost the job, the excess of the job's step (median over
+   ranks) in each over the median step of the clean ones, summed and spread
+   over the window's iterations. The finding (kind ``slow_link``, role
+   ``link`` for each of H's named ranks, all at that impact) names the host;
+   the per-rank findings stay as evidence. A fault slow in every iteration
+   (a degraded NIC) leaves no clean iterations to compare with and is
+   judged by steps 6-7 alone.
+
 Hang (Mycroft §4.3 trigger "no completion for a timeout", then §5's "which rank
 has not started the op"), checked on every analyzer step, not per window:
 
@@ -75,7 +97,7 @@ from typing import Mapping
 import numpy as np
 
 from trainscope.analyzer import provenance, stack_grid, waiting_graph
-from trainscope.analyzer.model import CULPRIT, WAITER, Finding, Scope, SuspectRank
+from trainscope.analyzer.model import CULPRIT, LINK, WAITER, Finding, Scope, SuspectRank
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import records_pb2
 
@@ -107,6 +129,8 @@ class CollectivesConfig:
     """Step 6: slow links from step records (``provenance.py``)."""
     max_step_flows: int = 4_000_000
     """Step 6: flow steps held per job (40 bytes each); records beyond it keep no steps (counted)."""
+    host_min_clean: int = 3
+    """Step 8: iterations of the window without a slow link of the host, the baseline of its cost."""
     stack_grid: stack_grid.StackGridConfig = dataclasses.field(default_factory=stack_grid.StackGridConfig)
     """The py-spy dumps of a triggering group, clustered and attached to stall and late-start findings."""
 
@@ -116,7 +140,7 @@ class CollectivesConfig:
                 raise ConfigError(f"analyzer.collectives.{f}", getattr(self, f), "must be > 0")
         if not 0 < self.min_share <= 1:
             raise ConfigError("analyzer.collectives.min_share", self.min_share, "must be in (0, 1]")
-        for f in ("min_collectives", "max_seqs_per_group", "max_groups", "max_step_flows"):
+        for f in ("min_collectives", "max_seqs_per_group", "max_groups", "max_step_flows", "host_min_clean"):
             if not (isinstance(getattr(self, f), int) and getattr(self, f) >= 1):
                 raise ConfigError(f"analyzer.collectives.{f}", getattr(self, f), "must be an integer >= 1")
 
@@ -430,4 +454,48 @@ class CollectiveState:
         return out + self.grids.updates()   # stalls issued again once their stack grid is in
 
 
-__all__ = ["CollectiveState", "CollectivesConfig", "LEVEL"]
+def host_network(findings: list[Finding], hosts: Mapping[int, str], its: np.ndarray, steps: np.ndarray,
+                 floor_ns: float, cfg: CollectivesConfig = CollectivesConfig()) -> list[Finding]:
+    """Step 8: the slow-link findings of one host, each under ``floor_ns``, judged as the host's
+    network by what their slow iterations cost the job. ``its``/``steps``: the window's
+    iterations and the job's step in each (``job_pace.job_step_series``). Returns the host
+    findings to add (none when no host qualifies)."""
+    by_host: dict[str, list[Finding]] = collections.defaultdict(list)
+    for f in findings:
+        if f.kind != waiting_graph.KIND or not f.suspects or "slow_iterations" not in f.suspects[0].evidence:
+            continue
+        on = {hosts.get(s.rank, "") for s in f.suspects}
+        if len(on) == 1 and "" not in on:
+            by_host[on.pop()].append(f)
+    out: list[Finding] = []
+    if its.size == 0:
+        return out
+    for host, fs in sorted(by_host.items()):
+        ranks = sorted({s.rank for f in fs for s in f.suspects})
+        if len(ranks) < 2 or any(f.impact_ns >= floor_ns for f in fs):
+            continue     # one rank, or a finding that stands on its own (steps 6-7 name it)
+        slow_its = {int(i) for f in fs for i in f.suspects[0].evidence["slow_iterations"]}
+        slow = np.isin(its, list(slow_its))
+        if not slow.any() or int((~slow).sum()) < cfg.host_min_clean:
+            continue
+        clean = float(np.median(steps[~slow]))
+        excess = np.maximum(steps[slow] - clean, 0.0)
+        impact = float(excess.sum()) / its.size
+        ratios = [float(s.evidence.get("ratio", 0.0)) for f in fs for s in f.suspects]
+        ev = {"host": host, "hardware": "host network", "link": f"network of {host}",
+              "function": f"slow network of {host}", "ratio": round(float(np.median(ratios)), 3),
+              "slow_iterations": sorted(slow_its), "clean_iterations": int((~slow).sum()),
+              "slow_step_pct": round(100.0 * float(np.median(steps[slow])) / clean - 100.0, 2) if clean > 0 else 0.0,
+              "ranks": ranks}
+        out.append(Finding(
+            level=LEVEL, kind=waiting_graph.KIND, job_id=fs[0].job_id, window=fs[0].window,
+            scope=Scope(group="collective"), severity=ev["ratio"], comparison="peers", step_ns=fs[0].step_ns,
+            suspects=tuple(SuspectRank(r, ev["ratio"], ev, impact_ns=impact, role=LINK) for r in ranks),
+            evidence={"communication": True, "host": host, "hardware": "host network", "ranks": ranks,
+                      "slow_iterations": sorted(slow_its), "clean_iterations": ev["clean_iterations"],
+                      "slow_step_pct": ev["slow_step_pct"],
+                      "rule": "host network (step 8): every slow link on one host, priced by its slow iterations"}))
+    return out
+
+
+__all__ = ["CollectiveState", "CollectivesConfig", "LEVEL", "host_network"]

@@ -86,6 +86,11 @@ class Baseline:
 
 def job_steps(jw: JobWindow, first_iteration: dict[int, int], warmup: int) -> np.ndarray:
     """Step 1: the median over ranks of each iteration's duration, warm-up left out (ns)."""
+    return job_step_series(jw, first_iteration, warmup)[1]
+
+
+def job_step_series(jw: JobWindow, first_iteration: dict[int, int], warmup: int) -> tuple[np.ndarray, np.ndarray]:
+    """Step 1 with its iterations: (iteration numbers ascending, the job's step of each, ns)."""
     its, durs = [], []
     for rank, rec in jw.iterations.items():
         start = first_iteration.get(rank, 0) + warmup
@@ -94,13 +99,13 @@ def job_steps(jw: JobWindow, first_iteration: dict[int, int], warmup: int) -> np
                 its.append(m.iteration)
                 durs.append(m.end_ns - m.start_ns)
     if not its:
-        return np.empty(0)
+        return np.empty(0, dtype=np.int64), np.empty(0)
     it = np.asarray(its, dtype=np.int64)
     d = np.asarray(durs, dtype=np.float64)
     order = np.lexsort((d, it))
     it, d = it[order], d[order]
     cuts = np.flatnonzero(np.diff(it)) + 1
-    return np.array([float(np.median(x)) for x in np.split(d, cuts)])
+    return it[np.r_[0, cuts]], np.array([float(np.median(x)) for x in np.split(d, cuts)])
 
 
 def analyze_pace(jw: JobWindow, scale: WindowScale, baseline: Baseline, steps: np.ndarray,

@@ -238,12 +238,18 @@ class Collectives:
 
     level, corroborating = collectives.LEVEL, False
 
-    def __init__(self, cfg: collectives.CollectivesConfig) -> None:
+    def __init__(self, cfg: collectives.CollectivesConfig, floor_pct: float = 1.0) -> None:
         self.cfg = cfg
+        self.floor_pct = floor_pct
 
     def analyze(self, ctx: WindowContext) -> list[Finding]:
         state = getattr(ctx.job_state, "collectives", None)
         if state is None:
             return []
         ctx.comparisons[self.level] = sum(len(g.members) for g in state.groups.values() if len(g.members) > 1)
-        return state.late_starts(ctx.jw.job_id, ctx.jw.window, ctx.scale.iterations)
+        out = state.late_starts(ctx.jw.job_id, ctx.jw.window, ctx.scale.iterations)
+        if any(f.kind == "slow_link" for f in out):     # step 8: a host's links together
+            its, steps = job_pace.job_step_series(ctx.jw, {}, 0)
+            out += collectives.host_network(out, state.hosts, its, steps, self.floor_pct / 100 * ctx.scale.step_ns,
+                                            self.cfg)
+        return out

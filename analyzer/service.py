@@ -459,7 +459,7 @@ def default_detectors(config: AnalyzerConfig, metrics: AnalyzerMetrics | None = 
         "groups": lambda: SiblingGroups(config.groups),
         "history": lambda: OwnHistory(config.individual, config.groups),
         "consistent": lambda: ConsistentShift(config.consistent, config.groups),
-        "collectives": lambda: Collectives(config.collectives),
+        "collectives": lambda: Collectives(config.collectives, config.impact.floor_pct),
         "L1": lambda: L1Iterations(config.l1),
         "pace": lambda: JobPace(config.pace, config.warmup_iterations),
         "L5": lambda: L5Stacks(config.l5),

@@ -102,6 +102,7 @@ class _Link:
     excess_ns: float = 0.0
     groups: set = dataclasses.field(default_factory=set)
     first: tuple | None = None     # (group, seq, op) of the first collective it was slow in
+    iterations: set = dataclasses.field(default_factory=set)   # iterations it was slow in (step 8)
 
 
 def slow_links(job_id: str, window: records_pb2.Window, collectives: Iterable[tuple[str, tuple[int, ...], int,
@@ -109,17 +110,18 @@ def slow_links(job_id: str, window: records_pb2.Window, collectives: Iterable[tu
                config: WaitingGraphConfig = WaitingGraphConfig(), step_ns: float = 0.0) -> list[Finding]:
     """Steps 1-5 over ``collectives``: (group id, members, seq, {rank: row}) each."""
     cfg = config
-    flows = []          # (class, src, dst, busy, gid, seq, op, critical), one collective's flows together
+    flows = []          # (class, src, dst, busy, gid, seq, op, critical, iteration), one collective's flows together
     for gid, members, seq, row in collectives:
         if len(members) < 2 or any(m not in row or len(row[m]) < 9 or not row[m][5] or row[m][7] <= 0
                                    for m in members):
             continue
         spans = len({hosts.get(m, "") for m in members}) > 1
         busiest = max(members, key=lambda m: row[m][7])
+        iteration = max(int(row[m][4]) for m in members)
         for m in members:
             op, nbytes, _, _, _, steps, nxt, busy, _ = row[m][:9]
             flows.append(((op, int(nbytes).bit_length(), int(steps), spans), m, int(nxt), float(busy), gid, seq, op,
-                          m == busiest))
+                          m == busiest, iteration))
     if not flows:
         return []
     by_class: dict[tuple, list[float]] = collections.defaultdict(list)   # step 2
@@ -129,7 +131,7 @@ def slow_links(job_id: str, window: records_pb2.Window, collectives: Iterable[tu
     links: dict[tuple[int, int, bool], _Link] = collections.defaultdict(_Link)   # step 3
     excess: dict[tuple[str, int], float] = {}                 # (group, seq) -> the critical flow's excess
     slow_in: dict[tuple[str, int], list] = collections.defaultdict(list)
-    for cls, src, dst, busy, gid, seq, op, critical in flows:
+    for cls, src, dst, busy, gid, seq, op, critical, iteration in flows:
         b = base.get(cls)
         if not b or b <= 0:
             continue
@@ -140,6 +142,7 @@ def slow_links(job_id: str, window: records_pb2.Window, collectives: Iterable[tu
         if ratio >= cfg.slow_factor:
             ln.slow += 1
             ln.ratios.append(ratio)
+            ln.iterations.add(iteration)
             slow_in[(gid, seq)].append(ln)
             if ln.first is None:
                 ln.first = (gid, seq, op)
@@ -173,7 +176,8 @@ def slow_links(job_id: str, window: records_pb2.Window, collectives: Iterable[tu
               "links": desc, "host": host, "ratio": round(float(np.median(ratios)), 3),
               # the place persistence follows from window to window: stable while the links vary
               "function": f"slow {what} of rank {rank}" + (f" ({host})" if host else ""),
-              "slow_collectives": sum(links[k].slow for k in ks), "judged": sum(links[k].n for k in ks)}
+              "slow_collectives": sum(links[k].slow for k in ks), "judged": sum(links[k].n for k in ks),
+              "slow_iterations": sorted(set().union(*(links[k].iterations for k in ks)))}
         out.append(_finding(job_id, window, rank, ev, excess / it(rank), step_ns,
                             {"links": desc, "hardware": what, "rank": rank, "host": host}))
     for k in sorted(slow - claimed):
@@ -184,7 +188,7 @@ def slow_links(job_id: str, window: records_pb2.Window, collectives: Iterable[tu
         ev = {"link": f"rank {src} -> rank {dst}" + (f" ({hs} -> {hd})" if hs or hd else ""), "hardware": "link",
               "links": desc, "ratio": round(float(np.median(ln.ratios)), 3), "slow_collectives": ln.slow,
               "judged": ln.n, "function": f"slow link {desc}",
-              "src_host": hs, "dst_host": hd}
+              "src_host": hs, "dst_host": hd, "slow_iterations": sorted(ln.iterations)}
         if ln.first is not None:
             ev.update(group=ln.first[0], seq=ln.first[1], op=ln.first[2])
         sus = tuple(SuspectRank(r, ev["ratio"], ev, impact_ns=ln.excess_ns / it(r), role=LINK) for r in (src, dst))

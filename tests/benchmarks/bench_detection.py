@@ -195,22 +195,43 @@ def _wrong_names(verdicts, truth: dict, f) -> int:
                and v.ranks[0].rank not in ranks and not (v.host and v.host in hosts))
 
 
-def _healthy(jobs: list[tuple], iterations_for) -> tuple[int, int, float]:
-    """Healthy simulated jobs: (windows, false-alarm windows, simulated seconds)."""
+def _healthy_job(job: tuple, iterations: int) -> tuple[int, int, float, str]:
+    """One healthy simulated job: (windows, false-alarm windows, simulated seconds, printed line)."""
+    ranks, tp, pp, seed, noise, iteration_s = job
+    with tempfile.TemporaryDirectory() as home:
+        cfg, res, verdicts = run_one(ranks, None, seed, iterations, home, tp=tp, pp=pp,
+                                     iteration_s=iteration_s, noise=noise)
+    bad = [v for v in verdicts if v.ranks or v.state in ("degraded", "stalled")]
+    line = (f"  healthy {ranks:>5} ranks tp={tp} pp={pp} seed={seed}"
+            f"{' noisy ranks' if noise is not None else ''}: {len(verdicts)} windows, "
+            f"{len(bad)} with a suspect or 'degraded', {res.sim_seconds / 60:.0f} simulated min"
+            + (f"  <- {bad[0].summary[:90]}" if bad else ""))
+    return len(verdicts), len(bad), res.sim_seconds, line
+
+
+def _healthy(jobs: list[tuple], iterations_for, workers: int = 1) -> tuple[int, int, float]:
+    """Healthy simulated jobs: (windows, false-alarm windows, simulated seconds). With ``workers`` > 1
+    the jobs (independent simulations) run in that many spawned processes, printed as they finish."""
     windows = false = 0
     seconds = 0.0
-    for ranks, tp, pp, seed, noise, iteration_s in jobs:
-        with tempfile.TemporaryDirectory() as home:
-            cfg, res, verdicts = run_one(ranks, None, seed, iterations_for(iteration_s), home, tp=tp, pp=pp,
-                                         iteration_s=iteration_s, noise=noise)
-        bad = [v for v in verdicts if v.ranks or v.state in ("degraded", "stalled")]
-        windows += len(verdicts)
-        false += len(bad)
-        seconds += res.sim_seconds
-        print(f"  healthy {ranks:>5} ranks tp={tp} pp={pp} seed={seed}"
-              f"{' noisy ranks' if noise is not None else ''}: {len(verdicts)} windows, "
-              f"{len(bad)} with a suspect or 'degraded', {res.sim_seconds / 60:.0f} simulated min"
-              + (f"  <- {bad[0].summary[:90]}" if bad else ""), flush=True)
+    its = [iterations_for(j[5]) for j in jobs]
+    done = []
+    if workers > 1:
+        import concurrent.futures
+        import multiprocessing
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+            futures = [ex.submit(_healthy_job, j, n) for j, n in zip(jobs, its)]
+            for f in concurrent.futures.as_completed(futures):     # progress as each job finishes
+                done.append(f.result())
+                print(done[-1][3] + f"  [{len(done)}/{len(jobs)}]", flush=True)
+    else:
+        for j, n in zip(jobs, its):
+            done.append(_healthy_job(j, n))
+            print(done[-1][3], flush=True)
+    for w, b, sec, _ in done:
+        windows += w
+        false += b
+        seconds += sec
     return windows, false, seconds
 
 
@@ -282,6 +303,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="a subset: 32 ranks, strong magnitude, combos, few healthy")
     ap.add_argument("--only", nargs="*", help="fault types to run (none: no fault types, e.g. healthy only)")
     ap.add_argument("--collective-steps", action="store_true", help="simulated collectives carry step records")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="healthy jobs run in this many processes (independent simulations; default 1)")
     args = ap.parse_args(argv)
     global COLLECTIVE_STEPS
     COLLECTIVE_STEPS = args.collective_steps
@@ -373,7 +396,8 @@ def main(argv=None) -> int:
             r, tp, pp = shapes[i % len(shapes)]
             noisy = NoiseModel(noisy_ranks=max(1, r // 16)) if i % 2 else None
             jobs.append((r, tp, pp, 300 + i, noisy, 9.0))
-    windows, false, seconds = _healthy(jobs, lambda it_s: args.iterations if it_s == 3.0 else int(1800 / it_s))
+    windows, false, seconds = _healthy(jobs, lambda it_s: args.iterations if it_s == 3.0 else int(1800 / it_s),
+                                      max(1, args.workers))
     hours = seconds / 3600
     print(f"healthy: {false} of {windows} windows with a suspect or 'degraded' over {hours:.2f} simulated hours "
           f"({len(jobs)} jobs) = {false / hours if hours else 0:.2f} false alarms per healthy hour")

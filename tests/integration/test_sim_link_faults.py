@@ -10,6 +10,10 @@ collectives level) → verdicts. A 32-rank job (TP=2, PP=2, DP=8 on four
   ranks with role ``link`` and host 1;
 * ``nvlink_degrade`` on rank 13: the NVLink of the TP pair 12-13 on host 1
   (nothing in a 2-GPU ring tells its two ends apart);
+* ``net_congestion`` on host 1 at factor 2, in bursts of 6 s every 30 s: each
+  of host 1's ranks is under the impact floor alone; their host's network,
+  priced by the iterations its links were slow in (``collectives.py`` step 8),
+  is named;
 * healthy: no verdict names anybody, no slow-link finding is active.
 
 With step records (``collective_steps=True``) the same faults are named by the
@@ -66,6 +70,23 @@ def test_degraded_nvlink_names_the_pair_on_its_host(tmp_path):
     named = [v for v in verdicts if v.ranks]
     assert named and {r.rank for r in named[-1].ranks[:2]} == {12, 13}, named[-1].summary
     assert named[-1].host == "sim-host-0001"
+
+
+def test_bursty_congestion_names_the_host(tmp_path):
+    verdicts = _run(tmp_path, "net_congestion:host=1,onset=30s,factor=2")
+    named = [v for v in verdicts if v.ranks]
+    assert named, [v.summary for v in verdicts]
+    assert all(v.window.index >= 1 for v in named)      # nobody before the onset window
+    assert all(v.host == "sim-host-0001" for v in named), [v.summary for v in named]
+    assert all(8 <= r.rank < 16 and r.role == "link" for v in named for r in v.ranks), [v.summary for v in named]
+    hw = lambda d: d.evidence["hardware"] if "hardware" in d.evidence else ""    # noqa: E731
+    hosts = [d for d in _slow_links(verdicts) if hw(d) == "host network"]
+    assert hosts and all(d.evidence["host"] == "sim-host-0001" for d in hosts)
+    # each window's finding costs more than the floor, none of its ranks' findings did alone
+    assert all(d.impact_pct >= 1.0 for d in hosts)
+    per_rank = [d for v in named for d in v.findings
+                if d.kind == "slow_link" and hw(d) != "host network"]
+    assert per_rank and all(d.informational for d in per_rank)
 
 
 def test_healthy_run_names_nobody(tmp_path):

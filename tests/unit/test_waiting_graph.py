@@ -106,12 +106,12 @@ def test_degraded_nvlink_slows_its_intra_host_flows_only():
 # ------------------------------------------------------------------ the waiting-graph rule
 
 
-def _ring(gid, members, seq, busy_of, *, op="allreduce", nbytes=1 << 20, transfer=100e6, start=0):
+def _ring(gid, members, seq, busy_of, *, op="allreduce", nbytes=1 << 20, transfer=100e6, start=0, iteration=0):
     n = len(members)
     row = {}
     for i, m in enumerate(members):
         b = busy_of(m)
-        row[m] = (op, nbytes, start, start + transfer, 0, 2 * (n - 1), members[(i + 1) % n], int(b),
+        row[m] = (op, nbytes, start, start + transfer, iteration, 2 * (n - 1), members[(i + 1) % n], int(b),
                   int(max(transfer - b, 0)))
     return (gid, tuple(members), seq, row)
 
@@ -182,6 +182,63 @@ def test_healthy_rings_and_rare_spikes_name_nobody():
         colls.append(_ring("dp:0", members, seq, lambda m, base=base, s=spike: 3 * base(m) if m == s else base(m)))
         colls.append(_ring("dp:1", [m + 1 for m in members], seq, base))
     assert slow_links("job", WINDOW, colls, _hosts(range(32))) == []
+
+
+def _burst_job(burst_iterations, seed=4):
+    """Two DP rings of 8 members over 4 hosts (8 ranks a host), 4 collectives per iteration over
+    iterations 10-19; in ``burst_iterations`` every flow touching host h1 (ranks 8-15) is 2x slow."""
+    rng = np.random.default_rng(seed)
+    colls, seq = [], 0
+    for it in range(10, 20):
+        for _ in range(4):
+            seq += 1
+            base = _noise(rng)
+            slow = it in burst_iterations
+            for g, members in (("dp:0", list(range(0, 32, 4))), ("dp:1", list(range(2, 32, 4)))):
+                # a flow m -> next is slow when either end is on h1 (its NIC is congested)
+                nxt = {m: members[(i + 1) % len(members)] for i, m in enumerate(members)}
+                colls.append(_ring(g, members, seq, lambda m, base=base, nxt=nxt, slow=slow:
+                                   2 * base(m) if slow and (8 <= m < 16 or 8 <= nxt[m] < 16) else base(m),
+                                   iteration=it))
+    return colls
+
+
+def test_a_congested_host_is_priced_by_its_slow_iterations():
+    """Step 8 (analyzer/collectives.py): bursts on host h1 in 2 of 10 iterations leave each of its
+    ranks' findings small; the host's network, judged as one element, costs what those two
+    iterations cost the job over the eight clean ones."""
+    from trainscope.analyzer.collectives import host_network
+    colls = _burst_job({12, 13})
+    hosts = _hosts(range(32))
+    found = slow_links("job", WINDOW, colls, hosts, {r: 10.0 for r in range(32)},
+                       WaitingGraphConfig(min_slow=2))
+    named = sorted({s.rank for f in found for s in f.suspects})
+    assert named and all(hosts[r] == "h1" for r in named)
+    assert all(f.suspects[0].evidence["slow_iterations"] == [12, 13] for f in found)
+    its = np.arange(10, 20)
+    steps = np.full(10, 3.0e9)
+    steps[[2, 3]] = 3.45e9                       # iterations 12, 13: 15 % slower
+    floor = 1.01 * max(f.impact_ns for f in found)    # each rank's finding under the floor
+    [host] = host_network(found, hosts, its, steps, floor)
+    assert host.evidence["host"] == "h1" and [s.rank for s in host.suspects] == named
+    assert {s.role for s in host.suspects} == {LINK}
+    assert host.impact_ns == pytest.approx(2 * 0.45e9 / 10)
+    assert host.evidence["clean_iterations"] == 8
+    # a finding that stands on its own (over the floor): the ranks speak, no host element
+    assert host_network(found, hosts, its, steps, 0.5 * floor) == []
+    # healthy rings: no slow link, no host
+    assert host_network(slow_links("job", WINDOW, _burst_job(set()), hosts, config=WaitingGraphConfig(min_slow=2)),
+                        hosts, its, np.full(10, 3.0e9), floor) == []
+
+
+def test_a_host_slow_in_every_iteration_is_left_to_its_ranks():
+    """Step 8 needs clean iterations to price against: a persistent fault (a degraded NIC) has none."""
+    from trainscope.analyzer.collectives import host_network
+    hosts = _hosts(range(32))
+    found = slow_links("job", WINDOW, _burst_job(set(range(10, 20))), hosts)
+    assert found
+    its, steps = np.arange(10, 20), np.full(10, 3.5e9)
+    assert host_network(found, hosts, its, steps, 1.01 * max(f.impact_ns for f in found)) == []
 
 
 def test_records_without_a_ring_decomposition_are_left_to_the_late_start_rule():
