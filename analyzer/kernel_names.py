@@ -125,17 +125,11 @@ class NameResolver:
         if signal != Signal.KERNELS:
             return True
         book = self._books.get(rec.resource.job_id, {})
-        if final:
-            unknown = fill_names(rec, book.get, label_unknown=True)
-            if unknown:
-                self.counters["names_unknown"] += unknown
-                self.counters["windows_labelled"] += 1
-            return True
-        for ks in rec.kernels:
-            if ks.kernel_id and not ks.kernel and ks.kernel_id not in book:
-                return False
-        fill_names(rec, book.get)
-        return True
+        unknown = fill_names(rec, book.get, label_unknown=final)   # known ids named even if it waits
+        if unknown and final:
+            self.counters["names_unknown"] += unknown
+            self.counters["windows_labelled"] += 1
+        return final or not unknown
 
     def _release(self, now: float, out: list) -> None:
         over = self.held > self.max_held
