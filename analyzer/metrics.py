@@ -204,6 +204,14 @@ class AnalyzerMetrics:
             fam = CounterMetricFamily(f"trainscope_analyzer_{name}", doc)
             fam.add_metric([], counters.get(name, 0))
             yield fam
+        fam = CounterMetricFamily("trainscope_analyzer_kernel_names",
+                                  "Kernel-name dictionary (analyzer/kernel_names.py): entries taken (names_in), bad, "
+                                  "conflicting or refused entries, ids left unknown, windows held or labelled",
+                                  labels=["event"])
+        for name, n in sorted(counters.items()):
+            if name.startswith("kernel_names."):
+                fam.add_metric([name.split(".", 1)[1]], n)
+        yield fam
         fam = CounterMetricFamily("trainscope_analyzer_detector_failures",
                                   "Windows on which a detector level raised (the others still ran)",
                                   labels=["level"])

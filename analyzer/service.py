@@ -279,6 +279,8 @@ class Analyzer:
         for signal, rec in self.source.poll(timeout_s):
             self.ingest(signal, rec)
         self.metrics.counters["bad_records"] = getattr(self.source, "bad_total", 0)
+        self.metrics.counters.update({f"kernel_names.{k}": v for k, v in   # the dictionary's counts
+                                      getattr(getattr(self.source, "names", None), "counters", {}).items()})
         out = []
         now = self._clock()
         for job in list(self._jobs.values()):

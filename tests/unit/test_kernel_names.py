@@ -236,3 +236,19 @@ def test_wire_reader_keys_id_only_records_like_named_ones():
     tot = kc.totals_from_bytes(b"".join(ids_only[r].SerializeToString() for r in range(3)),
                                np.cumsum([0] + [ids_only[r].ByteSize() for r in range(3)]), book)
     assert sorted(tot.names) == sorted(NAMES)
+
+
+def test_the_analyzer_exports_the_dictionary_counts_to_prometheus():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from trainscope.analyzer.service import Analyzer, AnalyzerConfig
+    bus = EmbeddedBus()
+    BusSink(bus, SelfMetrics()).export(Summarizer()(closed("j", 0, 0)))
+    bus.publish("trainscope.kernel_names.v1", b"j", b"\xff\xff")       # garbage on the dictionary topic
+    analyzer = Analyzer(AnalyzerConfig(), BusSource(bus))
+    analyzer.step(0)
+    reg = CollectorRegistry()
+    reg.register(analyzer.metrics)
+    text = generate_latest(reg).decode()
+    assert 'trainscope_analyzer_kernel_names_total{event="names_in"} 3.0' in text
+    assert 'trainscope_analyzer_kernel_names_total{event="names_bad"} 1.0' in text
