@@ -3,6 +3,7 @@
     python tests/benchmarks/bench_detection.py [--ranks 32 64] [--magnitudes 0 1] [--healthy-runs 3]
     python tests/benchmarks/bench_detection.py --quick          # a subset, a few minutes
     python tests/benchmarks/bench_detection.py --healthy-hours 10 --real-jobs 4   # the healthy targets
+    python tests/benchmarks/bench_detection.py ... --workers 2    # independent runs in 2 processes
 
 The simulator runs with its default noise, measured on real traces
 (docs/noise.md). Healthy jobs: ``--healthy-runs`` per size at 40
@@ -285,6 +286,48 @@ def _real_jobs(n: int) -> list[tuple[str, bool, bool]]:
     return out
 
 
+def _fault_run(label: str, ranks: int, specs: list[str], iterations: int, combo: bool):
+    """One faulty run scored against its ground truth: (label, ranks, FaultScore, (label, pre-onset
+    false-alarm windows, pre-onset windows), true cost %, windows naming a rank off the fault, row)."""
+    with tempfile.TemporaryDirectory() as home:
+        if combo:
+            cfg, res, verdicts = run_one(ranks, None, 7, iterations, home, faults=specs)
+        else:
+            cfg, res, verdicts = run_one(ranks, specs[0], 7, iterations, home)
+        truth = load_truth(res.ground_truth_path)
+        ev = evaluate(verdicts, truth, cfg.window_iterations)
+    f = ev.faults[0]
+    if combo and len(ev.faults) > 1:     # two culprits: right when both are named, stable on either
+        f.right = f.right or all(x.caught for x in ev.faults)
+        union = {r for x in ev.faults for r in x.ranks}
+        named = sorted((v for v in verdicts if v.ranks), key=lambda v: v.window.index)
+        first = next((i for i, v in enumerate(named) if v.ranks[0].rank in union), None)
+        if first is not None:
+            tail = named[first:]
+            f.stable = sum(v.ranks[0].rank in union for v in tail) / len(tail)
+    cost = true_cost_pct(ranks, 7, iterations, truth)
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        _row(label if combo else specs[0], ranks, f, cost)
+    return (label, ranks, f, (label, ev.false_alarm_windows, ev.healthy_windows), cost,
+            _wrong_names(verdicts, truth, f), buf.getvalue().rstrip("\n"))
+
+
+def _map(fn, tasks: list[tuple], workers: int):
+    """``fn(*task)`` for every task, in order; in ``workers`` spawned processes when > 1."""
+    if workers <= 1:
+        for t in tasks:
+            yield fn(*t)
+        return
+    import concurrent.futures
+    import multiprocessing
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+        for r in ex.map(fn, *zip(*tasks)) if tasks else ():
+            yield r
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--big", action="store_true", help="also the 1,024-rank latency run")
@@ -304,7 +347,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", help="fault types to run (none: no fault types, e.g. healthy only)")
     ap.add_argument("--collective-steps", action="store_true", help="simulated collectives carry step records")
     ap.add_argument("--workers", type=int, default=1,
-                    help="healthy jobs run in this many processes (independent simulations; default 1)")
+                    help="faulty and healthy jobs run in this many processes (independent simulations; default 1)")
     args = ap.parse_args(argv)
     global COLLECTIVE_STEPS
     COLLECTIVE_STEPS = args.collective_steps
@@ -319,6 +362,7 @@ def main(argv=None) -> int:
             f"the job, % of a healthy twin's step; windows: onset -> first right verdict / its 'since' minus the "
             f"true onset window)")
     print(head)
+    tasks = []     # (type or combo label, ranks, fault specs, iterations, combo)
     for ftype, (scope, ladder) in SCENARIOS.items():
         if args.only is not None and ftype not in args.only:
             continue
@@ -329,36 +373,14 @@ def main(argv=None) -> int:
                     continue
                 params = ladder[mi]
                 spec = f"{ftype}:{scope.format(r=culprit)},onset=30s" + (f",{params}" if params else "")
-                with tempfile.TemporaryDirectory() as home:
-                    cfg, res, verdicts = run_one(ranks, spec, 7, args.iterations, home)
-                    truth = load_truth(res.ground_truth_path)
-                    ev = evaluate(verdicts, truth, cfg.window_iterations)
-                f = ev.faults[0]
-                cost = true_cost_pct(ranks, 7, args.iterations, truth)
-                rows.append((ftype, ranks, f))
-                pre.append((ftype, ev.false_alarm_windows, ev.healthy_windows))
-                costs.append((cost, _wrong_names(verdicts, truth, f)))
-                _row(spec, ranks, f, cost)
+                tasks.append((ftype, ranks, [spec], args.iterations, False))
     if args.combos:
-        for label, specs in COMBOS.items():
-            with tempfile.TemporaryDirectory() as home:
-                cfg, res, verdicts = run_one(64, None, 7, 50, home, faults=specs)
-                truth = load_truth(res.ground_truth_path)
-                ev = evaluate(verdicts, truth, cfg.window_iterations)
-            f = ev.faults[0]
-            if len(ev.faults) > 1:     # two culprits: right when both are named, stable on either
-                f.right = f.right or all(x.caught for x in ev.faults)
-                union = {r for x in ev.faults for r in x.ranks}
-                named = sorted((v for v in verdicts if v.ranks), key=lambda v: v.window.index)
-                first = next((i for i, v in enumerate(named) if v.ranks[0].rank in union), None)
-                if first is not None:
-                    tail = named[first:]
-                    f.stable = sum(v.ranks[0].rank in union for v in tail) / len(tail)
-            cost = true_cost_pct(64, 7, 50, truth)
-            rows.append((label, 64, f))
-            pre.append((label, ev.false_alarm_windows, ev.healthy_windows))
-            costs.append((cost, _wrong_names(verdicts, truth, f)))
-            _row(label, 64, f, cost)
+        tasks += [(label, 64, specs, 50, True) for label, specs in COMBOS.items()]
+    for label, ranks, f, pre_row, cost, wrong, printed in _map(_fault_run, tasks, args.workers):
+        rows.append((label, ranks, f))
+        pre.append(pre_row)
+        costs.append((cost, wrong))
+        print(printed, flush=True)
     n = len(rows)
     _per_type(rows, pre)
     print(f"\n{n} faulty runs: caught {sum(f.caught for _, _, f in rows)}/{n}, "
