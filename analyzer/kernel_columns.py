@@ -22,7 +22,7 @@ no Python object is made per rank, kernel or cluster.
    keeps the last (proto3); unknown fields are skipped.
 4. Levels: KernelWindow field 3 (``KernelStats``) → name (1), stream (2),
    clusters (4), total_ns (6) → ``KernelCluster`` count (1), p50 (2), p99 (3),
-   max (5).
+   min (4), max (5), shape (6, fixed64: p10..p90, ``proto/cluster_shape.py``).
 5. Keys: (name, stream) numbered in order of first appearance (ranks in
    order, kernels in wire order). Names of one length are hashed to 64 bits
    as rows of bytes; every name is then compared byte for byte with the first
@@ -273,11 +273,13 @@ class KernelColumns:
     cl_p50: np.ndarray
     cl_p99: np.ndarray
     cl_max: np.ndarray
+    cl_min: np.ndarray
+    cl_shape: np.ndarray         # uint64 words, 0 when not sent
 
 
 KERNELS = (Field(3, 2, repeated=True),)
 STATS = (Field(1, 2), Field(2, 0), Field(4, 2, repeated=True), Field(5, 0), Field(6, 1), Field(7, 1))
-CLUSTER = (Field(1, 0), Field(2, 1), Field(3, 1), Field(5, 1))
+CLUSTER = (Field(1, 0), Field(2, 1), Field(3, 1), Field(4, 1), Field(5, 1), Field(6, 1))
 
 
 def kernel_columns(kernels: Mapping[int, object], names: Mapping[int, str] | None = None) -> KernelColumns:
@@ -313,7 +315,8 @@ def columns_from_bytes(data, ranks: np.ndarray, bounds: np.ndarray,
     return KernelColumns(
         keys=keys, dist_rank=ranks[ks_msg][has], dist_key=key_id, dist_total_ns=total,
         dist_count=st[5][has], cl_start=np.r_[0, np.cumsum(n_cl[has])].astype(np.int64),
-        cl_count=cl[1].astype(np.float64), cl_p50=double(cl[2]), cl_p99=double(cl[3]), cl_max=double(cl[5]))
+        cl_count=cl[1].astype(np.float64), cl_p50=double(cl[2]), cl_p99=double(cl[3]), cl_max=double(cl[5]),
+        cl_min=double(cl[4]), cl_shape=np.where(cl[6] >= 0, buf.words[np.maximum(cl[6], 0)], np.uint64(0)))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)

@@ -10,8 +10,11 @@ every (kernel, stream) their duration distributions should agree. Per
 2. Grid: per key, ``grid_points`` log-uniform points spanning the support of
    every cluster of the key (``cdf.support``: e^(μ ± zσ)).
 3. CDF of each distribution on its key's grid, the count-weighted mixture of
-   lognormal clusters (eq. 2; ``cdf.mixture_cdfs``'s maths, batched with a
-   grid per cluster).
+   its clusters (eq. 2; ``cdf.mixture_cdfs``'s maths, batched with a grid per
+   cluster): each cluster's piecewise quantile function through min, p10,
+   p25, p50, p75, p90, p99 and max (``cdf.cluster_knots``; issue #15: the
+   lognormal of ARGUS §6.2 was 4-7x less faithful on real traces), or the
+   lognormal from p50/p99 when a record has no min/max.
 4. Score = mean W1 to every peer of the group (eq. 3 averaged), *without* a
    pairwise matrix: W1 is Σ_g w_g |F_a(g) − F_b(g)| (trapezoid weights), and
    for one grid point with values sorted s_0 ≤ … ≤ s_{n−1} and exclusive
@@ -63,9 +66,10 @@ import dataclasses
 from typing import Mapping, Sequence
 
 import numpy as np
-from scipy.special import ndtr
 
-from trainscope.analyzer.cdf import lognormal_params, mixture_moments
+from trainscope.analyzer.cdf import (
+    cluster_cdf_rows, cluster_knots, cluster_support_ln, lognormal_params, mixture_moments,
+)
 from trainscope.analyzer.impact import WindowScale, window_scale
 from trainscope.analyzer.kernel_columns import WireError, kernel_columns
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
@@ -142,20 +146,24 @@ class KernelTable:
     dist_p99_ns: np.ndarray
     dist_max_ns: np.ndarray      # the largest cluster max_ns; NaN when not given
     dist_sd_ns: np.ndarray       # per-call standard deviation of the rebuilt mixture
+    cl_knots: np.ndarray | None = None   # (clusters, 8) ln-duration knots, NaN rows: lognormal (step 3)
 
     @classmethod
     def from_arrays(cls, keys, ranks, dist_rank, dist_key, cl_start, cl_count, cl_p50, cl_p99,
-                    dist_total_ns=None, cl_max_ns=None) -> "KernelTable":
+                    dist_total_ns=None, cl_max_ns=None, cl_min_ns=None, cl_shape=None) -> "KernelTable":
         """Build from flat arrays; derives counts, mean, max and dominant cluster per distribution.
 
         ``dist_total_ns`` (exact busy time) gives the exact mean; without it
-        the count-weighted p50. ``cl_max_ns`` ≤ 0 or absent means unknown.
+        the count-weighted p50. ``cl_max_ns`` ≤ 0 or absent means unknown. With
+        ``cl_min_ns`` and ``cl_max_ns`` (and ``cl_shape``) the CDFs use each
+        cluster's knots (step 3), else the lognormal.
         """
         cl_start = np.asarray(cl_start, dtype=np.int64)
         cl_count = np.asarray(cl_count, dtype=np.float64)
         cl_p50 = np.asarray(cl_p50, dtype=np.float64)
         cl_p99 = np.maximum(np.asarray(cl_p99, dtype=np.float64), cl_p50)
         n_dist = cl_start.size - 1
+        knots = cluster_knots(cl_p50, cl_p99, cl_min_ns, cl_max_ns, cl_shape)
         lens = np.diff(cl_start)
         if n_dist < 0 or cl_start[0] != 0 or cl_start[-1] != cl_count.size or (lens <= 0).any():
             raise ValueError("cl_start must rise strictly from 0 to the number of clusters")
@@ -167,7 +175,7 @@ class KernelTable:
         if n_dist == 0:
             z = np.empty(0)
             return cls(tuple(keys), np.asarray(ranks, np.int64), z.astype(np.int64), z.astype(np.int64),
-                       cl_start, cl_count, cl_p50, cl_p99, z, z, z, z, z, z)
+                       cl_start, cl_count, cl_p50, cl_p99, z, z, z, z, z, z, knots)
         first = cl_start[:-1]
         owner = np.repeat(np.arange(n_dist), lens)
         count = np.add.reduceat(cl_count, first)
@@ -187,7 +195,7 @@ class KernelTable:
         _, var = mixture_moments(cl_count, cl_p50, cl_p99, cl_start)
         return cls(tuple(keys), np.asarray(ranks, np.int64), np.asarray(dist_rank, np.int64),
                    np.asarray(dist_key, np.int64), cl_start, cl_count, cl_p50, cl_p99,
-                   count, mean, cl_p50[dom], cl_p99[dom], dmax, np.sqrt(var))
+                   count, mean, cl_p50[dom], cl_p99[dom], dmax, np.sqrt(var), knots)
 
 
 def flatten_kernels(kernels: Mapping[int, records_pb2.KernelWindow]) -> KernelTable:
@@ -203,14 +211,14 @@ def flatten_kernels(kernels: Mapping[int, records_pb2.KernelWindow]) -> KernelTa
     except WireError:
         return flatten_messages(kernels)
     return _table(c.keys, sorted(kernels), c.dist_rank, c.dist_key, c.dist_total_ns, np.diff(c.cl_start),
-                  c.cl_count, c.cl_p50, c.cl_p99, c.cl_max)
+                  c.cl_count, c.cl_p50, c.cl_p99, c.cl_max, c.cl_min, c.cl_shape)
 
 
 def flatten_messages(kernels: Mapping[int, records_pb2.KernelWindow]) -> KernelTable:
     """Step 1 message by message (the reference ``flatten_kernels`` is checked against; ~2 µs per kernel)."""
     key_id: dict[tuple[str, int], int] = {}
     d_rank, d_key, d_total, lens = [], [], [], []
-    cnt, p50, p99, mx = [], [], [], []
+    cnt, p50, p99, mx, mn, sh = [], [], [], [], [], []
     for rank in sorted(kernels):
         for ks in kernels[rank].kernels:
             cls = ks.clusters
@@ -229,11 +237,13 @@ def flatten_messages(kernels: Mapping[int, records_pb2.KernelWindow]) -> KernelT
                 p50.append(c.p50_ns)
                 p99.append(c.p99_ns)
                 mx.append(c.max_ns)
+                mn.append(c.min_ns)
+                sh.append(c.shape)
     return _table(sorted(key_id, key=key_id.get), sorted(kernels), d_rank, d_key, d_total, lens,
-                  cnt, p50, p99, mx)
+                  cnt, p50, p99, mx, mn, sh)
 
 
-def _table(keys, ranks, d_rank, d_key, d_total, lens, cnt, p50, p99, mx) -> KernelTable:
+def _table(keys, ranks, d_rank, d_key, d_total, lens, cnt, p50, p99, mx, mn, sh) -> KernelTable:
     """Drop empty or malformed clusters, and distributions left with none; then ``from_arrays``."""
     cl_count = np.asarray(cnt, dtype=np.float64)
     cl_p50, cl_p99 = np.asarray(p50, np.float64), np.asarray(p99, np.float64)
@@ -249,6 +259,7 @@ def _table(keys, ranks, d_rank, d_key, d_total, lens, cnt, p50, p99, mx) -> Kern
         cl_p50=cl_p50[keep_cl], cl_p99=cl_p99[keep_cl],
         dist_total_ns=np.asarray(d_total, np.float64)[keep_d],
         cl_max_ns=np.asarray(mx, np.float64)[keep_cl],
+        cl_min_ns=np.asarray(mn, np.float64)[keep_cl], cl_shape=np.asarray(sh, np.uint64)[keep_cl],
     )
 
 
@@ -311,7 +322,7 @@ def mean_w1_to_peers(cdfs: np.ndarray, weights: np.ndarray) -> np.ndarray:
 def _key_grids(t: KernelTable, order: np.ndarray, key_first: np.ndarray, cfg: L3Config):
     """Per key present in ``order`` (dists sorted by key): log grid and trapezoid weights (step 2)."""
     mu, sigma = lognormal_params(t.cl_p50, t.cl_p99)
-    lo_c, hi_c = mu - cfg.support_z * sigma, mu + cfg.support_z * sigma
+    lo_c, hi_c = cluster_support_ln(mu, sigma, _knots(t), cfg.support_z)
     first = t.cl_start[:-1]
     lo_d, hi_d = np.minimum.reduceat(lo_c, first), np.maximum.reduceat(hi_c, first)
     lo = np.exp(np.minimum.reduceat(lo_d[order], key_first))
@@ -326,6 +337,11 @@ def _key_grids(t: KernelTable, order: np.ndarray, key_first: np.ndarray, cfg: L3
     return np.log(grid), w, mu, sigma
 
 
+def _knots(t: KernelTable) -> np.ndarray:
+    """The table's cluster knots; all NaN (lognormal) for a table built without them."""
+    return t.cl_knots if t.cl_knots is not None else np.full((t.cl_count.size, 8), np.nan)
+
+
 def _cdf_block(t: KernelTable, dists: np.ndarray, gslot: np.ndarray, lgrid: np.ndarray,
                mu: np.ndarray, sigma: np.ndarray, g0: int, g1: int) -> np.ndarray:
     """CDFs (len(dists), g1 − g0) of ``dists`` on their keys' grids (``gslot``: grid row per dist)."""
@@ -338,15 +354,7 @@ def _cdf_block(t: KernelTable, dists: np.ndarray, gslot: np.ndarray, lgrid: np.n
         owner = np.repeat(np.arange(dists.size), lens)
         cl = np.repeat(starts - local_first, lens) + np.arange(int(lens.sum()))
         rows = gslot[owner]
-    comp = lgrid[rows, g0:g1]                              # ln x per cluster row (a copy)
-    comp -= mu[cl][:, None]
-    sig = sigma[cl]
-    point = sig == 0.0
-    steps = comp[point] >= 0.0 if point.any() else None
-    comp *= (1.0 / np.where(point, 1.0, sig))[:, None]
-    ndtr(comp, out=comp)                                   # eq. 2, per cluster
-    if steps is not None:
-        comp[point] = steps                                # a point cluster is a step at p50
+    comp = cluster_cdf_rows(lgrid[rows, g0:g1], mu[cl], sigma[cl], _knots(t)[cl])   # eq. 2, per cluster
     comp *= (t.cl_count[cl] / (t.dist_count[dists] if single else t.dist_count[dists][owner]))[:, None]
     if single:
         return comp
