@@ -87,7 +87,8 @@ def test_verdict_names_the_kernel_from_ids_and_bad_entries_are_counted(kafka_boo
     assert p.flush(10) == 0
 
     # 3. the analyzer reads everything through Kafka and resolves the names
-    source = KafkaSource(kafka_bootstrap, group_id=f"g{uuid.uuid4().hex[:8]}", prefix=prefix,
+    group = f"g{uuid.uuid4().hex[:8]}"
+    source = KafkaSource(kafka_bootstrap, group_id=group, prefix=prefix,
                          extra={"session.timeout.ms": 6000, "heartbeat.interval.ms": 500})
     source.names.hold_s = 1.0
     analyzer = Analyzer(AnalyzerConfig(grace_s=0.2), source)
@@ -112,3 +113,19 @@ def test_verdict_names_the_kernel_from_ids_and_bad_entries_are_counted(kafka_boo
     stray_verdicts = [v for v in analyzer.verdicts if v.job_id == "stray"]
     assert all(not v.ranks for v in stray_verdicts)
     assert label(ghost) == "kernel#123456789abcdef0"
+
+    # 4. restart: a new analyzer of the same group resumes the windows after its committed offsets,
+    #    and still names a later window's ids (the dictionary is read again from offset 0)
+    later = records_pb2.KernelWindow(resource=common_pb2.Resource(job_id=job, rank=0, world_size=RANKS),
+                                     window=records_pb2.Window(index=99))
+    later.kernels.add(kernel_id=some_id, stream=7, count=1)
+    p.produce(f"{prefix}.kernels.v1", later.SerializeToString(), job.encode())
+    assert p.flush(10) == 0
+    again = KafkaSource(kafka_bootstrap, group_id=group, prefix=prefix,
+                        extra={"session.timeout.ms": 6000, "heartbeat.interval.ms": 500})
+    got = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not got:
+        got = [rec for sig, rec in again.poll(0.5) if sig == "kernels"]
+    again.close()
+    assert [(rec.window.index, [ks.kernel for ks in rec.kernels]) for rec in got] == [(99, [book[some_id]])]

@@ -7,7 +7,8 @@ import grpc
 
 from trainscope.proto.contracts import INGEST_METHOD
 from trainscope.processor.daemon import Processor, ProcessorConfig
-from trainscope.proto.contracts import RECORD_TYPES, topic_for
+from trainscope.processor.kernel_names import KERNEL_NAMES, fill_names
+from trainscope.proto.contracts import RECORD_TYPES, Signal, topic_for
 from trainscope.processor.windows import WindowConfig
 from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.model import Resource
@@ -20,15 +21,29 @@ def start_processor(listen: str = "127.0.0.1:0", **kw) -> Processor:
     return Processor(ProcessorConfig(listen=listen, **kw)).start()
 
 
+def kernel_book(proc: Processor) -> dict[int, str]:
+    """Every kernel-name dictionary entry on the processor's bus, id -> name."""
+    from trainscope.proto.v1 import records_pb2
+    book: dict[int, str] = {}
+    for r in proc.bus.poll(topic_for(KERNEL_NAMES), 0, max_records=1_000_000):
+        book.update((e.id, e.name) for e in records_pb2.KernelNames.FromString(r.value).names)
+    return book
+
+
 def bus_records(proc: Processor, signal: str) -> list:
     out, off = [], 0
     topic = topic_for(signal)
     while True:
         recs = proc.bus.poll(topic, off)
         if not recs:
-            return out
+            break
         out += [RECORD_TYPES[signal].FromString(r.value) for r in recs]
         off = recs[-1].offset + 1
+    if signal == Signal.KERNELS:   # windows carry kernel ids: named from the jobs' dictionaries
+        book = kernel_book(proc)
+        for kw in out:
+            fill_names(kw, book.get)
+    return out
 
 
 def kernel_count(proc: Processor) -> int:
