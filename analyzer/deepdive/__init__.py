@@ -29,7 +29,7 @@ from trainscope.analyzer.deepdive.critical_path import LEVEL_NAMES, CriticalPath
 from trainscope.analyzer.deepdive.localize import (
     PAPER_RANGES, ExpectedRange, LocalizeConfig, Outlier, localize,
 )
-from trainscope.analyzer.deepdive.patterns import Patterns, behaviour_patterns
+from trainscope.analyzer.deepdive.patterns import Patterns, behaviour_patterns, thread_patterns
 from trainscope.analyzer.deepdive.trace import TraceColumns, TraceError, read_trace
 from trainscope.analyzer.model import Finding, Scope, SuspectRank
 from trainscope.proto.v1 import records_pb2
@@ -145,12 +145,14 @@ def localize_columns(traces: Mapping[int, TraceColumns], *, job_id: str = "",
     """The deep dive on traces already read (benchmarks and tests use it to skip the JSON)."""
     t = time.perf_counter()
     pats: dict[int, Patterns] = {}
+    threads: dict[int, Patterns] = {}
     summaries = []
     warnings = []
     steps: dict[int, tuple[int, ...]] = {}
     for r in sorted(traces):
         cp = critical_path(traces[r])
         pats[r] = behaviour_patterns(cp)
+        threads[r] = thread_patterns(cp)
         summaries.append(summarize(r, cp, pats[r]))
         steps[r] = traces[r].step_ids
         if traces[r].rank >= 0 and traces[r].rank != r:
@@ -159,11 +161,55 @@ def localize_columns(traces: Mapping[int, TraceColumns], *, job_id: str = "",
         warnings.append("the traces cover different numbers of iterations: "
                         + ", ".join(f"rank {r}: {len(s)}" for r, s in sorted(steps.items())[:8]))
     outliers = localize(pats, roles=roles, expected=expected, cfg=cfg)
+    outliers += _thread_outliers(threads, outliers, roles=roles, cfg=cfg)
     ids = [i for s in steps.values() for i in s if i >= 0]
     return DeepDiveResult(job_id=job_id, ranks=tuple(summaries), outliers=tuple(outliers),
                           params=dataclasses.asdict(cfg), analysis_s=time.perf_counter() - t,
                           warnings=tuple(warnings), first_iteration=min(ids, default=-1),
                           last_iteration=max(ids, default=-1))
+
+
+def _thread_outliers(threads: Mapping[int, Patterns], path_outliers: list[Outlier], *,
+                     roles: Mapping[int, str] | None, cfg: LocalizeConfig) -> list[Outlier]:
+    """Other threads' functions (``patterns.thread_patterns``) localised like the path's, apart from it.
+
+    1. ``localize`` on the threads' patterns (the job's own expected range: EROICA gives none for them).
+    2. Only functions the role's median rank does not run (median β under ``floor``): a thread every
+       rank runs shows its parked frame for a share of the window that differs by rank (gRPC's poller
+       threads: 1.1-1.8 of the window on six ranks of one job), so "more of it" is not evidence.
+       A rank is kept only when its training thread is slower too (a non-common, non-collective path
+       outlier, slower): a thread of its own that costs the training step nothing is not a cause
+       (a rank may run an idle helper thread its peers do not).
+    3. The evidence names the training thread's functions it slows (the contention's symptoms); the
+       cost is theirs, already counted on the path, so the thread's impact is left unknown (None).
+    """
+    symptoms: dict[int, list[str]] = {}
+    for o in path_outliers:
+        if o.common or o.kind == "communication":
+            continue
+        for r, slower in zip(o.ranks, o.slower):
+            if slower:
+                symptoms.setdefault(r, []).append(o.function)
+    if not symptoms or not any(len(p.functions) for p in threads.values()):
+        return []
+    out = []
+    for o in localize(threads, roles=roles, cfg=cfg):
+        if o.expected[0] >= cfg.floor:
+            continue     # the role's median rank runs it too: not told apart from parked-frame noise
+        keep = [i for i, (r, slower) in enumerate(zip(o.ranks, o.slower)) if slower and r in symptoms]
+        if not keep:
+            continue
+        r0, i0 = o.ranks[keep[0]], keep[0]
+        names = ", ".join(repr(f[:60]) for f in symptoms[r0][:3])
+        text = (f"thread function {o.function[:80]!r} on rank {r0}: runs (innermost) {o.beta[i0]:.0%} of the "
+                f"window on a thread other than the training thread (median over peers {o.expected[0]:.0%}), "
+                f"while that rank's training thread is slower in {names}: CPU or GIL contention from that "
+                f"thread" + (f"; {len(keep)} ranks in all" if len(keep) > 1 else ""))
+        pick = lambda xs: tuple(xs[i] for i in keep)  # noqa: E731
+        out.append(dataclasses.replace(o, ranks=pick(o.ranks), d=pick(o.d), delta=pick(o.delta), beta=pick(o.beta),
+                                       mu=pick(o.mu), sigma=pick(o.sigma), impact_s=(None,) * len(keep),
+                                       slower=pick(o.slower), evidence=text))
+    return out
 
 
 def trace_paths(directory: str | os.PathLike) -> dict[int, str]:

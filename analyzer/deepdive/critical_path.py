@@ -29,7 +29,12 @@ events is step 3's stack pass over host events):
 6. Per-event critical time = sum of the lengths of the segments it owns
    (``bincount``). Segments with nothing running are idle, off the path.
 7. Launchers (kernel -> CPU op / Python function): the runtime call with the
-   kernel's correlation id, and that call's parent on its thread.
+   kernel's correlation id, and that call's parent on its thread. A CPU op or
+   a built-in (``<built-in function collect>``) of the training thread (not a
+   collective's) gets its caller instead: the
+   nearest enclosing Python function that is neither a built-in nor an op —
+   on a CPU job the user's function behind an ``aten::mul`` (an unfused
+   sequence of small ops shows as ops called from one ``forward``).
 """
 from __future__ import annotations
 
@@ -225,6 +230,21 @@ def critical_path(tr: TraceColumns) -> CriticalPath:
                 break
             caller[inner] = parent[caller[inner]]
         launcher[dev[hit]] = np.where(caller >= 0, tr.name[np.maximum(caller, 0)], -1)
+    # 7b. callers of the training thread's CPU ops: the nearest enclosing Python function that is not a
+    # built-in (``<built-in method tanh ...>``) nor another op, i.e. the user's code that ran the op
+    builtin = np.fromiter((n.startswith("<built-in") for n in tr.names), dtype=bool, count=len(tr.names))
+    ops = np.flatnonzero(((tr.cat == CPU_OP) | ((tr.cat == PYTHON) & builtin[tr.name])) & (level == HOST))
+    if ops.size:
+        comm_op = np.fromiter((bool(COMM_HOST.search(n)) for n in tr.names), dtype=bool, count=len(tr.names))
+        ops = ops[~comm_op[tr.name[ops]]]       # a collective's front end keeps no caller (its scope stays the op)
+        user = (tr.cat == PYTHON) & ~builtin[tr.name]
+        cur = parent[ops]
+        for _ in range(256):                     # bounded by the deepest nesting
+            up = (cur >= 0) & ~user[np.maximum(cur, 0)]
+            if not up.any():
+                break
+            cur[up] = parent[cur[up]]
+        launcher[ops] = np.where(cur >= 0, tr.name[np.maximum(cur, 0)], -1)
     return CriticalPath(trace=tr, t0=t0, t1=t1, iterations=iterations, level=level, seg_start=seg_s,
                         seg_end=seg_e, seg_level=seg_level, seg_owner=owner, critical=critical,
                         launcher=launcher, training_tid=tid0)

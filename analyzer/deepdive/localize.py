@@ -152,18 +152,20 @@ def _half_width(m: np.ndarray, mad: np.ndarray, cfg: LocalizeConfig) -> np.ndarr
     return np.maximum(cfg.floor, cfg.k * np.maximum(1.4826 * mad, cfg.rel_floor * np.abs(m)))
 
 
-def _matrices(pats: Sequence[Patterns]) -> tuple[list[str], list[str], list[str], np.ndarray, np.ndarray,
-                                                np.ndarray, np.ndarray]:
+def _matrices(pats: Sequence[Patterns]) -> tuple[list[str], list[str], list[dict[int, str]], np.ndarray,
+                                                np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Step 1."""
     index: dict[str, int] = {}
     kinds: list[str] = []
-    launched: list[str] = []
-    for p in pats:
+    launched: list[dict[int, str]] = []    # per function: rank row -> its launcher (they can differ)
+    for i, p in enumerate(pats):
         for f, kd, lb in zip(p.functions, p.kinds, p.launched_by):
             if f not in index:
                 index[f] = len(index)
                 kinds.append(kd)
-                launched.append(lb)
+                launched.append({})
+            if lb:
+                launched[index[f]][i] = lb
     B = np.zeros((len(pats), len(index)))
     MU = np.zeros_like(B)
     SG = np.zeros_like(B)
@@ -289,6 +291,9 @@ def _outlier(func, kind, role, ranks, rows, j, D, Dl, B, MU, SG, impact, slower,
     imp = tuple(None if not np.isfinite(impact[i, j]) else float(impact[i, j]) for i in rows)
     why = []
     r0, i0 = ranks[0], rows[0]
+    # the launcher on the first named rank (an op's caller there), else the one most ranks report
+    launched = launched.get(i0) or (max(set(launched.values()), key=list(launched.values()).count)
+                                    if launched else "")
     if D[i0, j] > 0:
         why.append(f"D={D[i0, j]:.3f} from the {'given' if given else 'job median'} expected range")
     if Dl[i0, j] > thr:

@@ -28,7 +28,17 @@ Steps:
    scheduler preempting a rank on a shared host) does not (``localize``'s
    steadiness rule). Without iteration marks, or for the idle pseudo-function,
    it is β.
-5. Function identity: its name (a kernel's demangled name, an op's name, a
+5. Other threads (:func:`thread_patterns`, an addition): the training
+   thread's path cannot show *what* slows it when another thread of the
+   process takes the CPU or the GIL (it only shows its own functions
+   taking longer). For the Python functions of every other thread: its
+   self time (clipped to the window, minus its callees'; the caller from
+   ``Python parent id``, cut at a thread's ``threading.py: _bootstrap``
+   root), β = Σ self time / window, kind ``thread``; ``localize`` compares
+   them across ranks apart from the path. trainscope's own threads (a
+   thread is the frames under one root; ours when one of them is a
+   collector frame) are left out: their parked frames differ by rank.
+6. Function identity: its name (a kernel's demangled name, an op's name, a
    Python function's ``file(line): name``). EROICA keys Python functions by
    their whole call stack; Kineto's name already carries file and line, and
    the stack is left out (a known simplification).
@@ -36,6 +46,8 @@ Steps:
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 
 import numpy as np
 
@@ -45,9 +57,17 @@ from trainscope.analyzer.deepdive.critical_path import (
 from trainscope.analyzer.deepdive.trace import PYTHON, RUNTIME
 
 #: Kinds of function (what EROICA's expected ranges are given for, §4.3).
-KINDS = ("compute", "memory", "communication", "python", "cpu", "runtime", "idle")
+KINDS = ("compute", "memory", "communication", "python", "cpu", "runtime", "idle", "thread")
 #: The pseudo-function of step 3.
 IDLE = "(idle: nothing traced running)"
+#: Kind of the functions of other threads (step 6): not on the critical path, compared apart.
+THREAD = "thread"
+#: A thread's outermost frame: Kineto chains the stacks of threads already running when profiling
+#: began one after the other on one pseudo-thread, each root given the previous stack's leaf as caller.
+#: trainscope's own frames (editable checkout or installed package): its threads are not the job's.
+_OWN = re.compile(r"(^|/)trainscope/collector/|^" + re.escape(os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "collector", "")))
+_THREAD_ROOT = re.compile(r"(^|/)threading\.py(\(\d+\))?: _bootstrap$")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,7 +80,7 @@ class Patterns:
     mu: np.ndarray          # s per execution
     sigma: np.ndarray       # s
     count: np.ndarray       # executions on the path
-    launched_by: tuple[str, ...]   # the CPU op / Python function most of its executions came from, "" if none
+    launched_by: tuple[str, ...]   # the CPU op / Python function behind most of its critical time, "" if none
     window_s: float
     iterations: int
     beta_median: np.ndarray | None = None   # step 4: median over iterations of β per iteration; None: β
@@ -96,7 +116,8 @@ def behaviour_patterns(cp: CriticalPath) -> Patterns:
     window_s = cp.window_us * 1e-6
     mu = total[keep] / n[keep]
     var = np.maximum(sq[keep] / n[keep] - mu ** 2, 0.0)
-    # kind and launcher of each function: from its first execution on the path / its most common launcher
+    # kind and launcher of each function: from its first execution on the path / the launcher (a kernel's
+    # CPU op, a CPU op's calling Python function) of most of its critical time
     first = np.full(nn, -1, dtype=np.int64)
     idx = np.flatnonzero(on)
     first[tr.name[idx[::-1]]] = idx[::-1]
@@ -105,8 +126,9 @@ def behaviour_patterns(cp: CriticalPath) -> Patterns:
     lk = on & (cp.launcher >= 0)
     if lk.any():
         pair = tr.name[lk].astype(np.int64) * (nn + 1) + cp.launcher[lk]
-        u, c = np.unique(pair, return_counts=True)
-        o = np.lexsort((c, u // (nn + 1)))          # per function, the most common launcher last
+        u, inv = np.unique(pair, return_inverse=True)
+        c = np.bincount(inv.reshape(-1), weights=cp.critical[lk])
+        o = np.lexsort((c, u // (nn + 1)))          # per function, the launcher of most critical time last
         launched[u[o] // (nn + 1)] = u[o] % (nn + 1)
     launched_by = tuple(tr.names[launched[f]] if launched[f] >= 0 else "" for f in keep)
     funcs = tuple(tr.names[f] for f in keep)
@@ -142,3 +164,78 @@ def _beta_median(cp: CriticalPath, keep: np.ndarray, beta: np.ndarray) -> np.nda
     return np.median(per[keep] / length[None, :], axis=1)
 
 
+
+
+def thread_patterns(cp: CriticalPath) -> Patterns:
+    """Step 5: self time of the Python functions of threads other than the training thread.
+
+    A CPU-bound Python loop on a helper thread is its own innermost frame for
+    the whole window; a blocked thread's innermost frame (``wait``, ``get``)
+    is too, on every rank alike: ``localize`` tells them apart by comparing
+    ranks. Empty when the trace has no ``Python id`` columns.
+    """
+    tr = cp.trace
+    window_s = cp.window_us * 1e-6
+    empty = Patterns(functions=(), kinds=(), beta=np.zeros(0), mu=np.zeros(0), sigma=np.zeros(0),
+                     count=np.zeros(0, dtype=np.int64), launched_by=(), window_s=window_s,
+                     iterations=cp.iterations, beta_median=np.zeros(0))
+    if (tr.py_id is None or tr.py_parent is None or window_s <= 0
+            or tr.py_id.size != tr.ts.size or tr.py_parent.size != tr.ts.size):   # columns rebuilt without them
+        return empty
+    py = np.flatnonzero((tr.cat == PYTHON) & (tr.tid != cp.training_tid) & (tr.py_id >= 0))
+    if py.size == 0:
+        return empty
+    nn = len(tr.names)
+    t = np.clip(tr.ts[py], cp.t0, cp.t1)
+    own = np.clip(tr.ts[py] + tr.dur[py], cp.t0, cp.t1) - t
+    root = np.fromiter((bool(_THREAD_ROOT.search(n)) for n in tr.names), dtype=bool, count=nn)
+    parent_id = np.where(root[tr.name[py]], -1, tr.py_parent[py])
+    o = np.argsort(tr.py_id[py], kind="stable")
+    ids = tr.py_id[py][o]
+    k = np.clip(np.searchsorted(ids, parent_id), 0, ids.size - 1)
+    pidx = np.where((parent_id >= 0) & (ids[k] == parent_id), o[k], -1)
+    has = pidx >= 0
+    # trainscope's own threads (the collector's exporter, its gRPC request iterator) are left out: a
+    # thread is the events under one root (pointer jumping up the callers), ours when one is our frame
+    top = np.arange(py.size)
+    for _ in range(1024):                    # bounded by the deepest stack
+        up = pidx[top]
+        move = up >= 0
+        if not move.any():
+            break
+        top[move] = up[move]
+    # ... and a thread is its real thread id too, except on a pseudo-thread holding several roots
+    tids, tix = np.unique(tr.tid[py], return_inverse=True)
+    roots = np.bincount(tix, weights=root[tr.name[py]], minlength=tids.size)
+    group = np.where(roots[tix] > 1, top, py.size + tix)
+    ours = np.fromiter((bool(_OWN.search(n)) for n in tr.names), dtype=bool, count=nn)
+    mine = np.bincount(group, weights=ours[tr.name[py]], minlength=py.size + tids.size) > 0
+    own = np.where(mine[group], 0.0, own)
+    callees = np.bincount(pidx[has], weights=own[has], minlength=py.size)
+    self_s = np.maximum(own - callees, 0.0) * 1e-6
+    on = self_s > 0
+    names = tr.name[py][on]
+    total = np.bincount(names, weights=self_s[on], minlength=nn)
+    n = np.bincount(names, minlength=nn)
+    sq = np.bincount(names, weights=self_s[on] ** 2, minlength=nn)
+    keep = np.flatnonzero(n > 0)
+    mu = total[keep] / n[keep]
+    beta = total[keep] / window_s
+    # steadiness (step 4): each execution's self time spread over the iterations it overlaps, in
+    # proportion; a thread that works in every iteration moves the median iteration, a 20 ms wait
+    # for a lock in one iteration does not
+    steps = tr.steps
+    if steps.shape[0] >= 3:
+        ev = np.flatnonzero(on)
+        a, b = t[ev], t[ev] + own[ev]
+        ov = np.maximum(0.0, np.minimum(b[:, None], steps[None, :, 1]) - np.maximum(a[:, None], steps[None, :, 0]))
+        share = ov / np.maximum(ov.sum(axis=1, keepdims=True), 1e-12)
+        per = np.zeros((nn, steps.shape[0]))
+        np.add.at(per, tr.name[py][ev], share * (self_s[ev] * 1e6)[:, None])
+        beta_median = np.median(per[keep] / np.maximum(steps[:, 1] - steps[:, 0], 1e-9)[None, :], axis=1)
+    else:
+        beta_median = beta.copy()
+    return Patterns(functions=tuple(tr.names[f] for f in keep), kinds=(THREAD,) * keep.size, beta=beta, mu=mu,
+                    sigma=np.sqrt(np.maximum(sq[keep] / n[keep] - mu ** 2, 0.0)), count=n[keep],
+                    launched_by=("",) * keep.size, window_s=window_s, iterations=cp.iterations,
+                    beta_median=beta_median)

@@ -22,8 +22,10 @@ Steps:
    function (its name, its class, the file and definition line) stays.
 4. Columns: category code, interned name id, ``ts``/``dur`` (µs, float64),
    ``tid`` (the device stream for device events, the thread otherwise), the
-   correlation id (-1 when none). ``ProfilerStep#N`` annotations are kept
-   apart as the iteration marks.
+   correlation id (-1 when none), a Python function's ``Python id`` and
+   ``Python parent id`` (its caller; what ``patterns.thread_patterns`` needs
+   for other threads, whose frames Kineto may put on one pseudo-thread).
+   ``ProfilerStep#N`` annotations are kept apart as the iteration marks.
 The JSON decode itself is one C call; turning the decoded dicts into columns
 is one pass of list comprehensions (the only per-event Python on this path).
 """
@@ -100,13 +102,17 @@ class TraceColumns:
     world_size: int = 0
     step_tid: int = -1       # the thread the ProfilerStep marks are on (the training thread), -1 when none
     step_ids: tuple[int, ...] = ()   # N of each ProfilerStep#N span, in time order
+    py_id: np.ndarray | None = None      # int64 ``args["Python id"]`` of Python function events, -1 otherwise
+    py_parent: np.ndarray | None = None  # int64 ``args["Python parent id"]``, -1 when none
 
     def __len__(self) -> int:
         return int(self.ts.size)
 
     def subset(self, mask: np.ndarray) -> "TraceColumns":
         return dataclasses.replace(self, cat=self.cat[mask], name=self.name[mask], ts=self.ts[mask],
-                                   dur=self.dur[mask], tid=self.tid[mask], correlation=self.correlation[mask])
+                                   dur=self.dur[mask], tid=self.tid[mask], correlation=self.correlation[mask],
+                                   py_id=None if self.py_id is None else self.py_id[mask],
+                                   py_parent=None if self.py_parent is None else self.py_parent[mask])
 
 
 def _load(path: str) -> Any:
@@ -151,6 +157,9 @@ def read_trace(path: str | os.PathLike) -> TraceColumns:
         tid = np.fromiter((_int(a.get("stream", e.get("tid"))) if c in _DEVICE else _int(e.get("tid"))
                            for e, a, c in zip(xs, args, cat.tolist())), dtype=np.int64, count=len(xs))
         corr = np.fromiter((_int(a.get("correlation", -1)) for a in args), dtype=np.int64, count=len(xs))
+        py_id = np.fromiter((_int(a.get("Python id", -1)) for a in args), dtype=np.int64, count=len(xs))
+        py_parent = np.fromiter((_int(a.get("Python parent id", -1)) for a in args), dtype=np.int64,
+                                count=len(xs))
         raw_names = [str(e.get("name", "")) for e in xs]
     except (TypeError, ValueError, AttributeError) as e:
         raise TraceError(p, f"malformed event ({e}): not a torch.profiler Chrome trace") from None
@@ -184,7 +193,7 @@ def read_trace(path: str | os.PathLike) -> TraceColumns:
     return TraceColumns(path=p, cat=cat[sel], name=name_id.astype(np.int32)[sel], names=tuple(names.tolist()),
                         ts=ts[sel], dur=np.maximum(dur[sel], 0.0), tid=tid[sel], correlation=corr[sel],
                         steps=steps, rank=_int(rank), world_size=_int(ws), step_tid=step_tid,
-                        step_ids=step_ids)
+                        step_ids=step_ids, py_id=py_id[sel], py_parent=py_parent[sel])
 
 
 def _int(v: Any) -> int:

@@ -1,0 +1,121 @@
+"""Other threads and op callers in the L4 analysis (``patterns.thread_patterns``, ``critical_path`` step 7b).
+
+Seen on a real 6-rank gloo deep dive (tests/integration/test_deep_dive_faults.py): a rank whose helper
+thread spins in Python was named only for its training thread's symptoms (``ones_like``, ``sleep``,
+``AddmmBackward0`` slower at every GIL hand-off), never for the thread; and a rank running tanh-GELU as
+elementwise ops was named for ``aten::mul`` with no word of where the ops came from (the launcher was
+rank 0's, an optimizer's). Hand-written CPU-only Kineto traces, 6 ranks, 6 iterations of 10 ms, each
+rank on its own clock; the threads that were running when profiling began are chained on one
+pseudo-thread (tid 0) as Kineto writes them: each thread's root ``_bootstrap`` given the previous
+thread's leaf as its caller.
+"""
+from __future__ import annotations
+
+import json
+
+from trainscope.analyzer.deepdive import localize_traces, read_trace
+from trainscope.analyzer.deepdive.critical_path import critical_path
+from trainscope.analyzer.deepdive.patterns import thread_patterns
+
+RANKS = 6
+STEP = 10_000.0
+SPIN = "train.py(17): spin"
+OURS = "/venv/lib/python3.11/site-packages/trainscope/collector/exporter.py(391): requests"
+
+
+def x(cat, name, ts, dur, tid, pid=None, parent=None):
+    e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+    if pid is not None:
+        e["args"] = {"Python id": pid, "Python parent id": parent}
+    return e
+
+
+def write(path, rank: int, *, spin=False, mul_us=300.0, unfused=False, parked=1.0, ours=False, pollers=1):
+    t0 = 50_000.0 + 777.0 * rank
+    end = t0 + 6 * STEP
+    ev = [x("python_function", "train.py(40): main", t0 - 5, 6 * STEP + 10, 1, 1, None)]
+    for i in range(6):
+        t = t0 + i * STEP
+        ev.append(x("user_annotation", f"ProfilerStep#{i}", t, STEP, 1))
+        if unfused:   # tanh-GELU as elementwise ops, called from the model's forward
+            ev.append(x("python_function", "train.py(27): forward", t + 10, 3000, 1))
+            ev.append(x("python_function", "<built-in method tanh of type object>", t + 20, 800, 1))
+            ev.append(x("cpu_op", "aten::tanh", t + 30, 700, 1))
+            ev += [x("cpu_op", "aten::mul", t + 900 + 400 * k, 300, 1) for k in range(5)]
+        else:
+            ev.append(x("python_function", "train.py(22): forward", t + 10, 1500, 1))
+            ev.append(x("cpu_op", "aten::gelu", t + 20, 1400, 1))
+        ev.append(x("python_function", "torch/optim/sgd.py(322): _single_tensor_sgd", t + 4000, 1000, 1))
+        ev.append(x("cpu_op", "aten::mul", t + 4010, mul_us, 1))
+        ev.append(x("cpu_op", "aten::mm", t + 5200, 2000, 1))
+    # threads running before profiling began, chained on tid 0 (each root's caller: the previous leaf)
+    pid, prev = 100, None
+    threads = []
+    if spin:
+        threads.append([SPIN])
+    threads.append(["threading.py(982): run", "threading.py(327): wait"])     # parked on every rank ...
+    if ours:
+        threads.append(["threading.py(982): run", OURS])                      # trainscope's own exporter
+    for frames in threads:
+        for j, name in enumerate(["threading.py(1002): _bootstrap"] + frames):
+            ev.append(x("python_function", name, t0 - 3, 6 * STEP + 6, 0, pid, prev))
+            prev, pid = pid, pid + 1
+    ev[-1]["dur"] = (6 * STEP + 6) * parked            # ... for a share of the window that differs by rank
+    # threads every rank runs (gRPC pollers, one per channel), parked; some ranks have more channels
+    for k in range(pollers):
+        ev.append(x("python_function", "threading.py(1002): _bootstrap", t0 - 2, 6 * STEP + 4, 9 + k, 500 + 2 * k,
+                    None))
+        ev.append(x("python_function", "grpc/_channel.py(1725): channel_spin", t0 - 1, 6 * STEP + 2, 9 + k,
+                    501 + 2 * k, 500 + 2 * k))
+    assert end > t0
+    path.write_text(json.dumps({"traceEvents": ev}))
+
+
+def job(tmp_path, per_rank: dict):
+    paths = {}
+    for r in range(RANKS):
+        paths[r] = tmp_path / f"rank-{r}.json"
+        write(paths[r], r, **per_rank.get(r, {}))
+    return paths
+
+
+def named(res):
+    return {(o.function, o.kind, r) for o in res.outliers for r, s in zip(o.ranks, o.slower) if s}
+
+
+# noise every job below carries: parked frames of 55-100 % of the window, trainscope's exporter on two
+# ranks, a gRPC poller on every rank
+NOISE = {0: {"parked": 0.55}, 1: {"ours": True}, 2: {"parked": 0.8}, 4: {"ours": True}}
+
+
+def test_a_spinning_thread_is_named_on_its_rank_beside_its_symptoms_and_no_peer(tmp_path):
+    per = {r: dict(v) for r, v in NOISE.items()}
+    per.setdefault(3, {}).update(spin=True, mul_us=1800.0,   # the GIL hand-offs: its training thread's mul 6x
+                                 pollers=2)                   # and a second gRPC poller parked (not evidence)
+    per.setdefault(5, {}).update(spin=True)                  # a spinning thread that costs its rank nothing
+    res = localize_traces(job(tmp_path, per))
+    got = named(res)
+    assert (SPIN, "thread", 3) in got and ("aten::mul", "cpu", 3) in got, got
+    assert {r for _, _, r in got} == {3}, got               # rank 5's idle spinner, the parked frames: nothing
+    (th,) = [o for o in res.outliers if o.kind == "thread"]
+    assert th.ranks == (3,) and th.impact_s == (None,) and "aten::mul" in th.evidence, th
+    # the chain cut at the next thread's root: the spinning frame is its own leaf for the whole window
+    tp = thread_patterns(critical_path(read_trace(tmp_path / "rank-3.json")))
+    assert tp.as_dict()[SPIN][0] > 0.99
+    assert not any("trainscope/collector" in f for f in tp.functions)   # our own threads left out
+
+
+def test_a_healthy_job_with_thread_noise_names_no_one(tmp_path):
+    assert localize_traces(job(tmp_path, NOISE)).outliers == ()
+
+
+def test_unfused_ops_are_named_with_the_forward_that_called_them_on_their_rank(tmp_path):
+    per = {r: dict(v) for r, v in NOISE.items()}
+    per.setdefault(4, {}).update(unfused=True)
+    res = localize_traces(job(tmp_path, per))
+    assert {r for _, _, r in named(res)} == {4}, named(res)
+    assert not [o for o in res.outliers if o.kind == "thread"]     # trainscope's exporter on rank 4 is ours
+    mul = next(o for o in res.outliers if o.function == "aten::mul")
+    assert mul.ranks == (4,) and mul.launched_by == "train.py(27): forward", mul   # rank 4's caller, not rank 0's
+    tanh = next(o for o in res.outliers if o.function == "aten::tanh")
+    assert tanh.launched_by == "train.py(27): forward"                           # through the built-in call
