@@ -51,7 +51,7 @@ from trainscope.analyzer.l3_kernels import L3Config, flatten_kernels, kernel_fin
 from trainscope.analyzer.levels import WindowContext
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
 from trainscope.analyzer.significance import small_group_threshold, z_threshold
-from trainscope.analyzer.topology import CATEGORIES, group_of, has_coords, rank_to_group
+from trainscope.analyzer.topology import CATEGORIES, group_index, group_of, has_coords, rank_to_group
 from trainscope.processor.kernel_names import fill_names
 from trainscope.proto.model import Resource
 from trainscope.proto.v1 import records_pb2
@@ -243,6 +243,7 @@ class PartialStore:
             g = int(e["g"])
             if g in groups:
                 self.duplicates += 1        # analysed again after a rebalance: the latest wins
+            e["n"] = len(_arr(e["ranks"], "<i4"))
             groups[g] = e
         meta = self._meta.setdefault(key, {"iterations": {}, "host_timed": False, "names": p.get("names", [])})
         for e in p.get("groups", ()):
@@ -256,7 +257,7 @@ class PartialStore:
 
     def covered(self, job_id: str, window: records_pb2.Window) -> int:
         groups = self._windows.get((job_id, window.kind, window.index), {})
-        return sum(len(_arr(e["ranks"], "<i4")) for e in groups.values())
+        return sum(e["n"] for e in groups.values())
 
     def gate(self, job_id: str, jw: JobWindow, first_seen: float) -> bool:
         """Whether the owner may analyse ``jw``: its partials cover every rank it holds; a job
@@ -323,6 +324,9 @@ class _Shard:
     resources: dict = dataclasses.field(default_factory=dict)
     offsets: dict = dataclasses.field(default_factory=dict)   # (topic, partition) -> lowest offset held
     source: dict = dataclasses.field(default_factory=dict)    # rank -> (topic, partition) its record came from
+    group: dict = dataclasses.field(default_factory=dict)     # rank -> its comparison group
+    count: collections.Counter = dataclasses.field(default_factory=collections.Counter)   # group -> ranks in
+    size: dict = dataclasses.field(default_factory=dict)      # group -> ranks it has
 
 
 def _expected(res: Resource, dim: str) -> int:
@@ -362,6 +366,12 @@ class GroupStage:
             s = self.open[key] = _Shard(records_pb2.Window(kind=w.kind, index=w.index), now, now)
         s.last_seen = now
         res = Resource.from_pb(rec.resource)
+        if res.rank not in s.kernels:    # completeness kept as records arrive: no pass over the ranks per check
+            dim = self.cfg.routing.kernel_group_dim
+            g = group_index(res.coords, dim) if has_coords(res) else 0
+            s.group[res.rank] = g
+            s.count[g] += 1
+            s.size[g] = _expected(res, dim)
         s.kernels[res.rank] = rec
         s.resources[res.rank] = res
         if w.start_ns and (not s.window.start_ns or w.start_ns < s.window.start_ns):
@@ -387,14 +397,9 @@ class GroupStage:
                 out.append(key)
         return sorted(out, key=lambda k: (k[0], k[1], k[2]))
 
-    def _complete(self, s: _Shard) -> bool:
-        dim = self.cfg.routing.kernel_group_dim
-        counts = collections.Counter()
-        size: dict[int, int] = {}
-        for gi, members in group_of(s.resources, dim).items():
-            counts[gi] = len(members)
-            size[gi] = _expected(s.resources[members[0]], dim)
-        return all(counts[g] >= size[g] for g in counts)
+    @staticmethod
+    def _complete(s: _Shard) -> bool:
+        return all(n >= s.size[g] for g, n in s.count.items())
 
     def analyse(self, key: tuple[str, int, int], member: str) -> tuple[records_pb2.Diagnosis, dict]:
         """Steps 2-3 for one open window; returns its partial record and the offsets it released."""
@@ -429,6 +434,11 @@ class GroupStage:
                 s.kernels.pop(r, None)
                 s.resources.pop(r, None)
                 s.source.pop(r, None)
+                g = s.group.pop(r, None)
+                if g is not None:
+                    s.count[g] -= 1
+                    if s.count[g] <= 0:
+                        del s.count[g]
             for tp in partitions:
                 s.offsets.pop(tp, None)
             if not s.kernels:
