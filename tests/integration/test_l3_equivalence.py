@@ -20,7 +20,7 @@ from trainscope.analyzer import l3_kernels as l3
 from trainscope.analyzer.model import JobWindow
 from trainscope.collector.sources.replay import load_rank_trace
 from trainscope.processor.model import ClosedWindow
-from trainscope.processor.summarize import Summarizer
+from trainscope.processor.summarize import SummaryConfig, Summarizer
 from trainscope.proto.model import Resource, coords_for_rank
 from trainscope.proto.v1 import records_pb2
 
@@ -39,7 +39,7 @@ def job_windows(tmp_path) -> list[JobWindow]:
     out = [JobWindow("j", records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=i,
                                              first_iteration=i * PER_WINDOW, last_iteration=(i + 1) * PER_WINDOW - 1))
            for i in range(SPEC.steps // PER_WINDOW)]
-    summarize = Summarizer()
+    summarize = Summarizer(SummaryConfig(names_inline=True))   # names as the analyzer sees them (resolved)
     for r in range(SPEC.ranks):
         t = load_rank_trace(job / f"rank-{r}.json.gz")
         marks = sorted(t.iterations, key=lambda m: m.iteration)
