@@ -226,12 +226,20 @@ def thread_patterns(cp: CriticalPath) -> Patterns:
     # for a lock in one iteration does not
     steps = tr.steps
     if steps.shape[0] >= 3:
+        n_it = steps.shape[0]
         ev = np.flatnonzero(on)
         a, b = t[ev], t[ev] + own[ev]
-        ov = np.maximum(0.0, np.minimum(b[:, None], steps[None, :, 1]) - np.maximum(a[:, None], steps[None, :, 0]))
-        share = ov / np.maximum(ov.sum(axis=1, keepdims=True), 1e-12)
-        per = np.zeros((nn, steps.shape[0]))
-        np.add.at(per, tr.name[py][ev], share * (self_s[ev] * 1e6)[:, None])
+        i0 = np.clip(np.searchsorted(steps[:, 0], a, side="right") - 1, 0, n_it - 1)
+        i1 = np.clip(np.searchsorted(steps[:, 0], b, side="left") - 1, 0, n_it - 1)
+        per = np.zeros((nn, n_it))
+        one = i0 >= i1                          # within one iteration (most): all of its self time there
+        np.add.at(per, (tr.name[py][ev[one]], i0[one]), self_s[ev[one]] * 1e6)
+        span = np.flatnonzero(~one)             # the few spanning several: shared by overlap (bounded matrix)
+        for c in range(0, span.size, 4096):
+            k = span[c:c + 4096]
+            ov = np.maximum(0.0, np.minimum(b[k, None], steps[None, :, 1]) - np.maximum(a[k, None], steps[None, :, 0]))
+            share = ov / np.maximum(ov.sum(axis=1, keepdims=True), 1e-12)
+            np.add.at(per, tr.name[py][ev[k]], share * (self_s[ev[k]] * 1e6)[:, None])
         beta_median = np.median(per[keep] / np.maximum(steps[:, 1] - steps[:, 0], 1e-9)[None, :], axis=1)
     else:
         beta_median = beta.copy()

@@ -30,7 +30,8 @@ def x(cat, name, ts, dur, tid, pid=None, parent=None):
     return e
 
 
-def write(path, rank: int, *, spin=False, mul_us=300.0, unfused=False, parked=1.0, ours=False, pollers=1):
+def write(path, rank: int, *, spin=False, mul_us=300.0, unfused=False, parked=1.0, ours=False, pollers=1,
+          lock_wait=False):
     t0 = 50_000.0 + 777.0 * rank
     end = t0 + 6 * STEP
     ev = [x("python_function", "train.py(40): main", t0 - 5, 6 * STEP + 10, 1, 1, None)]
@@ -67,6 +68,12 @@ def write(path, rank: int, *, spin=False, mul_us=300.0, unfused=False, parked=1.
                     None))
         ev.append(x("python_function", "grpc/_channel.py(1725): channel_spin", t0 - 1, 6 * STEP + 2, 9 + k,
                     501 + 2 * k, 500 + 2 * k))
+    if lock_wait:   # a thread started in the window that waits 2 ms for a lock, in one iteration only
+        t = t0 + 2 * STEP + 100
+        ev.append(x("python_function", "threading.py(1002): _bootstrap", t, 2100, 12, 600, None))
+        ev.append(x("python_function", "worker.py(5): run_once", t + 10, 2080, 12, 601, 600))
+        ev.append(x("python_function", "<built-in method __enter__ of _thread.RLock object>", t + 20, 2000, 12, 602,
+                    601))
     assert end > t0
     path.write_text(json.dumps({"traceEvents": ev}))
 
@@ -91,7 +98,8 @@ NOISE = {0: {"parked": 0.55}, 1: {"ours": True}, 2: {"parked": 0.8}, 4: {"ours":
 def test_a_spinning_thread_is_named_on_its_rank_beside_its_symptoms_and_no_peer(tmp_path):
     per = {r: dict(v) for r, v in NOISE.items()}
     per.setdefault(3, {}).update(spin=True, mul_us=1800.0,   # the GIL hand-offs: its training thread's mul 6x
-                                 pollers=2)                   # and a second gRPC poller parked (not evidence)
+                                 pollers=2,                   # and a second gRPC poller parked (not evidence)
+                                 lock_wait=True)              # and a one-off 2 ms lock wait (not steady)
     per.setdefault(5, {}).update(spin=True)                  # a spinning thread that costs its rank nothing
     res = localize_traces(job(tmp_path, per))
     got = named(res)
