@@ -204,11 +204,14 @@ def _keys(buf: _Buffer, name_a: np.ndarray, name_b: np.ndarray, stream: np.ndarr
         cand += [(int(sel[f]), (text(int(sel[f])), int(stream[sel[f]]))) for f in fn.tolist()]
     sel = np.flatnonzero(~named)
     kid = np.where(kid_pos[sel] >= 0, buf.words[np.maximum(kid_pos[sel], 0)], np.uint64(0))
-    pairs, fi, inv = np.unique(np.stack([kid, stream[sel].astype(np.uint64)], axis=1), axis=0,
-                               return_index=True, return_inverse=True)
+    # (id, stream) pairs numbered by two 1-D sorts: ids, then (id number, stream number)
+    ukid, kinv = np.unique(kid, return_inverse=True)
+    ustream, sinv = np.unique(stream[sel], return_inverse=True)
+    dense = kinv.reshape(-1).astype(np.int64) * ustream.size + sinv.reshape(-1)
+    upair, fi, inv = np.unique(dense, return_index=True, return_inverse=True)
     local[sel] = len(cand) + inv.reshape(-1)
     lookup = names.get if names is not None else (lambda k: None)
-    for (k, sid), f in zip(pairs.tolist(), fi.tolist()):
+    for k, sid, f in zip(ukid[upair // ustream.size].tolist(), ustream[upair % ustream.size].tolist(), fi.tolist()):
         cand.append((int(sel[f]), (lookup(k) or label(k) if k else "", int(sid))))
     order = sorted(range(len(cand)), key=lambda c: cand[c][0])
     number: dict[tuple[str, int], int] = {}
