@@ -29,6 +29,16 @@ member, clock-free:
    different pipeline stages (Megatron's grad-norm all-reduce over the
    model-parallel group) are not judged: in 1F1B the first stage finishes its
    last backward last, so it enters them late every iteration by design.
+3b. One sync point a step: FSDP issues several collectives a step on one
+   group (a 4-rank FSDP2 job: 9, all-gathers and reduce-scatters), and a rank
+   delayed once a step (host side, before its backward) is last on one of
+   them (1/9 of the collectives, under ``min_share``) while the others wait
+   for it every step. In groups of three or more (in a pair either member is
+   last by chance), a rank clearly late to the collective at the same
+   position of its iteration in at least ``min_share`` of the window's
+   iterations, by the same two margins, is a culprit too; its impact is its
+   total lateness per iteration. (Random noise seldom makes one member last
+   at the same position of most iterations.)
 4. Slow transfer (network side): no rank late, but the group's transfer time of
    these collectives ``slow_factor`` times its own earlier median for the same
    (op, size class): reported as evidence (informational: gloo gives no
@@ -304,30 +314,58 @@ class CollectiveState:
                                  dtype=np.float64)
             last = np.argmin(all_waits, axis=1)
             lateness_all = np.median(np.sort(all_waits, axis=1)[:, 1:], axis=1) - all_waits.min(axis=1)
+            # step 3b: (rank, position of the collective in its iteration) -> (iteration, lateness, seq)
+            at_position: dict[tuple[int, int], list[tuple[int, float, int]]] = collections.defaultdict(list)
+            basis_its: set[int] = set()
+            position, prev_it = 0, None
             for k, s in enumerate(done):
                 row = grp.seqs[s]
                 waits = all_waits[k]
                 i = int(last[k])                                    # step 1: the last entrant
                 lateness = float(lateness_all[k])
+                it_now = _iteration(row)
+                position = position + 1 if it_now == prev_it else 0
+                prev_it = it_now
+                if s in basis_set:
+                    basis_its.add(it_now)
                 transfer.append((row[ranks[i]][0], row[ranks[i]][1], float(waits[i])))    # step 2
                 # one collective counts against its last entrant only when it was clearly late:
                 # some member is always last, by scheduler noise on a busy host
                 if s in basis_set and lateness >= max(cfg.min_late_ms * 1e6, cfg.late_factor * waits[i]):
                     late_of[ranks[i]].append(lateness)
                     first_late.setdefault(ranks[i], (s, row[ranks[i]][0]))
+                    at_position[(ranks[i], position)].append((it_now, lateness, s))
                     for j, m in enumerate(ranks):
                         if j != i:
                             waits_of[m].append(float(waits[j] - waits[i]))
             med_transfer = float(np.median([t for _, _, t in transfer]))
             found = False
+            named: set[int] = set()
+            clearly = lambda typical: (typical >= cfg.late_factor * med_transfer       # noqa: E731
+                                       and typical >= cfg.min_late_ms * 1e6)
             if len(basis) >= cfg.min_collectives:
                 for r, lates in late_of.items():
                     typical = float(np.median(lates))   # robust to one start-up skew of seconds
-                    if (len(lates) / len(basis) >= cfg.min_share and typical >= cfg.late_factor * med_transfer
-                            and typical >= cfg.min_late_ms * 1e6):
+                    if len(lates) / len(basis) >= cfg.min_share and clearly(typical):
                         out += self._late_finding(job_id, window, gid, grp, r, lates, len(basis), med_transfer,
                                                   first_late[r], waits_of, iterations)
                         found = True
+                        named.add(r)
+            if len(members) >= 3 and len(basis_its) >= cfg.min_collectives:
+                # step 3b: late to the same collective of most iterations (one sync point a step)
+                for (r, pos), evs in sorted(at_position.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+                    its_late = {e[0] for e in evs}
+                    typical = float(np.median([e[1] for e in evs]))
+                    if r in named or len(its_late) / len(basis_its) < cfg.min_share or not clearly(typical):
+                        continue
+                    first = min(evs, key=lambda e: e[2])
+                    out += self._late_finding(job_id, window, gid, grp, r, late_of[r], len(basis), med_transfer,
+                                              (first[2], grp.seqs[first[2]][r][0]), waits_of, iterations,
+                                              {"per_iteration": True, "position": pos,
+                                               "late_iterations": len(its_late), "iterations": len(basis_its),
+                                               "median_late_ms": round(typical / 1e6, 3)})
+                    found = True
+                    named.add(r)
             if not found:
                 slow = self._slow_transfer(job_id, window, gid, grp, transfer)
                 if slow is not None:
@@ -370,13 +408,13 @@ class CollectiveState:
         return out
 
     def _late_finding(self, job_id, window, gid, grp, rank, lates, judged, transfer, first,
-                      waits_of, iterations) -> list[Finding]:
+                      waits_of, iterations, extra: dict | None = None) -> list[Finding]:
         it = max(float((iterations or {}).get(rank, 1.0)), 1.0)
         seq, op = first
         n, late_total, typical = len(lates), float(sum(lates)), float(np.median(lates))
         ev = {"group": gid, "op": op, "seq": seq, "late_collectives": n, "judged": judged,
               "median_late_ms": round(typical / 1e6, 3), "transfer_ms": round(transfer / 1e6, 3),
-              "function": f"late start to {op} (group {gid}, seq {seq})", "late_start": True}
+              "function": f"late start to {op} (group {gid}, seq {seq})", "late_start": True, **(extra or {})}
         culprit = Finding(
             level=LEVEL, kind="late_start", job_id=job_id, window=window, scope=Scope(group="collective"),
             suspects=(SuspectRank(rank, typical / max(transfer, 1.0), ev, impact_ns=late_total / it,

@@ -4,11 +4,14 @@ Real 4-rank torch jobs (``tests/support/train_collectives.py``, CPU, gloo on
 127.0.0.1) run under ``trainscope run`` against a real processor on
 127.0.0.1:0 (in this process), whose embedded bus a live analyzer reads while
 the job runs. The collective records come from the collector's
-``torch.distributed`` wrappers (plain ``all_reduce``) and from its DDP
+``torch.distributed`` wrappers (plain ``all_reduce``; FSDP2's ``all_gather_single`` and
+``reduce_scatter_single``) and from its DDP
 communication hook (DDP). Nothing in the training script knows trainscope.
 
-* late start: one rank sleeps before it enters the gradient all-reduce → the
-  verdict names it as culprit with the collective's group and sequence number;
+* late start: one rank sleeps before it enters the gradient all-reduce (plain,
+  DDP) or before its backward (FSDP2: late to one of the step's 9 collectives)
+  → the verdict names it as culprit with the collective's group and sequence
+  number;
 * hang: one rank stops before an all-reduce and never enters it → a stalled
   verdict names it as the first-stuck rank, with the sequence number, well
   before the iteration-based stall rule (about 75 s on this job, naming nobody);
@@ -17,7 +20,7 @@ communication hook (DDP). Nothing in the training script knows trainscope.
 * stack grid (Mycroft §5): at the hang trigger every rank is dumped by the real
   py-spy and the dumps, clustered by stack, set the stuck rank apart in the
   stall finding's evidence and the culprit's why.
-Six 4-rank jobs (~3 min on 2 cores).
+Seven 4-rank jobs (~3.5 min on 2 cores).
 """
 from __future__ import annotations
 
@@ -149,7 +152,7 @@ def run_to_end(tmp: Path, job_id: str, *args: str):
     raise AssertionError("unreachable")
 
 
-@pytest.mark.parametrize("mode", ["plain", "ddp"])
+@pytest.mark.parametrize("mode", ["plain", "ddp", "fsdp"])
 def test_a_late_rank_is_named_with_the_collective_sequence_number(tmp_path, mode):
     job, _ = run_to_end(tmp_path, f"late-{mode}", "--mode", mode, "--steps", "60", "--late-rank", str(LATE_RANK),
                         "--late-s", str(LATE_S), "--late-from", str(LATE_FROM))
@@ -166,9 +169,16 @@ def test_a_late_rank_is_named_with_the_collective_sequence_number(tmp_path, mode
           f"seq {dict(s.evidence)['seq']:.0f}")
     assert s.rank == LATE_RANK and s.role == "culprit"
     ev = dict(s.evidence)
-    assert ev["group"] == "0" and ev["op"] == "allreduce"
-    # plain: one all-reduce per step (seq = step + 1); DDP: one per bucket and step, this model one bucket
-    assert ev["seq"] >= LATE_FROM + 1
+    if mode == "fsdp":
+        # FSDP2: 9 collectives a step on the group (all-gathers, reduce-scatters); the late rank is
+        # last on one of them, the first all-gather of its backward, every step (step 3b)
+        assert ev["group"] == "0" and ev["op"] == "allgather" and ev["per_iteration"]
+        assert ev["late_iterations"] >= 0.5 * ev["iterations"]
+        assert ev["seq"] >= 9 * LATE_FROM
+    else:
+        assert ev["group"] == "0" and ev["op"] == "allreduce"
+        # plain: one all-reduce per step (seq = step + 1); DDP: one per bucket and step, this model one bucket
+        assert ev["seq"] >= LATE_FROM + 1
     assert ev["median_late_ms"] == pytest.approx(LATE_S * 1e3, rel=0.5)
     # the others only waited (they are never culprits of the collective level)
     for v in job.seen():
@@ -178,7 +188,7 @@ def test_a_late_rank_is_named_with_the_collective_sequence_number(tmp_path, mode
     # (a finding not yet persistent names nobody: its candidates are evidence only)
     firsts = [dict(f.suspects[0].evidence)["seq"] for v in job.seen() for f in collective_findings(v, "late_start")
               if f.suspects]
-    assert min(firsts) >= LATE_FROM + 1, firsts
+    assert min(firsts) >= (9 * LATE_FROM if mode == "fsdp" else LATE_FROM + 1), firsts
 
 
 @pytest.mark.parametrize("mode", ["plain", "ddp"])

@@ -1,15 +1,18 @@
-"""A small real gloo job for the collective-record tests (PyTorch CPU): plain ``all_reduce`` or DDP.
+"""A small real gloo job for the collective-record tests (PyTorch CPU): plain ``all_reduce``, DDP or FSDP2.
 
     torchrun --standalone --nproc-per-node 4 tests/support/train_collectives.py --mode plain --steps 60
 
 Each step: a data loader batch, forward of a small MLP, backward, the gradient
 all-reduce (``--mode plain``: one ``dist.all_reduce`` of the flattened
-gradients; ``--mode ddp``: DDP's bucket all-reduces during backward), an
+gradients; ``--mode ddp``: DDP's bucket all-reduces during backward;
+``--mode fsdp``: FSDP2's ``fully_shard`` on each ``Linear`` and the root, its
+parameter all-gathers before each layer's forward and backward and its
+gradient reduce-scatters, several per step, issued back to back), an
 optimizer step. Faults, on one rank, from one step on:
 
 * ``--late-rank R --late-s S --late-from N``: rank R sleeps S seconds just
-  before its gradient all-reduce (plain: before the call; DDP: between forward
-  and backward), i.e. it enters the collective late (a host-side delay);
+  before its gradient all-reduce (plain: before the call; DDP and FSDP: between
+  forward and backward), i.e. it enters the collective late (a host-side delay);
 * ``--hang-rank R --hang-from N``: rank R stops before the all-reduce of step N
   and never enters it (it sleeps until killed); ``--hang-file F`` gets the wall
   time (seconds) at which it stopped.
@@ -32,7 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("plain", "ddp"), default="plain")
+    ap.add_argument("--mode", choices=("plain", "ddp", "fsdp"), default="plain")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--late-rank", type=int, default=-1)
     ap.add_argument("--late-s", type=float, default=0.0)
@@ -48,6 +51,12 @@ def main() -> int:
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
     if a.mode == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
+    elif a.mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(100 + rank)
     data = TensorDataset(torch.randn(a.steps * 32, 64, generator=g), torch.randn(a.steps * 32, 8, generator=g))
@@ -74,10 +83,13 @@ def main() -> int:
                 t.copy_(flat[off:off + t.numel()].view_as(t))
                 off += t.numel()
         opt.step()
-    if rank == 0 and a.out:
+    if a.out:
         h = hashlib.sha256()
         for p in model.parameters():
-            h.update(p.detach().contiguous().numpy().tobytes())
+            t = p.detach()
+            t = t.full_tensor() if hasattr(t, "full_tensor") else t      # FSDP2: a DTensor shard (collective)
+            h.update(t.contiguous().numpy().tobytes())
+    if rank == 0 and a.out:
         with open(a.out, "w") as f:
             json.dump({"params": h.hexdigest(), "loss": loss.item()}, f)
     dist.barrier()

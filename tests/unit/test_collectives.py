@@ -129,6 +129,55 @@ def test_a_healthy_group_names_nobody(seed):
     assert st.hangs("j", W) == []
 
 
+def fsdp_batches(ranks=4, steps=12, per_step=9, late_rank=None, late_pos=3, late_ms=150.0, seed=0,
+                 noise_late=0.0):
+    """FSDP-like: ``per_step`` collectives a step on one group, each entered after a short compute
+    (5 ms +- noise); ``late_rank`` enters the one at ``late_pos`` ``late_ms`` late every step (its
+    host-side delay before backward); ``noise_late``: the chance that some random member enters a
+    random collective 10 ms late (scheduler noise on a busy host)."""
+    rng = np.random.default_rng(seed)
+    recs = {r: [] for r in range(ranks)}
+    t, seq = T0, 0
+    for step in range(steps):
+        for k in range(per_step):
+            seq += 1
+            enter = {r: t + int((5.0 + rng.normal(0, 0.3)) * MS) for r in range(ranks)}
+            if late_rank is not None and k == late_pos:
+                enter[late_rank] += int(late_ms * MS)
+            if rng.random() < noise_late:
+                enter[int(rng.integers(ranks))] += 10 * MS
+            end = max(enter.values()) + 2 * MS
+            for r in range(ranks):
+                recs[r].append(telemetry_pb2.CollectiveRecord(
+                    group=0, seq=seq, op="allgather" if k % 3 else "reducescatter", bytes=1 << 16,
+                    dtype="float32", enqueue_ns=enter[r], start_ns=enter[r],
+                    end_ns=end + int(rng.uniform(0, 0.05) * MS), iteration=step))
+            t = end
+    return {r: telemetry_pb2.CollectiveBatch(
+        groups=[telemetry_pb2.CollectiveGroup(id="0", members=list(range(ranks)))], records=recs[r],
+        now_ns=t) for r in range(ranks)}
+
+
+def test_a_rank_late_to_one_collective_of_every_step_is_named():
+    """Step 3b: late on 1 of 9 collectives a step (under min_share per collective), every step."""
+    st = state_of(fsdp_batches(late_rank=1))
+    found = [f for f in st.late_starts("j", W, {r: 12.0 for r in range(4)}) if f.kind == "late_start"]
+    assert len(found) == 1, found
+    s = found[0].suspects[0]
+    assert s.rank == 1 and s.role == "culprit"
+    assert s.evidence["per_iteration"] and s.evidence["position"] == 3 and s.evidence["late_iterations"] == 12
+    assert s.evidence["median_late_ms"] == pytest.approx(150, rel=0.1)
+    assert s.impact_ns == pytest.approx(150 * MS, rel=0.1)        # its lateness per iteration
+    # without step 3b's pattern (per collective) it was 12 of 108: not a culprit
+    assert s.evidence["late_collectives"] == 12 and s.evidence["judged"] == 108
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_late_entries_at_random_positions_name_nobody(seed):
+    st = state_of(fsdp_batches(seed=seed, noise_late=0.3))
+    assert [f for f in st.late_starts("j", W) if f.kind == "late_start"] == []
+
+
 def test_hang_names_the_rank_that_never_entered_and_the_sequence_number():
     st = state_of(job_batches(steps=30, hang_rank=2, hang_at=12))
     st.late_starts("j", W)
