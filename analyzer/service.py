@@ -44,6 +44,7 @@ import numpy as np
 from trainscope.analyzer import (
     collectives, consistent, individual, job_pace, l1_iteration, l2_groups, l2_phases, l3_kernels, l5_stacks, stall,
 )
+from trainscope.analyzer.history import IterationHistory
 from trainscope.analyzer.impact import ImpactConfig, apply_floor, window_scale
 from trainscope.analyzer.levels import (
     Collectives, ConsistentShift, Detector, JobPace, L1Iterations, L2Phases, L3Kernels, L5Stacks, OwnHistory,
@@ -159,8 +160,8 @@ class _Job:
         self.open: dict[tuple[int, int], _Open] = {}
         self.done_upto: dict[int, int] = {}            # window kind -> highest analysed index
         self.latest: dict[int, int] = {}                # rank -> highest window index seen
-        self.history: dict[int, collections.deque] = collections.defaultdict(
-            lambda: collections.deque(maxlen=history))  # rank -> (iteration, duration_ns)
+        self.history: dict[int, IterationHistory] = collections.defaultdict(
+            lambda: IterationHistory(history))  # rank -> (iteration, duration_ns) rows, columnar
         self.last_iteration_at = 0.0
         self.newest_iteration_window = -1
         self.iteration_gaps: collections.deque = collections.deque(maxlen=32)
@@ -246,13 +247,18 @@ class Analyzer:
         w = rec.window
         rank = rec.resource.rank
         hist = job.history[rank]
-        first = job.first_iteration.setdefault(rank, min((m.iteration for m in rec.marks), default=0))
-        for m in rec.marks:
-            if m.iteration < first + self.config.warmup_iterations:
-                continue    # warm-up (allocation, compilation, caches) is not the job's pace
-            hist.append((m.iteration, m.end_ns - m.start_ns))
-            if m.end_ns > job.last_iter_end.get(rank, 0):
-                job.last_iter_end[rank] = m.end_ns
+        if rec.marks:
+            marks = np.array([(m.iteration, m.start_ns, m.end_ns) for m in rec.marks], dtype=np.int64)
+            first = job.first_iteration.setdefault(rank, int(marks[:, 0].min()))
+            # warm-up (allocation, compilation, caches) is not the job's pace
+            marks = marks[marks[:, 0] >= first + self.config.warmup_iterations]
+            if marks.size:
+                hist.extend(marks[:, 0], marks[:, 2] - marks[:, 1])
+                end = int(marks[:, 2].max())
+                if end > job.last_iter_end.get(rank, 0):
+                    job.last_iter_end[rank] = end
+        else:
+            job.first_iteration.setdefault(rank, 0)
         # the job made progress when a newer window's iterations arrive (any rank)
         if rec.marks and w.index > job.newest_iteration_window:
             job.newest_iteration_window = w.index

@@ -167,7 +167,11 @@ def run_process(args) -> None:
             for signal, rec in recs:
                 an.ingest(signal, rec)
             an.step(0)
-        t, cpu, v = verdicts[0]
+            if t_first is not None:
+                write(start=t_first, cpu=time.process_time() - cpu_first, unfinished=True)
+        if not verdicts:
+            src.close()
+            return
         write(start=t_first, verdict_at=t, cpu=cpu - cpu_first, top=[s.rank for s in v.ranks][:3],
               pending=list(v.pending)[:3], kernels=list(v.kernels)[:3], state=v.state)
         src.close()
@@ -207,6 +211,56 @@ def run_process(args) -> None:
                   partials_done=published[-1][0], owner=False)
     sink.close()
     m.close()
+
+
+# ------------------------------------------------------------------ --history
+def history_figures(ranks: int, iterations: int, per_window: int = 10) -> None:
+    """Issue #15: L1's per-rank history as a deque of (iteration, duration) tuples (before) and as
+    ``analyzer/history.py``'s columnar rows (after), same run: memory held (tracemalloc), filing a
+    window's marks (``per_window`` per rank), and the per-rank conversion L1 makes per window."""
+    import collections
+    import tracemalloc
+
+    from trainscope.analyzer.history import IterationHistory
+
+    rng = np.random.default_rng(1)
+    durs = rng.integers(2 * 10**8, 4 * 10**8, (ranks, iterations))
+    print(f"history: {ranks:,} ranks x {iterations} iterations, filed {per_window} per rank per window")
+    out = {}
+    for label, make in (("deque of tuples (before)", lambda: collections.deque(maxlen=4096)),
+                        ("columnar (after)", lambda: IterationHistory(4096))):
+        def fill():
+            hist = {r: make() for r in range(ranks)}
+            spent = 0.0
+            for w0 in range(0, iterations, per_window):
+                t = time.process_time()
+                its = np.arange(w0, w0 + per_window)
+                for r, h in hist.items():
+                    if isinstance(h, IterationHistory):
+                        h.extend(its, durs[r, w0:w0 + per_window])
+                    else:
+                        for i, d in zip(its.tolist(), durs[r, w0:w0 + per_window].tolist()):
+                            h.append((i, d))
+                spent += time.process_time() - t
+            return hist, spent
+
+        tracemalloc.start()            # memory in one pass, times in another (tracemalloc slows allocation)
+        hist, _ = fill()
+        held = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        del hist
+        hist, t_file = fill()
+        t = time.process_time()
+        for h in hist.values():
+            a = np.asarray(h, dtype=np.int64)
+            a[:, 0], a[:, 1]
+        conv = time.process_time() - t
+        out[label] = (held, t_file, conv)
+        print(f"  {label:26s} {held / 2**20:8,.0f} MiB held, filing {t_file / (iterations / per_window):.3f} s CPU "
+              f"per window, L1 conversion {conv:.2f} s CPU per window")
+        del hist
+    (m0, f0, c0), (m1, f1, c1) = out.values()
+    print(f"  after/before: memory {m1 / m0:.2f}, filing {f1 / f0:.2f}, conversion {c1 / c0:.2f}")
 
 
 # ------------------------------------------------------------------ coordinator
@@ -257,6 +311,7 @@ def run_config(role: str, n: int, bootstrap: str, partitions: int, work: pathlib
                 raise RuntimeError(f"group of {n} never stable: see {d}")
             (d / "go").touch()
         deadline = time.monotonic() + timeout_s
+        t_go = time.time()
         while time.monotonic() < deadline and not any("verdict_at" in read(s) for s in statuses):
             if any(p.poll() is not None for p in procs):
                 raise RuntimeError(f"a process exited early: see {d}")
@@ -266,7 +321,11 @@ def run_config(role: str, n: int, bootstrap: str, partitions: int, work: pathlib
         for p in procs:
             p.wait(60)
         st = [read(s) for s in statuses]
-        owner = next(s for s in st if "verdict_at" in s)
+        owner = next((s for s in st if "verdict_at" in s), None)
+        if owner is None:    # no verdict within timeout_s: what it cost until then
+            return {"wall": None, "waited": time.time() - t_go, "cpu": sum(s.get("cpu", 0.0) for s in st),
+                    "top": [], "named": False, "kernels": [], "state": "unfinished", "partials": [],
+                    "member_cpu": [round(s.get("cpu", 0.0), 2) for s in st], "parts": []}
         start = owner.get("go", owner.get("start"))
         return {"wall": owner["verdict_at"] - start, "cpu": sum(s.get("cpu", 0.0) for s in st),
                 "top": owner["top"] or owner["pending"], "named": bool(owner["top"]),
@@ -290,12 +349,18 @@ def main(argv=None) -> None:
     ap.add_argument("--partitions", type=int, default=12)
     ap.add_argument("--no-single", action="store_true")
     ap.add_argument("--timeout-s", type=float, default=900.0)
+    ap.add_argument("--single-timeout-s", type=float, default=900.0,
+                    help="give up on the single-process path after this long (reported with the CPU it spent)")
+    ap.add_argument("--history", type=int, metavar="ITERATIONS", default=0,
+                    help="only measure L1's per-rank history at --ranks ranks x ITERATIONS (no broker)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     for a in ("--role", "--bootstrap", "--group", "--status", "--go", "--done", "--name"):
         ap.add_argument(a, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return run_process(args)
+    if args.history:
+        return history_figures(args.ranks, args.history)
     if args.ranks % (TP * PP):
         ap.error(f"--ranks must be a multiple of {TP * PP} (tp={TP}, pp={PP})")
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -315,12 +380,16 @@ def main(argv=None) -> None:
         print(f"produced {3 * args.ranks:,} records, {nbytes / 2**20:,.0f} MiB, in {took:.1f} s (not timed below)",
               flush=True)
         rows = []
-        configs = ([] if args.no_single else [("single", 1)]) + [("member", int(n)) for n in args.members.split(",")]
+        configs = [("member", int(n)) for n in args.members.split(",")] + ([] if args.no_single else [("single", 1)])
         for role, n in configs:
             label = "single process (default path)" if role == "single" else f"{n} member{'s' * (n > 1)} (partitioned)"
             print(f"running {label} ...", flush=True)
-            r = run_config(role, n, broker.bootstrap, args.partitions, work, args.timeout_s)
+            r = run_config(role, n, broker.bootstrap, args.partitions, work,
+                           args.single_timeout_s if role == "single" else args.timeout_s)
             rows.append((label, n, role, r))
+            if r["wall"] is None:
+                print(f"  no verdict within {r['waited']:.0f} s wall; {r['cpu']:.1f} s CPU spent by then", flush=True)
+                continue
             print(f"  {r['wall']:.2f} s wall, {r['cpu']:.2f} s CPU (per process: {r['member_cpu']}), "
                   f"verdict {r['state']}, {'named' if r['named'] else 'pending (one window: persistence)'} "
                   f"{r['top']}, kernels {r['kernels']}, partials {r['partials']}; CPU s by part {r['parts']}",
@@ -328,12 +397,15 @@ def main(argv=None) -> None:
         one = next((r["wall"] for _, n, role, r in rows if role == "member" and n == 1), None)
         print(f"\n{'configuration':34s} {'wall/window':>12s} {'speed-up':>9s} {'CPU/window':>11s}  verdict")
         for label, n, role, r in rows:
+            if r["wall"] is None:
+                print(f"{label:34s} > {r['waited']:8.0f} s {'-':>9s} > {r['cpu']:7.1f} s  no verdict by then")
+                continue
             sp = f"{one / r['wall']:.2f}x" if one else "-"
             print(f"{label:34s} {r['wall']:10.2f} s {sp:>9s} {r['cpu']:9.2f} s  "
                   f"{r['state']}, rank {r['top'][:1]} {'named' if r['named'] else 'pending'}")
         print(f"\n(speed-up: against 1 member, same run; {os.cpu_count()} cores on this machine, shared: "
               f"wall-time speed-up beyond {os.cpu_count()} processes is bounded by the cores)")
-        bad = [label for label, _, _, r in rows if r["top"][:1] != [BAD_RANK]]
+        bad = [label for label, _, _, r in rows if r["wall"] is not None and r["top"][:1] != [BAD_RANK]]
         if bad:
             print(f"!!! verdict did not name rank {BAD_RANK} first in: {bad}")
         print(f"total wall {time.monotonic() - t_all:.0f} s")
