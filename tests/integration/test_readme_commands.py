@@ -62,6 +62,8 @@ PLAN = {
     "trainscope run": "test_run_a_torchrun_job",
     "trainscope run --install-pth": "test_install_pth_in_a_throwaway_venv",
     "trainscope profile --job J": "SKIP: needs a running job; tests/integration/test_deep_dive.py runs it on one",
+    "trainscope profile": "SKIP: named in prose (a dive without it: the degradation trigger); "
+                          "tests/integration/test_deep_dive.py runs it on a job",
     "trainscope profile --job J --iterations 5 --wait 60":
         "SKIP: needs a running job; tests/integration/test_deep_dive.py runs it on one",
     "trainscope query deep-dive --job J":
