@@ -90,7 +90,7 @@ class PartitionedMember(_Parsing):
                  sinks: Sequence = (), metrics=None, group_id: str = "trainscope-analyzer",
                  prefix: str = "trainscope", extra: dict | None = None, instance_id: str | None = None,
                  session_timeout_s: float = 10.0, partitions: int = 6, member: str = "",
-                 commit_interval_s: float = 1.0, first_partial_wait_s: float = 10.0) -> None:
+                 commit_interval_s: float = 1.0, first_partial_wait_s: float | None = None) -> None:
         super().__init__()
         from confluent_kafka import Consumer, KafkaException
 
@@ -104,7 +104,10 @@ class PartitionedMember(_Parsing):
         self.member = member or f"m{id(self):x}"
         self.stage = GroupStage(config.l3, grace_s=config.grace_s, window_timeout_s=config.window_timeout_s,
                                 progress_windows=config.progress_windows)
-        self.store = PartialStore(config.l3, first_wait_s=first_partial_wait_s)
+        # a job's first window waits for a first partial up to window_timeout_s: reading and scoring a
+        # 100,000-rank window's kernels takes longer than any fixed guess; a job with no kernels pays it once
+        self.store = PartialStore(config.l3, first_wait_s=first_partial_wait_s if first_partial_wait_s is not None
+                                  else config.window_timeout_s)
         self.analyzer = Analyzer(config, _Nothing(), sinks, metrics=metrics, window_gate=self.store.gate,
                                  before_analysis=self.store.fill)
         self.analyzer.detectors = [L3Partials(self.store) if d.level == "L3" else d
