@@ -41,6 +41,8 @@ from trainscope.proto.v1 import records_pb2
 STRAGGLER_KINDS = ("straggler", "slow_communication", "imbalance", "slow_group", "late_arrivers",
                    "pair_straggler", "individual_slowdown", "consistent_slowdown")
 KERNEL_KINDS = ("degraded_kernel", "degraded_kernels", "missing_kernel")
+#: ``kernels``: peers read for the comparison, evenly spaced over the rank's group (store.MAX_RANKS_FILTER bounds it).
+MAX_KERNEL_PEERS = 256
 
 
 # ---------------------------------------------------------------- facade
@@ -235,7 +237,9 @@ class Query:
         if last:
             held = records.windows(Signal.KERNELS, job)
             first = held[-last][1] if len(held) >= last else None
-        busy = _kernel_busy(records.raw(Signal.KERNELS, job, first_window=first), records.kernel_names(job))
+        peers = self._kernel_peers(job, rank)
+        busy = _kernel_busy(records.raw(Signal.KERNELS, job, first_window=first, ranks=peers),
+                            records.kernel_names(job))
         if rank not in busy.ranks and not flagged.by:
             raise QueryError(f"job {job!r} has no kernel records or kernel findings for rank {rank}")
         rows = []
@@ -260,7 +264,7 @@ class Query:
         rows.sort(key=lambda x: (-(x.max_impact_s or 0.0), -x.flagged_windows, -(x.ratio or 0.0), x.kernel))
         return Rows(query="kernels", job=job, rows=tuple(rows[:top]),
                     params={"rank": rank, "since": _iso(since_ns) if since_ns else None, "source": "store",
-                            **({"last": last} if last else {})})
+                            "peers": len(busy.ranks - {rank}), **({"last": last} if last else {})})
 
     def iterations(self, job: str | None, rank: int | None = None, last: int = 20) -> Rows:
         if last < 0:
@@ -298,6 +302,22 @@ class Query:
         return Rows(query="ranks", job=job, rows=tuple(rows), params={"rank": rank, "host": host})
 
     # ------------------------------------------------------------ helpers
+    def _kernel_peers(self, job: str, rank: int) -> list[int] | None:
+        """The ranks ``kernels`` compares ``rank`` with, itself included: the members of its
+        data-parallel group (the ranks L3 compares it with: same tp, pp, ep and cp coordinates),
+        at most ``MAX_KERNEL_PEERS`` of them evenly spaced (a median of a few hundred peers is
+        the median of thousands to within their spread); None: every rank (no resources known,
+        or a group that small)."""
+        infos = self._rank_infos(job)
+        me = next((r for r in infos if r.rank == rank), None)
+        key = (lambda r: (r.tp, r.pp, r.ep, r.cp)) if me is not None else None
+        group = [r.rank for r in infos if key is not None and key(r) == key(me)]
+        if len(group) <= MAX_KERNEL_PEERS:
+            return group if key is not None and len(group) < len(infos) else None
+        others = [r for r in group if r != rank]
+        pick = np.unique(np.linspace(0, len(others) - 1, MAX_KERNEL_PEERS).round().astype(np.int64))
+        return [rank] + [others[i] for i in pick]
+
     def _rank_infos(self, job: str) -> list[RankInfo]:
         """Each rank's newest resource: from iteration and phase records, else kernel records."""
         records, _ = self._open()

@@ -123,7 +123,8 @@ class KernelRow:
     calls: int
     rank_mean_s: float | None
     peer_mean_s: float | None
-    """Median over the other ranks that ran the kernel of their mean duration per call."""
+    """Median over the rank's peers that ran the kernel of their mean duration per call: the other
+    members of its data-parallel group (as L3 compares), at most 256 evenly spaced."""
     ratio: float | None
 
 

@@ -41,7 +41,7 @@ import re
 import sqlite3
 import threading
 import time
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from trainscope.processor.kernel_names import KERNEL_NAMES, Sent, fill_names, from_signed, to_signed
 from trainscope.processor.model import WindowOutput
@@ -50,6 +50,8 @@ from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.securefs import open_private
 
+#: Most ranks one ``raw(ranks=...)`` filter takes (SQLite binds one parameter per rank).
+MAX_RANKS_FILTER = 900
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
@@ -255,13 +257,19 @@ class SqliteStore:
         return out[0]
 
     def _select(self, columns: str, signal: str, job: str | None, rank: int | None,
-                first_window: int | None, tail: str = ""):
+                first_window: int | None, tail: str = "", ranks: Sequence[int] | None = None):
         q = f"SELECT {columns} FROM records WHERE signal = ?"
         args: tuple = (signal,)
         for cond, val in (("job = ?", job), ("rank = ?", rank), ("window_index >= ?", first_window)):
             if val is not None:
                 q += " AND " + cond
                 args += (val,)
+        if ranks is not None:
+            ranks = sorted({int(r) for r in ranks})
+            if len(ranks) > MAX_RANKS_FILTER:
+                raise ValueError(f"at most {MAX_RANKS_FILTER} ranks in one filter, got {len(ranks)}")
+            q += f" AND rank IN ({','.join('?' * len(ranks))})" if ranks else " AND 0"
+            args += tuple(ranks)
         with self._lock:
             return self._db.execute(q + tail, args).fetchall()
 
@@ -292,11 +300,12 @@ class SqliteStore:
         return {from_signed(i): n for i, n in rows}
 
     def raw(self, signal: str, job: str | None = None, *, rank: int | None = None,
-            first_window: int | None = None) -> list[tuple[int, int, int, bytes]]:
+            first_window: int | None = None, ranks: Sequence[int] | None = None) -> list[tuple[int, int, int, bytes]]:
         """(rank, window kind, window index, serialised record) of the records ``records`` yields,
-        unparsed (for readers that decode many at once, ``analyzer/kernel_columns.py``)."""
+        unparsed (for readers that decode many at once, ``analyzer/kernel_columns.py``); ``ranks``:
+        only these (at most ``MAX_RANKS_FILTER``, read through the rank index)."""
         return self._select("rank, window_kind, window_index, value", signal, job, rank, first_window,
-                            " ORDER BY id")
+                            " ORDER BY id", ranks)
 
     def newest_per_rank(self, signals, job: str) -> dict[int, object]:
         """Each rank's record with the highest window index among ``signals`` (the newest row on a tie)."""

@@ -6,7 +6,8 @@ Builds a store in a temporary directory through the processor's and the
 analyzer's own stores: per window and rank an iteration record (5 marks), a
 phase record (2 phases) and a kernel record (``--kernels`` kernels, one
 cluster each); per window a verdict whose L2 and L3 findings name rank 7
-(``analyzer.merge``). Then asks ``jobs``, ``verdict``, ``stragglers``,
+(``analyzer.merge``). Kernel windows carry kernel ids and the job's dictionary
+names them, as the processor writes them. Then asks ``jobs``, ``verdict``, ``stragglers``,
 ``kernels --rank 7`` (every window and ``--last 1``), ``ranks`` and
 ``iterations``, each with a fresh ``Query`` (a new read-only connection, as
 the CLI does), and prints wall and CPU seconds. "Before" is
@@ -34,6 +35,7 @@ from trainscope.analyzer.merge import merge
 from trainscope.analyzer.model import Finding, Scope, SuspectRank
 from trainscope.analyzer.query_model import as_json
 from trainscope.analyzer.store import DiagnosisStore
+from trainscope.processor.kernel_names import KERNEL_NAMES, kernel_id
 from trainscope.processor.store import SqliteStore
 from trainscope.proto.model import Resource, coords_for_rank
 from trainscope.proto.v1 import records_pb2, telemetry_pb2
@@ -76,11 +78,15 @@ def build(path: str, ranks: int, windows: int, kernels: int) -> float:
     res_pb = [r.to_pb() for r in res]
     names = [f"void at::native::vectorized_elementwise_kernel<4, op_{k}>" for k in range(kernels)]
     base = np.exp(rng.uniform(np.log(5e3), np.log(5e6), kernels))
+    # as the processor writes them: kernel windows carry ids, the job's dictionary names them once
+    ids = [kernel_id(n) for n in names]
+    records.put(KERNEL_NAMES, records_pb2.KernelNames(job_id="big", scheme=1, names=[
+        records_pb2.KernelName(id=i, name=n) for i, n in zip(ids, names)]))
     for w in range(windows):
         win = window(w)
         tpl = records_pb2.KernelWindow(window=win, events=kernels * 100)
         for k in range(kernels):
-            tpl.kernels.add(kernel=names[k], stream=7, count=100).clusters.add(
+            tpl.kernels.add(kernel_id=ids[k], stream=7, count=100).clusters.add(
                 count=100, p50_ns=base[k], p99_ns=base[k] * 1.5)
         noise = np.exp(rng.normal(0, 0.01, (ranks, kernels)))
         noise[SLOW, 3] *= 1.3
@@ -155,6 +161,24 @@ def main(argv=None) -> None:
         for name, fn in QUESTIONS:
             now, wall, cpu = ask(query_now, path, fn)
             line = f"{name:>26}: after {wall:6.3f} s wall ({cpu:6.3f} s CPU)"
+            if name.startswith("kernels"):
+                # the peers: the rank's dp group, <= 256 evenly spaced (query.MAX_KERNEL_PEERS), against
+                # every rank in the same run (the before code cannot read id-only windows)
+                every = query_now.Query._kernel_peers
+                query_now.Query._kernel_peers = lambda self, job, rank: None
+                try:
+                    full, wall_f, cpu_f = ask(query_now, path, fn)
+                finally:
+                    query_now.Query._kernel_peers = every
+                by = {y.kernel: y for y in full.rows}
+                err = [abs(x.peer_mean_s / by[x.kernel].peer_mean_s - 1) for x in now.rows
+                       if x.kernel in by and x.peer_mean_s and by[x.kernel].peer_mean_s]
+                line += (f"; every rank as peers {wall_f:6.3f} s wall ({cpu_f:6.3f} s CPU) -> {wall_f / wall:5.1f}x"
+                         f" faster; {now.params['peers']} peers against {full.params['peers']}: peer mean per call"
+                         f" within {100 * max(err, default=0):.2f} % on {len(err)} kernels, top kernel "
+                         f"{'the same' if now.rows[0].kernel == full.rows[0].kernel else 'DIFFERENT'}")
+                print(line, flush=True)
+                continue
             if before is not None and not (name.endswith("--last 1")):
                 old, wall_b, cpu_b = ask(before, path, fn if "--last" not in name else None)
                 same = "same answer" if json.dumps(as_json(now), default=str) == json.dumps(as_json(old), default=str) \

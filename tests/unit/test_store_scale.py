@@ -124,3 +124,32 @@ def test_keep_windows_is_a_processor_and_analyzer_setting():
     assert p.parse_args(["processor"]).keep_windows is None          # default: keep every window
     assert ProcessorConfig().store_keep_windows is None
     assert AnalyzerDaemonConfig.__dataclass_fields__["keep_windows"].default is None
+
+
+def test_kernels_compares_a_rank_with_its_data_parallel_group_only(tmp_path, monkeypatch):
+    """``query kernels`` reads the rank's dp group (same tp/pp coordinates, as L3 compares), at most
+    MAX_KERNEL_PEERS of them evenly spaced, through the store's rank filter."""
+    import trainscope.analyzer.query as query_mod
+    from trainscope.proto.model import coords_for_rank
+
+    path = str(tmp_path / "g.sqlite")
+    st = SqliteStore(path)
+    ranks = 16                                   # tp=2: dp groups {even ranks} and {odd ranks}
+    for r in range(ranks):
+        res = Resource(job_id="j", rank=r, world_size=ranks, coords=coords_for_rank(r, ranks, tp=2)).to_pb()
+        per_call = 3000.0 if r % 2 else 1000.0   # the odd group's gemm is 3x the even group's
+        st.put("kernels", records_pb2.KernelWindow(resource=res, window=_win(0), kernels=[
+            records_pb2.KernelStats(kernel="gemm", stream=7, count=10, total_ns=10 * per_call)]))
+        st.put("iterations", records_pb2.IterationWindow(resource=res, window=_win(0), mean_ns=1e6))
+    with pytest.raises(ValueError):
+        st.raw("kernels", "j", ranks=range(10**4))           # over MAX_RANKS_FILTER: refused
+    assert {x[0] for x in st.raw("kernels", "j", ranks=[3, 5, 99])} == {3, 5}
+    st.close()
+    with Query(QueryConfig(store_path=path)) as q:
+        row = q.kernels("j", rank=4)
+        (gemm,) = row.rows
+        assert row.params["peers"] == 7                  # the other 7 even ranks, not all 15
+        assert gemm.peer_mean_s == pytest.approx(1e-6) and gemm.ratio == pytest.approx(1.0)
+        monkeypatch.setattr(query_mod, "MAX_KERNEL_PEERS", 3)
+        row = q.kernels("j", rank=4)
+        assert row.params["peers"] == 3 and row.rows[0].peer_mean_s == pytest.approx(1e-6)
