@@ -115,7 +115,7 @@ class StackBatch(_message.Message):
     def __init__(self, snapshots: _Optional[_Iterable[_Union[StackSnapshot, _Mapping]]] = ...) -> None: ...
 
 class StackDump(_message.Message):
-    __slots__ = ("grid_id", "group", "trigger", "seq", "expected_ranks", "taken_unix_ns", "took_s", "training_thread", "threads", "error")
+    __slots__ = ("grid_id", "group", "trigger", "seq", "expected_ranks", "taken_unix_ns", "took_s", "training_thread", "threads", "error", "flight_recorder", "flight_recorder_error")
     GRID_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     TRIGGER_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,8 @@ class StackDump(_message.Message):
     TRAINING_THREAD_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    FLIGHT_RECORDER_FIELD_NUMBER: _ClassVar[int]
+    FLIGHT_RECORDER_ERROR_FIELD_NUMBER: _ClassVar[int]
     grid_id: str
     group: str
     trigger: str
@@ -136,7 +138,41 @@ class StackDump(_message.Message):
     training_thread: int
     threads: _containers.RepeatedCompositeFieldContainer[FoldedStack]
     error: str
-    def __init__(self, grid_id: _Optional[str] = ..., group: _Optional[str] = ..., trigger: _Optional[str] = ..., seq: _Optional[int] = ..., expected_ranks: _Optional[_Iterable[int]] = ..., taken_unix_ns: _Optional[int] = ..., took_s: _Optional[float] = ..., training_thread: _Optional[int] = ..., threads: _Optional[_Iterable[_Union[FoldedStack, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
+    flight_recorder: _containers.RepeatedCompositeFieldContainer[FlightRecorderGroup]
+    flight_recorder_error: str
+    def __init__(self, grid_id: _Optional[str] = ..., group: _Optional[str] = ..., trigger: _Optional[str] = ..., seq: _Optional[int] = ..., expected_ranks: _Optional[_Iterable[int]] = ..., taken_unix_ns: _Optional[int] = ..., took_s: _Optional[float] = ..., training_thread: _Optional[int] = ..., threads: _Optional[_Iterable[_Union[FoldedStack, _Mapping]]] = ..., error: _Optional[str] = ..., flight_recorder: _Optional[_Iterable[_Union[FlightRecorderGroup, _Mapping]]] = ..., flight_recorder_error: _Optional[str] = ...) -> None: ...
+
+class FlightRecorderEntry(_message.Message):
+    __slots__ = ("seq", "op", "state", "retired", "bytes", "sizes", "created_unix_ns")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    op: str
+    state: str
+    retired: bool
+    bytes: int
+    sizes: str
+    created_unix_ns: int
+    def __init__(self, seq: _Optional[int] = ..., op: _Optional[str] = ..., state: _Optional[str] = ..., retired: _Optional[bool] = ..., bytes: _Optional[int] = ..., sizes: _Optional[str] = ..., created_unix_ns: _Optional[int] = ...) -> None: ...
+
+class FlightRecorderGroup(_message.Message):
+    __slots__ = ("group", "desc", "newest_seq", "last_completed_seq", "entries")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    DESC_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAST_COMPLETED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    desc: str
+    newest_seq: int
+    last_completed_seq: int
+    entries: _containers.RepeatedCompositeFieldContainer[FlightRecorderEntry]
+    def __init__(self, group: _Optional[str] = ..., desc: _Optional[str] = ..., newest_seq: _Optional[int] = ..., last_completed_seq: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[FlightRecorderEntry, _Mapping]]] = ...) -> None: ...
 
 class CollectiveGroup(_message.Message):
     __slots__ = ("id", "members")
