@@ -149,8 +149,12 @@ def _chunk(n: int, lo: int, hi: int) -> int:
 class ControlHub:
     """Subscribers per job, the jobs' pace, the deep dives; thread-safe."""
 
-    def __init__(self, config: ControlConfig = ControlConfig(), *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: ControlConfig = ControlConfig(), *, clock: Callable[[], float] = time.monotonic,
+                 uploader=None) -> None:
         self.config = config
+        self.uploader = uploader  # processor/dive_upload.DiveUploader: traces to object storage, or None
+        if uploader is not None:
+            uploader.bind(self._manifest_doc)
         self._clock = clock
         self._lock = threading.Lock()
         self._subs: dict[str, dict[int, _Subscriber]] = {}
@@ -354,6 +358,8 @@ class ControlHub:
         self.stats["reports"] += 1
         if rep.trace_path and not rep.summary_path:
             self._summarize_later(d, rep.resource.rank, rep.trace_path)
+        if rep.trace_path and self.uploader is not None:
+            self._upload_later(d, rep.resource.rank, rep.trace_path)
         self._settle(d, self._clock())
         self._write_manifest(rep.dive_id)
         return control_pb2.ControlAck(ok=True)
@@ -371,6 +377,13 @@ class ControlHub:
             self._summaries.put_nowait((d.record.dive_id, rank, trace))
         except (OSError, queue.Full):
             self.stats["summaries_dropped"] += 1
+
+    def _upload_later(self, d: Dive, rank: int, trace: str) -> None:
+        """Queue a rank's trace for object storage (``dive_upload.py``): only one inside the dive's directory."""
+        if os.path.dirname(os.path.realpath(trace)) != os.path.realpath(d.directory):
+            self.stats["uploads_refused"] += 1
+            return
+        self.uploader.upload(d.record.job_id, d.record.dive_id, rank, trace, "trace", d.directory)
 
     def _summarize_loop(self) -> None:
         while True:
@@ -393,6 +406,8 @@ class ControlHub:
                     if r.resource.rank == rank and r.trace_path == trace:
                         r.summary_path = out
             self.stats["summaries"] += 1
+            if self.uploader is not None and d is not None:
+                self.uploader.upload(d.record.job_id, dive_id, rank, out, "summary", d.directory)
             self._write_manifest(dive_id)
 
     def wait_summaries(self, timeout_s: float = 10.0) -> bool:
@@ -411,12 +426,21 @@ class ControlHub:
             self._settle(d, now)
         return control_pb2.DeepDiveStatus(dives=[d.record for d in dives])
 
+    def _manifest_doc(self, dive_id: str) -> dict | None:
+        """The manifest document of a dive this hub knows (the uploader's step 4), None when forgotten."""
+        with self._lock:
+            d = self._dives.get(dive_id)
+            return manifest_of(d.record) if d is not None else None
+
     def _write_manifest(self, dive_id: str) -> None:
         with self._lock:
             d = self._dives.get(dive_id)
             if d is None:
                 return
             doc = manifest_of(d.record)
+        if self.uploader is not None:  # each rank's objects (key, URL, state) beside its local trace
+            doc["objects"] = self.uploader.objects(dive_id)
+            self.uploader.manifest(d.record.job_id, dive_id)
         try:
             write_private(os.path.join(d.directory, "manifest.json"), json.dumps(doc, indent=1))
         except OSError as e:

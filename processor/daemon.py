@@ -80,6 +80,8 @@ class ProcessorConfig:
     """``PerfettoConfig`` or None (no trace files)."""
     control: ControlConfig = dataclasses.field(default_factory=ControlConfig)
     """The deep-dive control path (``processor/control.py``): collectors' Subscribe streams, requests."""
+    deep_dive_upload: Any = None
+    """``processor/dive_upload.DiveUploadConfig``: upload each rank's deep-dive trace to object storage; None: keep local only."""
     security: ServerSecurity = dataclasses.field(default_factory=ServerSecurity)
     """TLS (server certificate, optionally required client certificates) and bearer token of the
     gRPC port (``proto/security.py``); the default is neither, fit for the per-user unix socket."""
@@ -147,8 +149,14 @@ class Processor:
             queue_max=config.queue_max_batches, collectives=config.collectives,
         )
         # control streams hold handler threads too: at most half of them, ingest keeps the rest
+        self.dive_uploader = None
+        if config.deep_dive_upload is not None:  # traces to object storage (processor/dive_upload.py)
+            from trainscope.processor.dive_upload import DiveUploader
+            self.dive_uploader = DiveUploader(config.deep_dive_upload)
+            self.registry.register(self.dive_uploader.metrics)  # deep_dive_uploads_total{what,outcome}, bytes, retries
         self.control = ControlHub(dataclasses.replace(
-            config.control, max_subscribers=max(1, min(config.control.max_subscribers, config.grpc_workers // 2))))
+            config.control, max_subscribers=max(1, min(config.control.max_subscribers, config.grpc_workers // 2))),
+            uploader=self.dive_uploader)
         self.control_servicer = ControlServicer(self.control, config.security)
         self.registry.register(deep_dive_control_metrics(self.control.stats))  # deep_dive_events_total{event}
         self.pipeline.collectives.grids.control = self.control  # a collective trigger asks for the stack grid
@@ -318,6 +326,8 @@ class Processor:
             self._server = None
         self.servicer.close()
         self.pipeline.stop()
+        if self.dive_uploader is not None:
+            self.dive_uploader.close()  # the queued traces written (bounded wait), the worker ended
         if self.remote_writer is not None:
             self.remote_writer.write_once()  # push the final values before going away
             self.remote_writer.close()
