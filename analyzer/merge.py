@@ -98,6 +98,8 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     # the stack grid of a collective finding (Mycroft §5, analyzer/stack_grid.py): where the rank was at the trigger
     grid = {s.rank: s.evidence["stack_grid"] for f in active if f.level == "collectives" for s in f.suspects
             if isinstance(s.evidence.get("stack_grid"), str)}
+    fr = {s.rank: s.evidence["flight_recorder"] for f in active if f.level == "collectives" for s in f.suspects
+          if isinstance(s.evidence.get("flight_recorder"), str)}   # its Flight Recorder line (who is behind)
     stalled_ranks = {s.rank for f in active if f.kind == "stall" for s in f.suspects}
 
     # step 3: persistence
@@ -171,12 +173,14 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
                         impact_pct=100.0 * cost / step_ns if step_ns > 0 else 0.0,
                         host=res.host if res else "", waited_for=rv.waited_for,
                         why=_why(rv, step_ns, host_fn.get(rv.rank))
-                        + (f"; stack grid: {grid[rv.rank]}" if rv.rank in grid else ""))
+                        + (f"; stack grid: {grid[rv.rank]}" if rv.rank in grid else "")
+                        + (f"; flight recorder: {fr[rv.rank]}" if rv.rank in fr else ""))
         s.evidence.update({"levels": sorted(rv.levels), "culprit_levels": sorted(rv.culprit_levels),
                            "where": rv.where[:10], "waiters": rv.waiters[:16],
                            "comparisons": sorted(rv.comparisons),
                            **({"host_function": host_fn[rv.rank]} if host_fn.get(rv.rank) else {}),
-                           **({"stack_grid": grid[rv.rank]} if rv.rank in grid else {})})
+                           **({"stack_grid": grid[rv.rank]} if rv.rank in grid else {}),
+                           **({"flight_recorder": fr[rv.rank]} if rv.rank in fr else {})})
     v.pending.extend(pending)
     v.phases.extend(_places(suspects, active, "phase"))
     v.kernels.extend(_places(suspects, active, "kernel"))

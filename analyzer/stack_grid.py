@@ -28,6 +28,13 @@ rank in ``CollectiveWindow.dumps``. Per grid (its id is shared by its dumps):
    its grid was complete is kept (bounded) and issued again once the grid is
    complete or ``wait_s`` passed with some dumps (``GridBook.updates``): one
    re-issue per stall, the same finding id, now with the grid.
+6. The Flight Recorder view (``flight_recorder``): each dump also carries the
+   rank's PyTorch Flight Recorder per process group (the newest collective seq
+   it entered, taken in process by the collector at the same command); the
+   ranks at the group's newest seq *entered* it, the others are *behind*:
+   ``ranks 0,1,3 entered allreduce seq 11 on group 0 (in flight, torch state
+   scheduled); rank 2's newest entry is seq 10 (completed)``. It goes beside
+   the grid in the finding's evidence (``flight_recorder``) and each suspect's.
 Assumption: ranks of one group run the same code, so their training threads'
 innermost frames agree unless one of them is elsewhere.
 """
@@ -211,7 +218,7 @@ class GridBook:
         """Step 5: ``f`` with its grid's evidence (finding and suspects); a stall finding without a
         complete grid waits for ``updates``."""
         g = self.find(group, seq)
-        out = f if g is None else with_grid(f, evidence(g, members, self.config))
+        out = f if g is None else with_grid(f, evidence(g, members, self.config), flight_recorder(g, members))
         if seq and f.kind == "stall" and (g is None or not g.complete):
             self._waiting[f"{group}|{seq}"] = (f, frozenset(members))
             while len(self._waiting) > self.config.max_grids:
@@ -229,16 +236,76 @@ class GridBook:
                 continue   # a trigger on another processor's ranks, or dumps still on their way
             if g.complete or now - g.first_seen >= self.config.wait_s:
                 del self._waiting[key]
-                out.append(with_grid(f, evidence(g, members, self.config)))
+                out.append(with_grid(f, evidence(g, members, self.config), flight_recorder(g, members)))
         return out
 
 
-def with_grid(f: Finding, ev: dict) -> Finding:
-    """The finding with ``stack_grid`` in its evidence, and each suspect's line of it in theirs."""
-    suspects = tuple(dataclasses.replace(s, evidence={**s.evidence, "stack_grid": rank_line(ev, s.rank)})
+def _state(e) -> str:
+    """An entry's state for a person: completed when torch retired it (gloo's only mark), else torch's state."""
+    if e is None:
+        return "not in the view"
+    return "completed" if e.retired or e.state == "completed" else f"in flight, torch state {e.state}"
+
+
+def flight_recorder(grid: Grid, members: Iterable[int] = ()) -> dict | None:
+    """Step 6: the ranks' Flight Recorder views of the grid's group compared (who is behind).
+
+    1. Per rank with a dump, its view of ``grid.group`` (``StackDump.flight_recorder``: the newest
+       collective seq it entered there); a rank without one is listed with why (the dump's
+       ``flight_recorder_error``, no entry on the group, or no dump at all).
+    2. The newest seq of any rank is where the group is; the ranks there *entered* it (its op and
+       state from their entries); every other rank is *behind*, its newest seq said, lowest first.
+    3. One line: ``ranks 0,1,3 entered allreduce seq 11 on group 0 (in flight, torch state
+       scheduled); rank 2's newest entry is seq 10 (completed)``.
+    None when no dump of the grid carries a view of any group (recorder off on every rank).
+    """
+    views, missing = {}, {}
+    for rank in sorted(grid.dumps):
+        d = grid.dumps[rank]
+        v = next((g for g in d.flight_recorder if g.group == grid.group), None)
+        if v is None:
+            missing[rank] = (f"no entry on group {grid.group}" if len(d.flight_recorder)
+                             else d.flight_recorder_error or "no Flight Recorder view")
+        else:
+            views[rank] = v
+    if not views:
+        return None
+    for m in sorted(set(members) | grid.expected):
+        if m not in grid.dumps:
+            missing[m] = "no dump received"
+    entry = {r: next((e for e in reversed(v.entries) if e.seq == v.newest_seq), None) for r, v in views.items()}
+    top = max(v.newest_seq for v in views.values())
+    entered = [r for r, v in views.items() if v.newest_seq == top]
+    behind = sorted((r for r in views if r not in entered), key=lambda r: (views[r].newest_seq, r))
+    first = entry[entered[0]]
+    op = first.op if first is not None else "a collective"
+    states = {_state(entry[r]) for r in entered}
+    parts = [f"{_ranks(entered)} entered {op} seq {top} on group {grid.group} ({'; '.join(sorted(states))})"]
+    by_seq: dict[int, list[int]] = collections.defaultdict(list)
+    for r in behind:
+        by_seq[views[r].newest_seq].append(r)
+    for seq, rs in sorted(by_seq.items()):
+        e = entry[rs[0]]
+        parts.append(f"{_ranks(rs)}'s newest entry is seq {seq}"
+                     + (f" ({e.op}, {_state(e)})" if e is not None else ""))
+    if missing:
+        parts.append(f"{_ranks(sorted(missing))}: no view ({missing[min(missing)]})")
+    return {"group": grid.group, "seq": int(top), "op": op, "entered": entered, "behind": behind,
+            "ranks": [{"rank": r, "newest_seq": int(v.newest_seq), "last_completed_seq": int(v.last_completed_seq),
+                       "state": _state(entry[r])} for r, v in views.items()],
+            "missing": [{"rank": r, "why": w} for r, w in sorted(missing.items())],
+            "summary": "; ".join(parts)}
+
+
+def with_grid(f: Finding, ev: dict, fr: dict | None = None) -> Finding:
+    """The finding with ``stack_grid`` (and ``flight_recorder``, step 6) in its evidence, and each
+    suspect's line of them in theirs."""
+    more = {"flight_recorder": fr["summary"]} if fr else {}
+    suspects = tuple(dataclasses.replace(s, evidence={**s.evidence, "stack_grid": rank_line(ev, s.rank), **more})
                      for s in f.suspects)
-    return dataclasses.replace(f, suspects=suspects, evidence={**f.evidence, "stack_grid": ev})
+    return dataclasses.replace(f, suspects=suspects, evidence={**f.evidence, "stack_grid": ev,
+                                                               **({"flight_recorder": fr} if fr else {})})
 
 
-__all__ = ["Grid", "GridBook", "StackGridConfig", "clusters", "evidence", "rank_line", "training_thread",
+__all__ = ["Grid", "GridBook", "StackGridConfig", "clusters", "evidence", "flight_recorder", "rank_line", "training_thread",
            "with_grid"]

@@ -42,6 +42,13 @@ Steps:
 4. ``snapshot`` (in-process, for a rank's collector): the JSON dump of this
    process's recorder and its groups' members from ``torch.distributed``;
    ``None`` when torch or the recorder is absent. Never raises.
+5. ``view`` / ``take_view`` (the stack grid's evidence, Mycroft §5): at a
+   ``StackDumpCommand`` the collector's stack dumper takes this process's
+   recorder and keeps, per process group, the newest seq it entered, torch's
+   last completed seq and its last ``VIEW_ENTRIES`` entries (seq, op, state as
+   torch wrote it, retired, bytes, sizes), at most ``VIEW_GROUPS`` groups; the
+   analyzer compares the ranks' newest seqs (who is behind). ``take_view`` says
+   why there is no view (torch not loaded, recorder off, dump failed).
 """
 from __future__ import annotations
 
@@ -49,7 +56,9 @@ import dataclasses
 import io
 import json
 import math
+import os
 import pickle
+import sys
 from typing import Any, Mapping
 
 from trainscope.proto.errors import BadInput
@@ -60,6 +69,12 @@ MAX_DUMP_BYTES = 256 * 2**20
 #: Versions of the format understood ("2.x": torch 2.4 wrote "2.2", torch 2.13 writes "2.10").
 MAJOR_VERSION = "2"
 STATES = ("scheduled", "started", "completed")
+#: Environment variables that size (and so turn on) torch's recorder, newest name first.
+FR_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+#: Step 5's bounds: entries kept per group, groups per view, characters of an entry's sizes.
+VIEW_ENTRIES = 8
+VIEW_GROUPS = 16
+MAX_SIZES_CHARS = 64
 #: c10::toString(ScalarType) -> (torch dtype name, bytes per element)
 DTYPES = {
     "Float": ("float32", 4), "Double": ("float64", 8), "Half": ("float16", 2), "BFloat16": ("bfloat16", 2),
@@ -100,6 +115,8 @@ class FrEntry:
     retired: bool
     timeout_ms: int
     duration_ms: float      # NaN: not measured
+    torch_state: str = ""   # the state as torch wrote it (``state`` above is the reading of it)
+    sizes: str = ""         # input sizes as written, e.g. "[[66568]]"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -274,6 +291,7 @@ def _entry(i: int, e: Any, status: Mapping[int, tuple[int, int, int]], source: s
     last_done = status.get(pg_id, (-1, -1, -1))[2]
     if state != "completed" and (retired or completed or (not is_p2p and 0 < seq <= last_done)):
         state = "completed"   # gloo: retired (or counted completed by its group) without events
+    raw_state = state
     backend, op = _op(name)
     dur = e.get("duration_ms")
     return FrEntry(record_id=_int(need("record_id"), f"{where}.record_id", source), pg_id=pg_id, group=pg[0],
@@ -281,7 +299,14 @@ def _entry(i: int, e: Any, status: Mapping[int, tuple[int, int, int]], source: s
                    is_p2p=is_p2p, op=op, backend=backend, nbytes=nbytes, dtype=dtype, state=state,
                    created_ns=created, started_ns=started, completed_ns=completed, retired=retired,
                    timeout_ms=_int(e.get("timeout_ms", 0), f"{where}.timeout_ms", source),
-                   duration_ms=float(dur) if isinstance(dur, (int, float)) and not isinstance(dur, bool) else math.nan)
+                   duration_ms=float(dur) if isinstance(dur, (int, float)) and not isinstance(dur, bool) else math.nan,
+                   torch_state=raw_state, sizes=_sizes(sizes))
+
+
+def _sizes(sizes: list) -> str:
+    """``[[66568], [2, 3]]`` → ``[66568] [2,3]`` (at most ``MAX_SIZES_CHARS``)."""
+    text = " ".join("[" + ",".join(str(d) for d in dims) + "]" for dims in sizes)
+    return text if len(text) <= MAX_SIZES_CHARS else text[: MAX_SIZES_CHARS - 3] + "..."
 
 
 # ------------------------------------------------------------------ step 3
@@ -343,4 +368,70 @@ def snapshot(only_active: bool = False) -> tuple[FrDump, dict[str, tuple[int, ..
         return None
 
 
-__all__ = ["FlightRecorderError", "FrDump", "FrEntry", "parse", "read", "snapshot", "to_batch", "DTYPES"]
+# ------------------------------------------------------------------ step 5
+def view(dump: FrDump, entries: int = VIEW_ENTRIES, groups: int = VIEW_GROUPS) -> list[telemetry_pb2.FlightRecorderGroup]:
+    """Step 5: the compact per-group view a stack-grid dump carries (Mycroft §5 evidence).
+
+    Per process group (torch's group name) of the dump's collectives (point-to-point
+    entries left out: they have no group-wide seq): the newest seq this rank entered
+    (its newest entry, or torch's ``last_enqueued_collective`` when the ring already
+    dropped it), torch's ``last_completed_collective``, and its newest ``entries``
+    entries oldest first, each with the state as torch wrote it. At most ``groups``
+    groups, those with the newest entries first; listed by group name.
+    """
+    by_group: dict[str, list[FrEntry]] = {}
+    for e in dump.entries:
+        if not e.is_p2p and e.seq > 0:
+            by_group.setdefault(e.group, []).append(e)
+    newest = sorted(by_group, key=lambda g: -max(e.created_ns for e in by_group[g]))[:max(groups, 0)]
+    out = []
+    for g in sorted(newest, key=lambda g: (not g.isdigit(), int(g) if g.isdigit() else 0, g)):
+        rows = sorted(by_group[g], key=lambda e: e.seq)
+        status = dump.status.get(rows[-1].pg_id, (-1, -1, -1))
+        v = telemetry_pb2.FlightRecorderGroup(group=g, desc=rows[-1].group_desc,
+                                              newest_seq=max(rows[-1].seq, status[0], 0),
+                                              last_completed_seq=status[2])
+        for e in rows[-entries:] if entries > 0 else ():
+            v.entries.add(seq=e.seq, op=e.op, state=e.torch_state or e.state, retired=e.retired, bytes=e.nbytes,
+                          sizes=e.sizes, created_unix_ns=max(e.created_ns, 0))
+        out.append(v)
+    return out
+
+
+def take_view(entries: int = VIEW_ENTRIES, groups: int = VIEW_GROUPS) -> tuple[list, str]:
+    """Step 5 in process (the stack dumper's thread): (view, "") or ([], why there is none). Never raises,
+    never imports torch into a process that has not (a job without torch has no recorder)."""
+    try:
+        if "torch" not in sys.modules:
+            return [], "torch is not loaded in this process"
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return [], "torch.distributed is not initialised in this process"
+        from torch._C import _distributed_c10d as c10d_C
+
+        dump_json = getattr(c10d_C, "_dump_fr_trace_json", None)
+        if dump_json is None:
+            return [], "this torch has no in-process Flight Recorder dump (_dump_fr_trace_json)"
+        dump = parse(dump_json(includeCollectives=True, onlyActive=False), "in-process flight recorder")
+        out = view(dump, entries, groups)
+        if out:
+            return out, ""
+        if not any(_positive(os.environ.get(k)) for k in FR_ENV):
+            return [], "Flight Recorder off (set TORCH_FR_BUFFER_SIZE > 0 before the process group is created)"
+        return [], "the Flight Recorder holds no collective of this process yet"
+    except FlightRecorderError as e:
+        return [], str(e)[:200]
+    except Exception as e:   # evidence only: never into the dumper, never into training
+        return [], f"Flight Recorder dump failed: {type(e).__name__}: {e}"[:200]
+
+
+def _positive(v: str | None) -> bool:
+    try:
+        return v is not None and int(v) > 0
+    except ValueError:
+        return False
+
+
+__all__ = ["FR_ENV", "FlightRecorderError", "FrDump", "FrEntry", "parse", "read", "snapshot", "take_view",
+           "to_batch", "view", "DTYPES"]

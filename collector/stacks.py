@@ -51,6 +51,7 @@ import threading
 import time
 from typing import Sequence
 
+from trainscope.collector.flight_recorder import take_view
 from trainscope.proto import env
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import ParallelCoords, Resource
@@ -356,6 +357,9 @@ class StackDumper:
     2. A daemon thread runs ``py-spy dump --pid <this process> --json [--nonblocking]`` out of
        process, killed after the command's timeout: the training thread is never stopped by us
        (``--nonblocking``: py-spy reads the stacks without pausing the process either).
+    2b. On the same thread, before py-spy: this process's PyTorch Flight Recorder view
+       (``flight_recorder.take_view``: per process group the newest seq entered and the last
+       entries, bounded), or why there is none (torch not loaded, recorder off).
     3. The dump (or the reason there is none: py-spy missing, ptrace refused, timeout, bad
        output) goes to the processor as a ``CollectiveBatch`` with one ``StackDump`` through the
        exporter's bounded queue (``submit``), like every other record of this rank.
@@ -364,8 +368,9 @@ class StackDumper:
     """
 
     def __init__(self, submit, *, py_spy: str = "py-spy", pid: int | None = None, nonblocking: bool = True,
-                 run=None, training_thread: int | None = None) -> None:
+                 run=None, training_thread: int | None = None, flight_recorder=None) -> None:
         self._submit = submit
+        self._fr = flight_recorder or take_view
         self.py_spy = shutil.which(py_spy) or (py_spy if os.path.exists(py_spy) else None)
         self._pid = pid
         self.nonblocking = nonblocking
@@ -373,7 +378,7 @@ class StackDumper:
         self._training = training_thread
         self._busy = threading.Lock()
         self.stats: collections.Counter[str] = collections.Counter()
-        """requests, busy, dumps, errors, submitted, dropped."""
+        """requests, busy, dumps, errors, submitted, dropped; fr_views, fr_missing (Flight Recorder)."""
 
     def request(self, cmd) -> bool:
         """Start one dump for ``cmd`` (a ``StackDumpCommand``); False when one is running."""
@@ -405,6 +410,7 @@ class StackDumper:
         d = telemetry_pb2.StackDump(grid_id=cmd.grid_id, group=cmd.group, trigger=cmd.trigger, seq=cmd.seq,
                                     expected_ranks=cmd.ranks, taken_unix_ns=time.time_ns(),
                                     training_thread=(training or 0) & 0xFFFFFFFF)
+        self._flight_recorder(d)
         if self.py_spy is None:
             d.error = "py-spy not found"
         else:
@@ -426,6 +432,18 @@ class StackDumper:
             d.took_s = round(time.monotonic() - t0, 4)
         self.stats["errors" if d.error else "dumps"] += 1
         return d
+
+    def _flight_recorder(self, d: telemetry_pb2.StackDump) -> None:
+        """Step 2b: this process's Flight Recorder view (``flight_recorder.take_view``: in process, on this
+        thread, bounded per group; why there is none in ``flight_recorder_error``). Never raises."""
+        try:
+            groups, why = self._fr()
+            d.flight_recorder.extend(groups)
+            d.flight_recorder_error = "" if groups else (why or "no Flight Recorder view")[:200]
+        except Exception as e:
+            del d.flight_recorder[:]
+            d.flight_recorder_error = f"Flight Recorder view failed: {type(e).__name__}: {e}"[:200]
+        self.stats["fr_views" if len(d.flight_recorder) else "fr_missing"] += 1
 
     def submit(self, d: telemetry_pb2.StackDump) -> bool:
         """Step 3: the dump on the ingest stream (bounded exporter queue; drop counted)."""

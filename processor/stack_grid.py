@@ -15,7 +15,10 @@ rank is somewhere else ("rank 2 in ``time.sleep``; ranks 0, 1, 3 in
 2. Each collector runs py-spy out of process (``collector/stacks.StackDumper``)
    and returns its dump on the ingest stream in a ``CollectiveBatch``;
    ``valid_dump`` bounds it at ingest (threads, stack length, ids), and
-   ``CollectiveWindows`` emits it at once (``stack_grid_dumps{outcome}``).
+   ``CollectiveWindows`` emits it at once (``stack_grid_dumps{outcome}``). The
+   dump carries the rank's Flight Recorder view (per process group the newest
+   seq entered and the last entries, ``collector/flight_recorder.view``), bounded
+   here too (step 2b).
 3. The analyzer clusters the dumps by stack (``analyzer/stack_grid.py``).
 
 Assumption: a group's members reach this processor's control channel; the
@@ -39,6 +42,11 @@ MAX_DUMP_THREADS = 64
 MAX_DUMP_STACK = 8192
 MAX_DUMPS_PER_BATCH = 4
 MAX_NAME = 64
+#: Step 2b's bounds on a dump's Flight Recorder view: groups, entries per group (newest kept), sizes text.
+MAX_FR_GROUPS = 16
+MAX_FR_ENTRIES = 32
+MAX_FR_SIZES = 128
+FR_STATES = ("scheduled", "started", "completed")
 GRID_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,95}")
 
 
@@ -56,7 +64,33 @@ def valid_dump(d: telemetry_pb2.StackDump, world_size: int, metrics: SelfMetrics
             metrics.inc("records_truncated", 1, what="stack")
     if len(d.error) > 256:
         d.error = d.error[:256]
+    _bound_flight_recorder(d, metrics)
     return True
+
+
+def _bound_flight_recorder(d: telemetry_pb2.StackDump, metrics: SelfMetrics) -> None:
+    """Step 2b: the dump's Flight Recorder view bounded (groups, newest entries kept); a view with a
+    malformed field is dropped (the stack dump stays), its reason in ``flight_recorder_error``."""
+    if len(d.flight_recorder_error) > 256:
+        d.flight_recorder_error = d.flight_recorder_error[:256]
+    if len(d.flight_recorder) > MAX_FR_GROUPS:
+        del d.flight_recorder[MAX_FR_GROUPS:]
+        metrics.inc("records_truncated", 1, what="flight_recorder")
+    bad = ""
+    for g in d.flight_recorder:
+        if not g.group or len(g.group) > MAX_NAME or len(g.desc) > MAX_NAME or g.last_completed_seq < -1:
+            bad = "group"
+        if len(g.entries) > MAX_FR_ENTRIES:
+            del g.entries[:len(g.entries) - MAX_FR_ENTRIES]
+            metrics.inc("records_truncated", 1, what="flight_recorder")
+        for e in g.entries:
+            if (e.state not in FR_STATES or not e.op or len(e.op) > MAX_NAME or len(e.sizes) > MAX_FR_SIZES
+                    or e.seq > g.newest_seq):
+                bad = "entry"
+    if bad:
+        del d.flight_recorder[:]
+        d.flight_recorder_error = f"Flight Recorder view rejected by the processor (malformed {bad})"
+        metrics.inc("records_rejected", 1, reason="flight_recorder")
 
 
 def grid_id(group: str, kind: str, seq: int) -> str:
@@ -115,5 +149,5 @@ class GridRequests:
         return reached
 
 
-__all__ = ["GRID_ID", "GridRequests", "MAX_DUMPS_PER_BATCH", "MAX_DUMP_STACK", "MAX_DUMP_THREADS", "grid_id",
+__all__ = ["FR_STATES", "GRID_ID", "GridRequests", "MAX_DUMPS_PER_BATCH", "MAX_FR_ENTRIES", "MAX_FR_GROUPS", "MAX_DUMP_STACK", "MAX_DUMP_THREADS", "grid_id",
            "valid_dump"]

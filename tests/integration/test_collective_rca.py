@@ -244,13 +244,15 @@ def test_a_hang_carries_the_stack_grid_that_sets_the_stuck_rank_apart(tmp_path):
     all-reduce; the processor's hang trigger (3 s here) sends a dump command over each rank's control
     stream, every rank's collector runs the real py-spy on itself (root here: ptrace allowed), the
     dumps come back on the ingest stream and the analyzer clusters them: rank 2 alone in the training
-    script's main, ranks 0, 1, 3 together in the all-reduce. One grid for the group (rate-limited)."""
+    script's main, ranks 0, 1, 3 together in the all-reduce. One grid for the group (rate-limited).
+    The job turns torch's Flight Recorder on (``--flight-recorder``): each collector's view of it, taken
+    with its dump, says ranks 0, 1, 3 entered the all-reduce of seq 11 and rank 2 is behind at seq 10."""
     if shutil.which("py-spy") is None:
         pytest.skip("py-spy is not installed")
     trigger = CollectiveWindowConfig(trigger=TriggerConfig(hang_s=3.0))
     hang_file = tmp_path / "hang.txt"
     job = LiveJob(tmp_path, "grid", "--mode", "plain", "--steps", "400", "--hang-rank", str(HANG_RANK),
-                  "--hang-from", "10", "--hang-file", str(hang_file), analyzer=AnalyzerConfig(collectives=CollectivesConfig(hang_timeout_s=3.0)),
+                  "--hang-from", "10", "--hang-file", str(hang_file), "--flight-recorder", "64", analyzer=AnalyzerConfig(collectives=CollectivesConfig(hang_timeout_s=3.0)),
                   collectives=trigger)
 
     def grid_of(v) -> dict | None:
@@ -285,6 +287,17 @@ def test_a_hang_carries_the_stack_grid_that_sets_the_stuck_rank_apart(tmp_path):
         # the replay contract's JSON (trainscope query verdict --json, replay --json) carries it too
         (js,) = [x for x in contract_verdict_json(v)["suspects"] if x["rank"] == HANG_RANK]
         assert js["evidence"]["stack_grid"].startswith("in `main (") and "stack grid" in js["why"]
+        # the Flight Recorder view taken with each dump (gloo: entries stay 'scheduled', completion is
+        # 'retired'): ranks 0,1,3 entered the all-reduce of seq 11, rank 2's newest entry is seq 10
+        fr = ev["flight_recorder"]
+        print(f"\nflight recorder: {fr['summary']}")
+        assert fr["group"] == "0" and fr["seq"] == 10 + 1 and fr["op"] == "allreduce" and fr["missing"] == []
+        assert [int(r) for r in fr["entered"]] == [0, 1, 3] and [int(r) for r in fr["behind"]] == [HANG_RANK]
+        assert {int(r["rank"]): int(r["newest_seq"]) for r in fr["ranks"]} == {0: 11, 1: 11, 2: 10, 3: 11}
+        assert fr["summary"].startswith("ranks 0,1,3 entered allreduce seq 11 on group 0 (in flight, "), fr
+        assert f"; rank {HANG_RANK}'s newest entry is seq 10 (allreduce, completed)" in fr["summary"], fr
+        assert f"; flight recorder: ranks 0,1,3 entered allreduce seq 11" in culprit.why, culprit.why
+        assert js["evidence"]["flight_recorder"] == fr["summary"]
         m = job.proc.metrics
         assert m.get("stack_grid_requests", outcome="sent") == 1      # one grid per group and cool-down
         assert m.get("stack_grid_dumps", outcome="ok") == WORLD
