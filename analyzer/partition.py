@@ -17,11 +17,12 @@ Kafka's group assignment decides who does what: there is no cluster manager.
    within their group, ARGUS §6.2), at the member's own Bonferroni threshold
    z*(M_s) ≤ z*(M), since its M_s comparisons are a part of the window's M:
    it flags a superset of what one process flags.
-3. One partial record per (job, window, member) (``partial_record``): per group
-   its findings, its comparisons M_g, its ranks and their compute, memory and
-   communication kernel sums, on ``<prefix>.l3partials.v1`` keyed by job. Same
-   key and partition count as the job's other records, so the range assignor
-   hands it to the job's owner.
+3. One partial record per (job, window, group) (``partial_records``): the
+   group's findings, its comparisons M_g, its ranks and their compute, memory
+   and communication kernel sums (a group of more than ``PART_RANKS`` ranks in
+   several records: Kafka's default record limit is 1 MB), on
+   ``<prefix>.l3partials.v1`` keyed by job. Same key and partition count as the
+   job's other records, so the range assignor hands it to the job's owner.
 4. Merge at the owner (``merge_partials``): per group the latest entry (a group
    analysed again after a rebalance counts once), M = Σ M_g, and every suspect
    re-tested at z*(M): the flags of one process, except for step 5c of L3 (a
@@ -60,6 +61,8 @@ from trainscope.proto.v1 import records_pb2
 PARTIALS = "l3partials"
 #: ``Diagnosis.kind`` of a partial record.
 PARTIAL_KIND = "group_partial"
+#: Ranks per partial record (ids and three sums: ~37 B each in base64 in the record).
+PART_RANKS = 8192
 _DEGRADED = ("degraded_kernel", "degraded_kernels")
 
 
@@ -128,7 +131,7 @@ def group_comparisons(t, rank_group: np.ndarray, cfg: L3Config) -> dict[int, int
 
 
 def analyse_groups(job_id: str, window: records_pb2.Window, kernels: Mapping[int, records_pb2.KernelWindow],
-                   resources: Mapping[int, Resource], cfg: L3Config) -> dict:
+                   resources: Mapping[int, Resource], cfg: L3Config, part_ranks: int | None = None) -> dict:
     """Steps 2-3: L3 on the groups of ``kernels`` and the per-group payload of a partial record."""
     dim = cfg.routing.kernel_group_dim
     jw = JobWindow(job_id, window, dict(resources), dict(kernels))
@@ -149,31 +152,41 @@ def analyse_groups(job_id: str, window: records_pb2.Window, kernels: Mapping[int
     for f in found:
         by_group[f.scope.group_index].append(finding_to_dict(f))
     entries = []
+    step = part_ranks or PART_RANKS
     for g, members in groups.items():
         rows = np.flatnonzero(rank_group == g)
-        entries.append({"g": g, "M": int(m_of.get(g, 0)), "ranks": _b64(t.ranks[rows].astype("<i4")),
-                        "members": len(members), "sums": _b64(sums[rows].astype("<f8")),
-                        "compared": len(rows) if len(rows) >= cfg.min_ranks else 0,
-                        "findings": by_group.get(g, [])})
+        parts = max(1, -(-rows.size // step))
+        for part in range(parts):   # the group's findings and counts in part 0, its ranks spread over parts
+            sub = rows[part * step:(part + 1) * step]
+            entries.append({"g": g, "part": part, "parts": parts, "M": int(m_of.get(g, 0)) if not part else 0,
+                            "ranks": _b64(t.ranks[sub].astype("<i4")), "members": len(members),
+                            "sums": _b64(sums[sub].astype("<f8")),
+                            "compared": len(rows) if len(rows) >= cfg.min_ranks and not part else 0,
+                            "findings": by_group.get(g, []) if not part else []})
     return {"dim": dim, "host_timed": host_timed, "iterations": scale.default_iterations,
             "nominal": scale.nominal_iterations, "names": names, "groups": entries}
 
 
-def partial_record(job_id: str, window: records_pb2.Window, payload: dict, member: str) -> records_pb2.Diagnosis:
-    """Step 3: the partial as a ``Diagnosis`` (kind ``group_partial``; the payload in its evidence)."""
-    d = records_pb2.Diagnosis(id=f"{job_id}|{window.kind}|{window.index}|{member}", job_id=job_id, level="L3",
-                              kind=PARTIAL_KIND, window=window, created_unix_ns=time.time_ns(), informational=True)
-    d.evidence.update({**payload, "member": member})
-    return d
+def partial_records(job_id: str, window: records_pb2.Window, payload: dict,
+                    member: str) -> list[records_pb2.Diagnosis]:
+    """Step 3: one ``Diagnosis`` (kind ``group_partial``) per group part, its entry in the evidence."""
+    out = []
+    for e in payload["groups"]:
+        d = records_pb2.Diagnosis(id=f"{job_id}|{window.kind}|{window.index}|{e['g']}|{e.get('part', 0)}",
+                                  job_id=job_id, level="L3", kind=PARTIAL_KIND, window=window,
+                                  created_unix_ns=time.time_ns(), informational=True)
+        d.evidence.update({**payload, "groups": [e], "member": member})
+        out.append(d)
+    return out
 
 
 # ------------------------------------------------------------------ step 4
 def merge_partials(entries: Mapping[int, Mapping], job_id: str, window: records_pb2.Window, cfg: L3Config,
                    scale: WindowScale | None = None, *, host_timed: bool = False,
                    member_iterations: Mapping[int, float] | None = None) -> tuple[list[Finding], int, int]:
-    """Step 4: one window's L3 findings from its groups' entries ({group: entry}); returns
-    (findings, ranks compared, M). ``member_iterations``: per group, the iterations per rank the
-    member assumed (its ``WindowScale.default_iterations``)."""
+    """Step 4: one window's L3 findings from its groups' entries ({group or (group, part): entry});
+    returns (findings, ranks compared, M). ``member_iterations``: per entry key, the iterations
+    per rank the member assumed (its ``WindowScale.default_iterations``)."""
     m_total = int(sum(int(e["M"]) for e in entries.values()))
     compared = int(sum(int(e["compared"]) for e in entries.values()))
     degraded, other = [], []
@@ -239,15 +252,14 @@ class PartialStore:
         p = json_format.MessageToDict(d.evidence)
         key = (d.job_id, d.window.kind, d.window.index)
         groups = self._windows.setdefault(key, {})
+        meta = self._meta.setdefault(key, {"iterations": {}, "host_timed": False, "names": p.get("names", [])})
         for e in p.get("groups", ()):
-            g = int(e["g"])
+            g = (int(e["g"]), int(e.get("part", 0)))
             if g in groups:
                 self.duplicates += 1        # analysed again after a rebalance: the latest wins
             e["n"] = len(_arr(e["ranks"], "<i4"))
             groups[g] = e
-        meta = self._meta.setdefault(key, {"iterations": {}, "host_timed": False, "names": p.get("names", [])})
-        for e in p.get("groups", ()):
-            meta["iterations"][int(e["g"])] = float(p.get("iterations", 1.0))
+            meta["iterations"][g] = float(p.get("iterations", 1.0))
         meta["host_timed"] = meta["host_timed"] or bool(p.get("host_timed"))
         self._jobs_with_kernels.add(d.job_id)
         self._jobs_without.discard(d.job_id)
@@ -401,8 +413,8 @@ class GroupStage:
     def _complete(s: _Shard) -> bool:
         return all(n >= s.size[g] for g, n in s.count.items())
 
-    def analyse(self, key: tuple[str, int, int], member: str) -> tuple[records_pb2.Diagnosis, dict]:
-        """Steps 2-3 for one open window; returns its partial record and the offsets it released."""
+    def analyse(self, key: tuple[str, int, int], member: str) -> tuple[list[records_pb2.Diagnosis], dict]:
+        """Steps 2-3 for one open window; returns its partial records and the offsets it released."""
         s = self.open.pop(key)
         job, kind, index = key
         self._done[(job, kind)] = max(self._done.get((job, kind), -1), index)
@@ -411,7 +423,7 @@ class GroupStage:
             for rec in s.kernels.values():
                 fill_names(rec, get, label_unknown=True)
         payload = analyse_groups(job, s.window, s.kernels, s.resources, self.cfg)
-        return partial_record(job, s.window, payload, member), s.offsets
+        return partial_records(job, s.window, payload, member), s.offsets
 
     def held(self) -> dict[tuple[str, int], int]:
         """Per (topic, partition), the lowest offset still held by an open window."""

@@ -222,9 +222,10 @@ class PartitionedMember(_Parsing):
         if ready:
             self._poll_names()
         for key in ready:
-            partial, _ = self.stage.analyse(key, self.member)
-            if self.publish(partial):
-                self.partials_out += 1
+            partials, _ = self.stage.analyse(key, self.member)
+            for partial in partials:
+                if self.publish(partial):
+                    self.partials_out += 1
         t2 = time.process_time()
         out = self.analyzer.step(0)
         self._release()
@@ -239,8 +240,8 @@ class PartitionedMember(_Parsing):
     def finish(self) -> list[records_pb2.Verdict]:
         """Analyse what is open now (end of a run; the other members' partials may be missing)."""
         for key in self.stage.ready() or list(self.stage.open):
-            partial, _ = self.stage.analyse(key, self.member)
-            self.publish(partial)
+            for partial in self.stage.analyse(key, self.member)[0]:
+                self.publish(partial)
         return self.analyzer.finish()
 
     def _parse_partial(self, raw: bytes) -> records_pb2.Diagnosis | None:

@@ -10,7 +10,7 @@ from trainscope.analyzer.levels import WindowContext
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
 from trainscope.analyzer.partition import (
     GroupStage, PartialStore, analyse_groups, finding_from_dict, finding_to_dict, group_comparisons,
-    merge_partials, partial_record,
+    PART_RANKS, merge_partials, partial_records,
 )
 from trainscope.analyzer.significance import z_threshold
 from trainscope.analyzer.topology import group_of, rank_to_group
@@ -49,15 +49,16 @@ def digest(findings):
                    round(float(f.evidence.get("z_threshold", 0.0)), 9)) for f in findings)
 
 
-def two_members(res, kern, cfg, split=((0, 1), (2, 3))):
+def two_members(res, kern, cfg, split=((0, 1), (2, 3)), part_ranks=None):
     """The partials of two members holding the dp groups in ``split``, through their wire records."""
     groups = group_of(res, "dp")
     store = PartialStore(cfg)
     for held in split:
         ranks = [r for g in held for r in groups[g]]
-        payload = analyse_groups("j", WINDOW, {r: kern[r] for r in ranks}, {r: res[r] for r in ranks}, cfg)
-        store.add(records_pb2.Diagnosis.FromString(partial_record("j", WINDOW, payload, f"m{held[0]}")
-                                                   .SerializeToString()))
+        payload = analyse_groups("j", WINDOW, {r: kern[r] for r in ranks}, {r: res[r] for r in ranks}, cfg,
+                                 part_ranks=part_ranks)
+        for rec in partial_records("j", WINDOW, payload, f"m{held[0]}"):
+            store.add(records_pb2.Diagnosis.FromString(rec.SerializeToString()))
     return store
 
 
@@ -86,12 +87,14 @@ def test_group_comparisons_add_up_to_the_windows_bonferroni_m(drop):
     assert sum(per_group.values()) == score_kernels(t, rank_group, cfg).comparisons
 
 
-@pytest.mark.parametrize("factor", [1.3, 1.0])
-def test_two_members_merged_give_one_process_findings(factor):
+@pytest.mark.parametrize("factor,part_ranks", [(1.3, None), (1.0, None), (1.3, 5)])
+def test_two_members_merged_give_one_process_findings(factor, part_ranks):
     res, kern = job(factor=factor, drop_key_on=(1, 3, 5))
     cfg = L3Config()
     one = analyze_kernels(JobWindow("j", WINDOW, res, kern), cfg)
-    found, compared = merged(two_members(res, kern, cfg), res, kern, cfg)
+    store = two_members(res, kern, cfg, part_ranks=part_ranks)   # 5: each group of 16 in 4 records
+    assert len(store._windows[("j", WINDOW.kind, WINDOW.index)]) == (4 if part_ranks is None else 16)
+    found, compared = merged(store, res, kern, cfg)
     assert digest(found) == digest(one)
     assert compared == WORLD
     named = {s.rank for f in found if not f.informational and f.kind.startswith("degraded") for s in f.suspects}
@@ -130,12 +133,22 @@ def test_a_group_analysed_twice_counts_once():
     assert digest(a) == digest(b) and ca == cb == WORLD
 
 
+def test_a_full_partial_record_fits_kafkas_default_record_limit():
+    from trainscope.analyzer.partition import _b64
+    rng = np.random.default_rng(0)
+    entry = {"g": 0, "part": 0, "parts": 1, "M": 10**6, "members": PART_RANKS, "compared": PART_RANKS,
+             "ranks": _b64(np.arange(PART_RANKS, dtype="<i4") + 90_000),
+             "sums": _b64(rng.uniform(1e8, 1e9, (PART_RANKS, 3))), "findings": []}
+    (rec,) = partial_records("j", WINDOW, {"groups": [entry], "names": ["a" * 200] * 3}, "member")
+    assert len(rec.SerializeToString()) < 1_000_000 * 0.5      # librdkafka's message.max.bytes: 1,000,000
+
+
 def test_finding_survives_the_partial_record():
     f = Finding(level="L3", kind="degraded_kernels", job_id="j", window=WINDOW,
                 scope=Scope(kernel="[compute]", stream=-1, group="dp", group_index=2),
                 suspects=(SuspectRank(7, 5.5, {"z": 5.5, "direction": "slower", "count": 100}, impact_ns=123.5),),
                 severity=5.5, evidence={"group_size": 16, "category": "compute"}, comparison="peers")
-    d = partial_record("j", WINDOW, {"groups": [{"g": 2, "findings": [finding_to_dict(f)]}]}, "m")
+    (d,) = partial_records("j", WINDOW, {"groups": [{"g": 2, "findings": [finding_to_dict(f)]}]}, "m")
     from google.protobuf import json_format
     back = finding_from_dict(json_format.MessageToDict(records_pb2.Diagnosis.FromString(
         d.SerializeToString()).evidence)["groups"][0]["findings"][0], "j", WINDOW)
@@ -171,12 +184,14 @@ def test_gate_waits_for_partials_covering_the_window_and_fill_gives_kernel_sums(
     assert store.gate("k", other, first_seen=95.0)              # ... first_wait_s, then: a job without kernels
     groups = group_of(res, "dp")
     half = [r for g in (0, 1) for r in groups[g]]
-    store.add(partial_record("j", WINDOW, analyse_groups("j", WINDOW, {r: kern[r] for r in half},
-                                                         {r: res[r] for r in half}, cfg), "m0"))
+    for rec in partial_records("j", WINDOW, analyse_groups("j", WINDOW, {r: kern[r] for r in half},
+                                                           {r: res[r] for r in half}, cfg), "m0"):
+        store.add(rec)
     assert not store.gate("j", jw, first_seen=100.0)            # half of the ranks covered
     rest = [r for g in (2, 3) for r in groups[g]]
-    store.add(partial_record("j", WINDOW, analyse_groups("j", WINDOW, {r: kern[r] for r in rest},
-                                                         {r: res[r] for r in rest}, cfg), "m1"))
+    for rec in partial_records("j", WINDOW, analyse_groups("j", WINDOW, {r: kern[r] for r in rest},
+                                                           {r: res[r] for r in rest}, cfg), "m1"):
+        store.add(rec)
     assert store.gate("j", jw, first_seen=100.0)
     store.fill(jw)
     assert sorted(jw.kernels) == list(range(WORLD))
@@ -202,8 +217,8 @@ def test_group_stage_analyses_a_window_when_its_groups_are_complete():
     now[0] = 6.0
     key = ("j", WINDOW.kind, WINDOW.index)
     assert stage.ready() == [key]
-    rec, _ = stage.analyse(key, "m")
-    assert rec.kind == "group_partial" and stage.held() == {}
+    recs, _ = stage.analyse(key, "m")
+    assert [r.kind for r in recs] == ["group_partial"] * 2 and stage.held() == {}   # one per group held
     assert not stage.add(kern[g0[0]], ("kernels", 0), 900) and stage.late == 1   # its window was analysed
 
 
