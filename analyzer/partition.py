@@ -267,6 +267,11 @@ class PartialStore:
             old, _ = self._windows.popitem(last=False)
             self._meta.pop(old, None)
 
+    def discard(self, job_id: str, kind: int, index: int) -> None:
+        """Forget a window's partials (judged without them, or its job moved to another member)."""
+        self._windows.pop((job_id, kind, index), None)
+        self._meta.pop((job_id, kind, index), None)
+
     def covered(self, job_id: str, window: records_pb2.Window) -> int:
         groups = self._windows.get((job_id, window.kind, window.index), {})
         return sum(e["n"] for e in groups.values())

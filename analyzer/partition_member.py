@@ -260,8 +260,10 @@ class PartitionedMember(_Parsing):
             if (kind, index) not in self.analyzer.open_windows(job):
                 del self._held[key]
         for key in list(self._partial_held):
+            if self.analyzer.analysed(*key):     # a partial that came after its window was judged
+                self.store.discard(*key)
             if self.store.covered(key[0], records_pb2.Window(kind=key[1], index=key[2])) == 0:
-                del self._partial_held[key]      # merged (taken) by the owner's L3 level
+                del self._partial_held[key]      # merged (taken) by the owner's L3 level, or too late
 
     def positions(self) -> dict[tuple[str, int], int]:
         """Step 4: per partition read, the offset it is safe to commit."""
@@ -317,6 +319,7 @@ class PartitionedMember(_Parsing):
                     del self._held[key]
         for key in [k for k, held in self._partial_held.items() if set(held) & gone]:
             del self._partial_held[key]
+            self.store.discard(*key)
         for tp in gone:
             self._next.pop(tp, None)
             self._committed.pop(tp, None)

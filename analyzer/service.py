@@ -413,6 +413,11 @@ class Analyzer:
         job = self._jobs.get(job_id)
         return set(job.open) if job is not None else set()
 
+    def analysed(self, job_id: str, kind: int, index: int) -> bool:
+        """Whether the job's window (kind, index) was analysed already (records for it come too late)."""
+        job = self._jobs.get(job_id)
+        return job is not None and (kind, index) not in job.open and index <= job.done_upto.get(kind, -1)
+
     def forget_job(self, job_id: str) -> None:
         """Drop a job's state (its records moved to another analyzer of the group)."""
         job = self._jobs.get(job_id)

@@ -235,3 +235,25 @@ def test_group_stage_forgets_only_the_revoked_partitions_records():
     assert sorted(s.kernels) == groups[0] and set(stage.held()) == {("kernels", 0)}
     stage.drop({("kernels", 0)})
     assert stage.open == {}
+
+
+def test_late_partials_are_dropped_once_their_window_was_judged():
+    from trainscope.analyzer.service import Analyzer, AnalyzerConfig
+
+    class Nothing:
+        def poll(self, timeout_s=0.0):
+            return []
+
+        def close(self):
+            pass
+
+    res, kern = job()
+    an = Analyzer(AnalyzerConfig(), Nothing())
+    iw = records_pb2.IterationWindow(resource=res[0].to_pb(), window=WINDOW)
+    an.ingest("iterations", iw)
+    assert not an.analysed("j", WINDOW.kind, WINDOW.index)       # open
+    an.finish()
+    assert an.analysed("j", WINDOW.kind, WINDOW.index) and not an.analysed("j", WINDOW.kind, WINDOW.index + 1)
+    store = two_members(res, kern, L3Config())
+    store.discard("j", WINDOW.kind, WINDOW.index)
+    assert store.covered("j", WINDOW) == 0
