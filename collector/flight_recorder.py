@@ -3,9 +3,10 @@ CollOps collected by Flight Recorder").
 
 What torch 2.13 (CPU build, gloo) supports, found on the installed wheel:
 
-* the recorder is on when ``TORCH_FR_BUFFER_SIZE`` (or the older
-  ``TORCH_NCCL_TRACE_BUFFER_SIZE``) is > 0 at process-group creation; gloo
-  records into it too (``profiling_name`` ``gloo:all_reduce``...);
+* the recorder holds ``TORCH_FR_BUFFER_SIZE`` (or the older
+  ``TORCH_NCCL_TRACE_BUFFER_SIZE``) entries, 2,000 when unset (on by default
+  in torch 2.13; 0 turns it off), read once when the process creates its first
+  process group; gloo records into it too (``profiling_name`` ``gloo:all_reduce``...);
 * in-process dumps: ``torch._C._distributed_c10d._dump_fr_trace`` (pickle) and
   ``_dump_fr_trace_json`` (JSON, no stack frames); on files the same pickle
   (``TORCH_FR_DUMP_TEMP_FILE`` + rank, read by ``torch.distributed.flight_recorder``);
@@ -263,6 +264,7 @@ def _entry(i: int, e: Any, status: Mapping[int, tuple[int, int, int]], source: s
     if not isinstance(name, str):
         raise FlightRecorderError(source, f"{where}: 'profiling_name' must be a string, got {name!r:.60}")
     state = need("state")
+    raw_state = state
     if state not in STATES:
         raise FlightRecorderError(source, f"{where}: 'state' must be one of {STATES}, got {state!r:.60}")
     sizes, dtypes = need("input_sizes"), need("input_dtypes")
@@ -291,7 +293,6 @@ def _entry(i: int, e: Any, status: Mapping[int, tuple[int, int, int]], source: s
     last_done = status.get(pg_id, (-1, -1, -1))[2]
     if state != "completed" and (retired or completed or (not is_p2p and 0 < seq <= last_done)):
         state = "completed"   # gloo: retired (or counted completed by its group) without events
-    raw_state = state
     backend, op = _op(name)
     dur = e.get("duration_ms")
     return FrEntry(record_id=_int(need("record_id"), f"{where}.record_id", source), pg_id=pg_id, group=pg[0],
@@ -379,9 +380,13 @@ def view(dump: FrDump, entries: int = VIEW_ENTRIES, groups: int = VIEW_GROUPS) -
     entries oldest first, each with the state as torch wrote it. At most ``groups``
     groups, those with the newest entries first; listed by group name.
     """
+    live: dict[str, int] = {}   # group name -> its newest pg_id: a group destroyed and made again keeps
+    for e in dump.entries:      # its name, not its id (a process-wide counter), and counts seqs from 1
+        if not e.is_p2p and e.seq > 0:
+            live[e.group] = max(live.get(e.group, e.pg_id), e.pg_id)
     by_group: dict[str, list[FrEntry]] = {}
     for e in dump.entries:
-        if not e.is_p2p and e.seq > 0:
+        if not e.is_p2p and e.seq > 0 and e.pg_id == live[e.group]:
             by_group.setdefault(e.group, []).append(e)
     newest = sorted(by_group, key=lambda g: -max(e.created_ns for e in by_group[g]))[:max(groups, 0)]
     out = []
@@ -417,9 +422,11 @@ def take_view(entries: int = VIEW_ENTRIES, groups: int = VIEW_GROUPS) -> tuple[l
         out = view(dump, entries, groups)
         if out:
             return out, ""
-        if not any(_positive(os.environ.get(k)) for k in FR_ENV):
-            return [], "Flight Recorder off (set TORCH_FR_BUFFER_SIZE > 0 before the process group is created)"
-        return [], "the Flight Recorder holds no collective of this process yet"
+        name = next((k for k in FR_ENV if os.environ.get(k) is not None), None)
+        if name is not None and not _positive(os.environ[name]):
+            return [], f"Flight Recorder off ({name}={os.environ[name][:20]})"
+        return [], ("the Flight Recorder holds no collective of this process (none issued yet, or the recorder "
+                    "was off when the first process group was created)")
     except FlightRecorderError as e:
         return [], str(e)[:200]
     except Exception as e:   # evidence only: never into the dumper, never into training

@@ -17,8 +17,9 @@ optimizer step. Faults, on one rank, from one step on:
   and never enters it (it sleeps until killed); ``--hang-file F`` gets the wall
   time (seconds) at which it stopped.
 
-``--flight-recorder N`` turns on torch's Flight Recorder with N entries
-(``TORCH_FR_BUFFER_SIZE``, set before the process group is created).
+``--flight-recorder N`` sizes torch's Flight Recorder to N entries
+(``TORCH_FR_BUFFER_SIZE``, set before the process group is created; torch
+2.13 keeps 2,000 when unset, 0 turns it off); without it torch's default holds.
 
 Rank 0 writes a hash of the parameters to ``--out`` (runs with and without the
 collector compare bit for bit). Nothing here knows trainscope.
@@ -48,9 +49,9 @@ def main() -> int:
     ap.add_argument("--hang-from", type=int, default=0)
     ap.add_argument("--hang-file", default="")
     ap.add_argument("--out", default="")
-    ap.add_argument("--flight-recorder", type=int, default=0, help="entries of torch's Flight Recorder (0: off)")
+    ap.add_argument("--flight-recorder", type=int, default=-1, help="entries of torch's Flight Recorder (0: off)")
     a = ap.parse_args()
-    if a.flight_recorder > 0:   # read when the process group is created
+    if a.flight_recorder >= 0:   # read when the first process group is created
         os.environ["TORCH_FR_BUFFER_SIZE"] = str(a.flight_recorder)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
