@@ -493,7 +493,7 @@ def window_span(w) -> str:
 
 
 # ------------------------------------------------------------ deep dives (L4)
-def deep_dives(root: str, job: str) -> list[dict]:
+def deep_dives(root: str, job: str, url: str | None = None) -> list[dict]:
     """``trainscope query deep-dive``: the job's deep dives under ``root``, oldest first.
 
     Read from the files the processor and the analyzer leave per dive (``<root>/<job>/<dive>/``:
@@ -502,10 +502,21 @@ def deep_dives(root: str, job: str) -> list[dict]:
     their outcomes, iterations, trace paths, the functions the analysis found (or each rank's top
     functions on its critical path), and the Perfetto view (the suspect's trace, a healthy peer's,
     each with its critical-path file). Unknown job or no dive: ``ConfigError`` naming ``--job``.
+    With ``url`` (``--deep-dive-url``) the dives are the bucket's (``ObjectDives``: every host's
+    manifests merged), their analyses the analyzer's under ``<root>/.objects``; each rank shows its
+    object's URL (``object``) either way.
     """
-    from trainscope.analyzer.deepdive.results import ANALYSIS, read_manifest
+    from trainscope.analyzer.deepdive.results import ANALYSIS, ObjectDives, objects_work_root, read_manifest
     from trainscope.proto import env
 
+    if url:
+        work = objects_work_root(root)
+        entries = [(os.path.join(work, j, d), man) for j, d, man in ObjectDives(url).dives(job)]
+        if not entries:
+            from trainscope.proto.errors import redact_url
+            raise ConfigError("--job", job, f"no deep dive of this job at {redact_url(url)} (no manifest object "
+                                            "there: is --deep-dive-url the processors' URL?)")
+        return _deep_dive_entries(entries, job, ANALYSIS)
     jdir = os.path.dirname(env.deep_dive_trace_dir(root, job, "x"))
     if not os.path.isdir(jdir):
         try:
@@ -515,11 +526,22 @@ def deep_dives(root: str, job: str) -> list[dict]:
         raise ConfigError("--job", job, f"no deep dive of this job under {root}" + (
             f"; jobs with deep dives there: {_listed(known)}" if known else
             " (none there: run `trainscope profile --job J`, or pass --deep-dive-dir)"))
-    out = []
+    entries = []
     for e in os.scandir(jdir):
         man = read_manifest(e.path) if e.is_dir(follow_symlinks=False) else None
-        if man is None:
-            continue
+        if man is not None:
+            entries.append((e.path, man))
+    out = _deep_dive_entries(entries, job, ANALYSIS)
+    if not out:
+        raise ConfigError("--job", job, f"no deep dive of this job under {jdir} (no manifest.json there)")
+    return out
+
+
+def _deep_dive_entries(entries: list, job: str, ANALYSIS: str) -> list[dict]:
+    """:func:`deep_dives`' entries from (dive directory, manifest) pairs, oldest first."""
+    out = []
+    for path, man in entries:
+        e = SimpleNamespace(path=path, name=os.path.basename(path))
         try:
             with open(os.path.join(e.path, ANALYSIS), encoding="utf-8") as f:
                 ana = json.load(f)
@@ -543,14 +565,14 @@ def deep_dives(root: str, job: str) -> list[dict]:
             "iterations": [start, start + int(man.get("iterations") or 0) - 1],
             "ranks_expected": man.get("ranks_expected", []),
             "ranks": {r: {"outcome": v.get("outcome"), "iterations": [v.get("first_iteration"), v.get("last_iteration")],
-                          "trace": v.get("trace") or None, "trace_bytes": v.get("trace_bytes", 0)}
+                          "trace": v.get("trace") or None, "trace_bytes": v.get("trace_bytes", 0),
+                          "object": v.get("object") or ((((man.get("objects") or {}).get(r) or {}).get("trace")
+                                                         or {}).get("url"))}
                       for r, v in sorted(ranks.items(), key=lambda kv: int(kv[0]))},
             "found": found, "suspects": (ana or {}).get("suspects", []),
             "top": {r: [t["function"] for t in v.get("top", [])[:3]] for r, v in ((ana or {}).get("ranks") or {}).items()},
             "perfetto": (ana or {}).get("perfetto", {}), "verdict": (ana or {}).get("verdict"),
             "_sort": int(man.get("requested_unix_ns") or 0)})
-    if not out:
-        raise ConfigError("--job", job, f"no deep dive of this job under {jdir} (no manifest.json there)")
     out.sort(key=lambda d: (d.pop("_sort"), d["dive_id"]))
     return out
 
@@ -568,6 +590,8 @@ def render_deep_dives(dives: list[dict]) -> str:
             lines.append(f"  reason: {d['reason']}")
         for r, v in d["ranks"].items():
             where = f"{v['trace']} ({(v['trace_bytes'] or 0) / 1e6:.1f} MB)" if v["trace"] else "no trace"
+            if v.get("object") and v["object"] != v["trace"]:
+                where += f"; object {v['object']}"
             lines.append(f"  rank {r}: {v['outcome']}, {where}")
         for f in d["found"][:10]:
             who = "every rank (common)" if f["common"] else "rank(s) " + _listed(f["ranks"])

@@ -154,7 +154,7 @@ class ControlHub:
         self.config = config
         self.uploader = uploader  # processor/dive_upload.DiveUploader: traces to object storage, or None
         if uploader is not None:
-            uploader.bind(self._manifest_doc)
+            uploader.bind(self._manifest_doc, self._write_manifest)
         self._clock = clock
         self._lock = threading.Lock()
         self._subs: dict[str, dict[int, _Subscriber]] = {}

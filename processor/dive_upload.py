@@ -238,6 +238,7 @@ class DiveUploader:
         self._fs, self._root = open_fs(config.url)
         self._local = isinstance(self._fs, LocalFileSystem)
         self._manifest_of: Callable[[str], dict | None] = lambda dive: None
+        self._on_change: Callable[[str], None] | None = None
         self._queue: collections.deque[_Item] = collections.deque()
         self._manifests_queued: set[tuple[str, str]] = set()
         self._pending: collections.Counter = collections.Counter()   # dive -> trace/summary uploads not settled
@@ -249,9 +250,13 @@ class DiveUploader:
         self._worker: threading.Thread | None = None
 
     # ------------------------------------------------------------- the hub's side
-    def bind(self, manifest_of: Callable[[str], dict | None]) -> None:
-        """``manifest_of(dive_id)``: the hub's current manifest document of a dive (None: forgotten)."""
+    def bind(self, manifest_of: Callable[[str], dict | None],
+             on_change: Callable[[str], None] | None = None) -> None:
+        """``manifest_of(dive_id)``: the hub's current manifest document of a dive (None: forgotten);
+        ``on_change(dive_id)``: called after each object settles (the hub rewrites its local manifest,
+        which queues this processor's manifest object)."""
         self._manifest_of = manifest_of
+        self._on_change = on_change
 
     def upload(self, job: str, dive: str, rank: int, path: str, what: str = "trace", directory: str = "") -> None:
         """Step 1: queue one rank's local file (``what``: trace or summary)."""
@@ -263,7 +268,8 @@ class DiveUploader:
                 log.warning("deep dive %s rank %d: %s not uploaded (upload queue full)", dive, rank, what)
                 return
             self._pending[dive] += 1
-            self._state(dive, rank, what, {"state": "pending"})
+            key = (trace_key if what == "trace" else summary_key)(job, dive, rank)
+            self._state(dive, rank, what, {"key": key, "url": self.url_of(key), "state": "pending"})
             self._queue.append(item)
             self._ensure_worker()
             self._cv.notify_all()
@@ -411,7 +417,10 @@ class DiveUploader:
                 self._pending[item.dive] -= 1
                 if self._pending[item.dive] <= 0:
                     del self._pending[item.dive]
-            self.manifest(item.job, item.dive)
+            if self._on_change is not None:
+                self._on_change(item.dive)
+            else:
+                self.manifest(item.job, item.dive)
 
     def _remove_local(self, item: _Item) -> str:
         """Step 5: the local trace removed, only as the dive's own ``rank-<R>.json`` (no link, our uid)."""

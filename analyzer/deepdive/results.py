@@ -43,8 +43,8 @@ from trainscope.analyzer.deepdive import DeepDiveResult, LocalizeConfig, localiz
 from trainscope.analyzer.deepdive.critical_path import LEVEL_NAMES, critical_path
 from trainscope.analyzer.deepdive.trace import read_trace
 from trainscope.analyzer.merge import DEGRADED, HEALTHY, merge, summarize
-from trainscope.proto.errors import BadInput
-from trainscope.proto.securefs import write_private
+from trainscope.proto.errors import BadInput, TrainscopeError, redact_url
+from trainscope.proto.securefs import private_dir, write_private
 from trainscope.proto.v1 import records_pb2
 
 log = logging.getLogger(__name__)
@@ -85,15 +85,105 @@ def read_manifest(directory: str) -> dict | None:
 
 
 def dive_traces(directory: str, manifest: dict) -> dict[int, str]:
-    """rank -> trace of the ranks that traced their window, the trace inside the dive's directory."""
+    """rank -> trace of the ranks that traced their window, the trace inside the dive's directory
+    (or, for a dive read from object storage, the rank's object under that dive's prefix)."""
     real = os.path.realpath(directory)
     out = {}
+    prefix = manifest.get("objects_prefix") or ""
     for r, rep in (manifest.get("ranks") or {}).items():
         t = rep.get("trace") or ""
+        if prefix:   # read from a bucket (ObjectDives): only this dive's own objects
+            if rep.get("outcome") in ("done", "truncated") and t.startswith(prefix) and ".." not in t:
+                out[int(r)] = t
+            continue
         if rep.get("outcome") in ("done", "truncated") and t and os.path.dirname(os.path.realpath(t)) == real \
                 and os.path.isfile(t):
             out[int(r)] = t
     return out
+
+
+class ObjectDives:
+    """Deep dives in object storage (``processor/dive_upload.py``): one manifest object per host.
+
+    ``<url>/<job>/<dive>/manifest-<host>.json`` (each processor's ranks, their reports and objects)
+    are merged into one manifest per dive, as ``manifest.json`` reads: ``ranks`` of every host,
+    ``ranks_expected`` their union, ``complete`` when every host's says so (a host's says so once its
+    ranks reported and its uploads settled), each rank's ``trace`` the URL of its object (under the
+    reader's own URL: keys are relative, credentials the reader's environment's), ``object`` the URL
+    shown to people, ``objects_prefix`` the dive's prefix. One ``glob`` per listing.
+    """
+
+    def __init__(self, url: str) -> None:
+        from trainscope.processor.dive_upload import open_fs
+        self.url = url.rstrip("/")
+        self.fs, self.root = open_fs(url, "--deep-dive-url")
+
+    def manifests(self, job: str | None = None) -> dict[tuple[str, str], list[dict]]:
+        """(job component, dive) -> the host manifests found (unreadable ones skipped)."""
+        from trainscope.processor.dive_upload import MANIFEST_PREFIX, job_component
+        pattern = f"{self.root}/{job_component(job) if job else '*'}/*/{MANIFEST_PREFIX}*.json"
+        out: dict[tuple[str, str], list[dict]] = {}
+        try:
+            paths = sorted(self.fs.glob(pattern))
+        except Exception as e:  # an unreachable bucket: nothing this scan, said once per scan
+            log.warning("deep dives at %s: cannot list: %s", redact_url(self.url), str(e).splitlines()[0][:160])
+            return out
+        for p in paths:
+            parts = p.rstrip("/").split("/")
+            try:
+                doc = json.loads(self.fs.cat_file(p))
+            except Exception:
+                continue
+            if isinstance(doc, dict):
+                out.setdefault((parts[-3], parts[-2]), []).append(doc)
+        return out
+
+    def merged(self, job_dir: str, dive: str, docs: list[dict]) -> dict:
+        from trainscope.processor.dive_upload import object_url
+        first = min(docs, key=lambda d: d.get("requested_unix_ns") or 0)
+        man = {k: first.get(k) for k in ("dive_id", "job", "trigger", "reason", "requested_unix_ns",
+                                         "start_iteration", "iterations")}
+        man["dive_id"] = man.get("dive_id") or dive
+        man["complete"] = all(d.get("complete") for d in docs)
+        man["partial"] = any(d.get("partial") for d in docs)
+        man["hosts"] = sorted(str(d.get("host_tag", "")) for d in docs)
+        man["ranks_expected"] = sorted({int(r) for d in docs for r in d.get("ranks_expected") or ()})
+        prefix = f"{self.url}/{job_dir}/{dive}/"
+        man["objects_prefix"] = prefix
+        ranks, missing = {}, []
+        for d in docs:
+            objects = d.get("objects") or {}
+            for r, rep in (d.get("ranks") or {}).items():
+                rep = dict(rep)
+                obj = (objects.get(r) or {}).get("trace") or {}
+                rep["local_trace"] = rep.get("trace", "")
+                key = obj.get("key") or ""
+                if obj.get("state") == "uploaded" and key.startswith(f"{job_dir}/{dive}/") and ".." not in key:
+                    rep["trace"] = f"{self.url}/{key}"
+                    rep["object"] = object_url(self.url, key)
+                else:
+                    rep["trace"] = ""
+                    if rep.get("outcome") in ("done", "truncated"):
+                        missing.append(int(r))
+                    rep["object_state"] = obj.get("state", "none")
+                    if obj.get("detail"):
+                        rep["object_detail"] = obj["detail"]
+                ranks[str(r)] = rep
+        man["ranks"] = ranks
+        man["ranks_without_object"] = sorted(missing)
+        return man
+
+    def dives(self, job: str | None = None) -> list[tuple[str, str, dict]]:
+        """(job component, dive, merged manifest) of every dive found, oldest first."""
+        out = [(j, d, self.merged(j, d, docs)) for (j, d), docs in self.manifests(job).items()]
+        out.sort(key=lambda x: (x[2].get("requested_unix_ns") or 0, x[1]))
+        return out
+
+
+def objects_work_root(root: str) -> str:
+    """Where the analyzer keeps what it writes for dives read from object storage (``analysis.json``,
+    critical paths, the merged manifest): ``<root>/.objects`` (a job directory never starts with a dot)."""
+    return os.path.join(root, ".objects")
 
 
 def critical_path_trace(path: str, rank: int) -> dict:
@@ -159,6 +249,10 @@ def analyze_dive(directory: str, *, cfg: LocalizeConfig = LocalizeConfig(),
                 "iterations": man.get("iterations", 0)})
     traces = dive_traces(directory, man)
     doc["ranks_analysed"] = sorted(traces)
+    if man.get("objects_prefix"):
+        doc["objects"] = man["objects_prefix"]
+        if man.get("ranks_without_object"):
+            doc["ranks_without_object"] = man["ranks_without_object"]
     if len(traces) < 2:
         doc["error"] = f"{len(traces)} rank(s) traced their window: at least 2 are needed to compare ranks"
         return doc, None
@@ -250,8 +344,12 @@ class DeepDiveFollower:
     """Steps 1-3 on a directory of deep dives, publishing into the analyzer's ``DiagnosisStore``."""
 
     def __init__(self, root: str, store, config: FollowerConfig = FollowerConfig(), *,
-                 cfg: LocalizeConfig = LocalizeConfig(), clock: Callable[[], float] = time.monotonic) -> None:
+                 cfg: LocalizeConfig = LocalizeConfig(), clock: Callable[[], float] = time.monotonic,
+                 url: str | None = None) -> None:
         self.root, self.store, self.config, self.cfg = root, store, config, cfg
+        # with a URL the dives are read from object storage (every host's ranks), the files written under .objects
+        self.objects = ObjectDives(url) if url else None
+        self.work_root = objects_work_root(root) if url else root
         self._clock = clock
         self._waiting: dict[str, tuple[float, dict, list]] = {}   # dive dir -> (since, doc, findings)
         self.stats: dict[str, int] = {"analysed": 0, "failed": 0, "merged": 0, "unmerged": 0}
@@ -261,6 +359,8 @@ class DeepDiveFollower:
     # ------------------------------------------------------------------ step 1
     def pending(self) -> list[str]:
         """Complete dives under the root without an analysis, oldest manifest first."""
+        if self.objects is not None:
+            return self._pending_objects()
         out = []
         try:
             jobs = sorted(os.scandir(self.root), key=lambda e: e.name)
@@ -282,6 +382,24 @@ class DeepDiveFollower:
                 if man is not None and man.get("complete"):
                     out.append((man.get("requested_unix_ns", 0), d.path))
         return [p for _, p in sorted(out)]
+
+    def _pending_objects(self) -> list[str]:
+        """Step 1 on a bucket: each complete dive gets a local work directory (0700) holding its merged
+        manifest (0600), which ``analyze_dive`` and ``query deep-dive`` read like a local dive's."""
+        out = []
+        for job_dir, dive, man in self.objects.dives():
+            work = os.path.join(self.work_root, job_dir, dive)
+            if not man.get("complete") or work in self._waiting or os.path.exists(os.path.join(work, ANALYSIS)):
+                continue
+            try:
+                for d in (self.work_root, os.path.dirname(work), work):
+                    private_dir(d, "deep_dive.directory")
+                write_private(os.path.join(work, MANIFEST), json.dumps(man, indent=1))
+            except (OSError, TrainscopeError) as e:
+                log.warning("deep dive %s: cannot write its work directory %s: %s", dive, work, e)
+                continue
+            out.append(work)
+        return out
 
     # --------------------------------------------------------------- steps 2-3
     def scan(self) -> list[dict]:
@@ -363,5 +481,5 @@ class DeepDiveFollower:
             self._thread = None
 
 
-__all__ = ["ANALYSIS", "DeepDiveFollower", "FollowerConfig", "analyze_dive", "covering_verdict",
-           "critical_path_trace", "dive_traces", "merge_into", "read_manifest"]
+__all__ = ["ANALYSIS", "DeepDiveFollower", "FollowerConfig", "ObjectDives", "analyze_dive", "covering_verdict",
+           "critical_path_trace", "dive_traces", "merge_into", "objects_work_root", "read_manifest"]

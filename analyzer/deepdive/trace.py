@@ -8,7 +8,8 @@ not: ``traceEvents`` of complete events (``ph == "X"``) with ``cat``
 ``args.stream`` and ``args.correlation`` on device and runtime events.
 
 Steps:
-1. Load the JSON (``gzip`` by magic number, not by suffix); anything that is
+1. Load the JSON (``gzip`` by magic number, not by suffix) from a local path or an
+   fsspec URL (a deep-dive bucket: ``processor/dive_upload.py``); anything that is
    not a trace object with a ``traceEvents`` list is a ``TraceError`` that
    names the file and says what to do.
 2. Keep the complete events of the known categories; everything else
@@ -115,9 +116,18 @@ class TraceColumns:
                                    py_parent=None if self.py_parent is None else self.py_parent[mask])
 
 
+def _open(path: str):
+    """A local file, or an object of a deep-dive bucket (``scheme://...``, read through fsspec:
+    ``processor/dive_upload.py`` uploads there; credentials from the environment or fsspec's config)."""
+    if "://" in path and not path.startswith("file://"):
+        import fsspec
+        return fsspec.open(path, "rb").open()
+    return open(path.removeprefix("file://"), "rb")
+
+
 def _load(path: str) -> Any:
     try:
-        with open(path, "rb") as fh:
+        with _open(path) as fh:
             head = fh.read(2)
             fh.seek(0)
             raw = gzip.GzipFile(fileobj=fh).read() if head == b"\x1f\x8b" else fh.read()
@@ -127,6 +137,9 @@ def _load(path: str) -> Any:
         raise TraceError(path, "is a directory: pass one trace file per rank") from None
     except PermissionError:
         raise TraceError(path, "not readable by this user: check its permissions") from None
+    except (ImportError, ValueError) as e:   # an fsspec URL whose filesystem cannot be used here
+        raise TraceError(path, f"cannot open the object ({str(e).splitlines()[0][:120]}): check the URL and "
+                               "that its fsspec backend is installed") from None
     except (EOFError, OSError, zlib.error) as e:
         raise TraceError(path, f"truncated or corrupt gzip ({e}): copy the trace again from the rank "
                                "(it may still have been being written)") from None

@@ -110,14 +110,17 @@ def test_retries_then_failure_are_counted(tmp_path):
     assert up.flush(10)                                      # the manifest written at the request
     FailingFS.fail = 2                                       # two refusals: the third attempt writes
     report(h, ack, 0)
-    assert up.flush(10)
+    assert h.wait_summaries(10) and up.flush(10)
+    retries = lambda: sum(metric(up, "trainscope_processor_deep_dive_upload_retries_total", what=w)   # noqa: E731
+                          for w in ("trace", "summary", "manifest"))
     assert metric(up, "trainscope_processor_deep_dive_uploads_total", what="trace", outcome="ok") == 1
-    assert metric(up, "trainscope_processor_deep_dive_upload_retries_total", what="trace") == 2
+    assert metric(up, "trainscope_processor_deep_dive_uploads_total", what="summary", outcome="ok") == 1
+    assert retries() == 2   # whichever object (trace or summary: two threads queue them) met the refusals
     FailingFS.fail = 10**6                                   # a bucket that refuses everything
     report(h, ack, 1)
-    assert up.flush(10)
+    assert h.wait_summaries(10) and up.flush(10)
     assert metric(up, "trainscope_processor_deep_dive_uploads_total", what="trace", outcome="failed") == 1
-    assert metric(up, "trainscope_processor_deep_dive_upload_retries_total", what="trace") >= 2 + 3
+    assert metric(up, "trainscope_processor_deep_dive_upload_retries_total", what="trace") >= 3
     st = up.objects(ack.dive_id)["1"]["trace"]
     assert st["state"] == "failed" and "AccessDenied" in st["detail"]
     assert "failed" in generate_latest(_reg(up)).decode()
@@ -177,3 +180,96 @@ def test_bad_settings_are_refused():
     for kw in ({"max_bytes": 0}, {"retries": -1}, {"backoff_s": -1.0}, {"host_tag": "a/b"}):
         with pytest.raises(ConfigError):
             DiveUploadConfig(url="memory://x", **kw)
+
+
+# ------------------------------------------------------------------ reading back for analysis
+def two_host_dive(tmp_path, url, hot_rank=3, hot_us=600.0):
+    """Ranks 0-1 on host A, 2-3 on host B (separate local trace dirs), one bucket; traces as in
+    test_deepdive_results (a step, a hot loop, a gloo wait), rank ``hot_rank``'s loop ``hot_us``."""
+    from tests.unit.test_deepdive_results import write_trace
+    from types import SimpleNamespace
+    from trainscope.proto.contracts import Signal
+    from trainscope.proto.v1 import telemetry_pb2
+    hubs, ups, acks = [], [], []
+    for host, ranks in (("hostA", (0, 1)), ("hostB", (2, 3))):
+        up = DiveUploader(DiveUploadConfig(url=url, host_tag=host, backoff_s=0.0))
+        h = ControlHub(ControlConfig(directory=str(tmp_path / host), lead_iterations=2, lead_s=0.0), uploader=up)
+        for r in ranks:
+            h.subscribe(control_pb2.ControlHello(resource=Resource(job_id="j", rank=r, world_size=4).to_pb(),
+                                                 profiler_available=True))
+            h.observe(SimpleNamespace(signal=Signal.ITERATIONS, resource=Resource(job_id="j", rank=r, world_size=4),
+                                      payload=[telemetry_pb2.IterationMark(iteration=i, start_ns=i, end_ns=i + 1)
+                                               for i in range(8)]))
+        req = control_pb2.DeepDiveRequest(job_id="j", iterations=4)
+        if acks:   # request_all: the second host is given the first one's id and start
+            req.dive_id, req.start_iteration = acks[0].dive_id, acks[0].start_iteration
+        ack = h.request(req)
+        assert ack.accepted, ack.detail
+        hubs.append(h), ups.append(up), acks.append(ack)
+    for h, up, ack, ranks in zip(hubs, ups, acks, ((0, 1), (2, 3))):
+        for r in ranks:
+            path = os.path.join(ack.directory, f"rank-{r}.json")
+            write_trace(__import__("pathlib").Path(path), r, hot_us if r == hot_rank else 100.0)
+            h.report(control_pb2.DeepDiveReport(resource=Resource(job_id="j", rank=r, world_size=4).to_pb(),
+                                                dive_id=ack.dive_id, outcome=O.DEEP_DIVE_OUTCOME_DONE,
+                                                first_iteration=10, last_iteration=13, trace_path=path))
+        assert h.wait_summaries(10) and up.flush(10)
+    return hubs, ups, acks
+
+
+def test_an_analyzer_elsewhere_reads_a_two_host_dive_back_from_the_bucket(tmp_path):
+    from trainscope.analyzer.deepdive.results import DeepDiveFollower, FollowerConfig, ObjectDives
+    from trainscope.analyzer.store import DiagnosisStore
+    MemoryFileSystem.store.clear()
+    hubs, ups, acks = two_host_dive(tmp_path, "memory://dives")
+    ((job_dir, dive, man),) = ObjectDives("memory://dives").dives("j")
+    assert man["complete"] and man["hosts"] == ["hostA", "hostB"] and man["ranks_expected"] == [0, 1, 2, 3]
+    assert man["ranks"]["2"]["trace"] == f"memory://dives/j/{dive}/rank-2.json.gz"
+    store = DiagnosisStore(str(tmp_path / "an.sqlite"))
+    f = DeepDiveFollower(str(tmp_path / "analyzer-host"), store, FollowerConfig(verdict_wait_s=0),
+                         url="memory://dives")  # no local trace there
+    (doc,) = f.scan()
+    assert doc["ranks_analysed"] == [0, 1, 2, 3] and doc["suspects"] == [3], doc
+    assert any(o["function"] == "train.py(31): hot_loop" and o["ranks"] == [3] for o in doc["outliers"])
+    assert doc["perfetto"]["suspect"]["trace"].startswith("memory://dives/j/")
+    work = tmp_path / "analyzer-host" / ".objects" / "j" / dive
+    assert stat.S_IMODE(os.stat(work / "analysis.json").st_mode) == 0o600
+    assert f.scan() == []                                      # analysed once
+    from trainscope.analyzer.query import deep_dives
+    (q,) = deep_dives(str(tmp_path / "analyzer-host"), "j", url="memory://dives")
+    assert q["ranks"]["3"]["object"] == f"memory://dives/j/{dive}/rank-3.json.gz" and q["suspects"] == [3]
+    store.close()
+    for up in ups:
+        up.close()
+
+
+def test_a_healthy_two_host_dive_names_nobody_and_a_host_not_done_waits(tmp_path):
+    from trainscope.analyzer.deepdive.results import DeepDiveFollower, FollowerConfig
+    from trainscope.analyzer.store import DiagnosisStore
+    MemoryFileSystem.store.clear()
+    hubs, ups, acks = two_host_dive(tmp_path, "memory://ok", hot_us=100.0)
+    store = DiagnosisStore(str(tmp_path / "an.sqlite"))
+    f = DeepDiveFollower(str(tmp_path / "an"), store, FollowerConfig(verdict_wait_s=0), url="memory://ok")
+    (doc,) = f.scan()
+    assert doc["ranks_analysed"] == [0, 1, 2, 3] and doc["suspects"] == [] and doc["outliers"] == []
+    # a host whose manifest is not complete holds the dive back
+    fs = fsspec.filesystem("memory")
+    key = f"/ok/j/{acks[0].dive_id}/manifest-hostB.json"
+    m = json.loads(fs.cat_file(key))
+    m["complete"] = False
+    fs.pipe_file(key, json.dumps(m).encode())
+    f2 = DeepDiveFollower(str(tmp_path / "an2"), store, FollowerConfig(verdict_wait_s=0), url="memory://ok")
+    assert f2.scan() == [] and f2.pending() == []
+    store.close()
+    for up in ups:
+        up.close()
+
+
+def test_a_missing_or_corrupt_object_is_one_line_naming_it(tmp_path):
+    from trainscope.analyzer.deepdive.trace import TraceError, read_trace
+    MemoryFileSystem.store.clear()
+    with pytest.raises(TraceError, match="memory://nothing/x.json.gz: no such file"):
+        read_trace("memory://nothing/x.json.gz")
+    fsspec.filesystem("memory").pipe_file("/bad/r.json.gz", b"\x1f\x8b\x08garbage")
+    with pytest.raises(TraceError, match="truncated or corrupt gzip"):
+        read_trace("memory://bad/r.json.gz")
