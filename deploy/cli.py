@@ -100,6 +100,19 @@ def _sink_configs(args) -> dict:
     return out
 
 
+def _dive_upload_config(args):
+    """``--deep-dive-url`` and its settings (processor/dive_upload.py); None without a URL."""
+    if args.deep_dive_url is None:
+        return None
+    from trainscope.processor.dive_upload import DiveUploadConfig, check_url
+
+    check_url(args.deep_dive_url, "--deep-dive-url")
+    if not 1 <= args.deep_dive_upload_max_mib <= 1 << 20:
+        raise ConfigError("--deep-dive-upload-max-mib", args.deep_dive_upload_max_mib, "must be 1 to 1048576 MiB")
+    return DiveUploadConfig(url=args.deep_dive_url, keep_local=args.deep_dive_local == "keep",
+                            max_bytes=args.deep_dive_upload_max_mib << 20)
+
+
 def cmd_processor(args) -> int:
     from trainscope.processor.collectives import CollectiveWindowConfig, TriggerConfig
     from trainscope.processor.daemon import Processor, ProcessorConfig
@@ -115,6 +128,7 @@ def cmd_processor(args) -> int:
             raw_records="triggered" if args.collective_raw == "triggered" else "always")),
         security=secure_flags.grpc_security(args),
         embedded_bus=False,  # no analyzer in this process reads it: the store and Kafka carry the records
+        deep_dive_upload=_dive_upload_config(args),
         **_sink_configs(args),
     )
     stop = threading.Event()
@@ -200,6 +214,9 @@ def cmd_analyzer(args) -> int:
 
     home = _home(args)
     store_path = args.store or os.path.join(home, "store.sqlite")
+    if args.deep_dive_url is not None:   # refused before anything starts (exit 2, one line)
+        from trainscope.processor.dive_upload import check_url
+        check_url(args.deep_dive_url, "--deep-dive-url")
     cfg = AnalyzerDaemonConfig(
         store_path=store_path, spool_dir=os.path.join(home, "analyzer-spool"),
         kafka_bootstrap=args.kafka_bootstrap or env.text(env.KAFKA_BOOTSTRAP) or None,
@@ -215,7 +232,8 @@ def cmd_analyzer(args) -> int:
         # completed deep dives of this host analysed (L4) and merged into the verdicts (analyzer/deepdive/results.py)
         from trainscope.analyzer.deepdive.results import DeepDiveFollower
         from trainscope.analyzer.store import DiagnosisStore
-        follower = DeepDiveFollower(env.deep_dive_dir(), DiagnosisStore(store_path, keep_windows=args.keep_windows))
+        follower = DeepDiveFollower(env.deep_dive_dir(), DiagnosisStore(store_path, keep_windows=args.keep_windows),
+                                    url=args.deep_dive_url)
         follower.start()
         if daemon.metrics_server is not None:
             print(f"metrics on {daemon.metrics_server.url}", flush=True)
@@ -310,7 +328,10 @@ def cmd_query(args) -> int:
 
     if args.what == "deep-dive":   # read from the deep-dive directory, not the store
         from trainscope.analyzer.query import deep_dives, render_deep_dives
-        dives = deep_dives(args.deep_dive_dir or env.deep_dive_dir(), args.job)
+        if args.deep_dive_url is not None:
+            from trainscope.processor.dive_upload import check_url
+            check_url(args.deep_dive_url, "--deep-dive-url")
+        dives = deep_dives(args.deep_dive_dir or env.deep_dive_dir(), args.job, url=args.deep_dive_url)
         print(json.dumps(dives, indent=2) if args.json else render_deep_dives(dives))
         return 0
     if args.store:

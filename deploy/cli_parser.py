@@ -52,6 +52,9 @@ def build_parser(handlers: Handlers, description: str) -> argparse.ArgumentParse
     an.add_argument("--deep-dive-processor", action="append", metavar="ADDR",
                     help="send triggered deep dives (degradation, stall, verdict) to this processor; repeat "
                          "for each host (default: triggers are counted, nothing is requested)")
+    an.add_argument("--deep-dive-url", metavar="URL",
+                    help="analyse the deep dives the processors uploaded there (every host's ranks; the processors' "
+                         "--deep-dive-url) instead of the local deep-dive directory")
     _add_verdict_flags(an)
     secure_flags.add_kafka_flags(an)
     secure_flags.add_tls_flags(an, grpc=False)
@@ -70,6 +73,13 @@ def build_parser(handlers: Handlers, description: str) -> argparse.ArgumentParse
     pr.add_argument("--collective-raw", choices=["all", "triggered"], default="all",
                     help="raw collective records passed on: every window's, or only around a Mycroft trigger "
                          "(summaries always; default: all)")
+    pr.add_argument("--deep-dive-url", metavar="URL",
+                    help="upload each rank's deep-dive trace to this fsspec URL or directory (s3://B/P, gs://B/P, "
+                         "file:///DIR; credentials from the environment or fsspec config; default: traces stay local)")
+    pr.add_argument("--deep-dive-local", choices=("keep", "remove"), default="keep",
+                    help="with --deep-dive-url: keep the local trace after its upload, or remove it")
+    pr.add_argument("--deep-dive-upload-max-mib", type=int, default=256, metavar="MIB",
+                    help="with --deep-dive-url: a larger trace is not uploaded (kept local, counted)")
     _add_sink_flags(pr)
     secure_flags.add_tls_flags(pr, grpc=True)
     pr.set_defaults(func=handlers["processor"])
@@ -219,6 +229,9 @@ def _add_query_parser(sub, handlers: Handlers) -> None:
     dd.add_argument("--job", required=True, help="job id (required)")
     dd.add_argument("--deep-dive-dir", metavar="DIR",
                     help=f"root of the deep-dive traces (env {env.DEEP_DIVE_DIR}; default: the runtime dir's deepdive)")
+    dd.add_argument("--deep-dive-url", metavar="URL",
+                    help="list the dives uploaded to this fsspec URL (the processors' --deep-dive-url), with the "
+                         "analyses of the analyzer run with it")
     q.set_defaults(func=handlers["query"])
 
 

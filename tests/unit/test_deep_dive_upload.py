@@ -273,3 +273,17 @@ def test_a_missing_or_corrupt_object_is_one_line_naming_it(tmp_path):
     fsspec.filesystem("memory").pipe_file("/bad/r.json.gz", b"\x1f\x8b\x08garbage")
     with pytest.raises(TraceError, match="truncated or corrupt gzip"):
         read_trace("memory://bad/r.json.gz")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["processor", "--deep-dive-url", "nosuch://x"], "--deep-dive-url"),
+    (["processor", "--deep-dive-url", "memory://x", "--deep-dive-upload-max-mib", "0"], "--deep-dive-upload-max-mib"),
+    (["analyzer", "--deep-dive-url", "s3://AKIA:secretkey@b/p"], "--deep-dive-url"),
+    (["query", "deep-dive", "--job", "j", "--deep-dive-url", ""], "--deep-dive-url"),
+])
+def test_cli_refuses_a_bad_value_in_one_line_naming_the_flag(argv, flag, capsys, tmp_path, monkeypatch):
+    from trainscope.deploy.cli import main
+    monkeypatch.setenv("TRAINSCOPE_HOME", str(tmp_path))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag in err and "secretkey" not in err and "Traceback" not in err
