@@ -71,6 +71,17 @@ def test_the_view_is_bounded_and_survives_a_wrapped_ring_and_a_group_made_again(
     assert g.newest_seq == 3 and [e.seq for e in g.entries] == [1, 2, 3] and g.last_completed_seq == 2
 
 
+def test_reading_only_each_groups_newest_entries_gives_the_same_view():
+    entries = [entry(s, pg=(str(s % 3), "undefined"), pg_id=s % 3) for s in range(1, 200)]
+    entries += [entry(s, pg_id=5) for s in (1, 2)]               # the default group made again
+    data = json.dumps(fr_dump(entries)).encode()
+    assert fr.view(fr.parse(data, last_per_group=4), entries=4) == fr.view(fr.parse(data), entries=4)
+    assert len(fr.parse(data, last_per_group=4).entries) == 4 * 3 + 2
+    bad = json.dumps(fr_dump(entries + [entry(300, state="exploded")])).encode()
+    with pytest.raises(fr.FlightRecorderError, match="'state' must be one of"):    # still said
+        fr.parse(bad, last_per_group=4)
+
+
 def test_take_view_fails_soft_and_says_why(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     assert fr.take_view() == ([], "torch is not loaded in this process")
