@@ -292,7 +292,8 @@ def flight_recorder(grid: Grid, members: Iterable[int] = ()) -> dict | None:
         parts.append(f"{_ranks(sorted(missing))}: no view ({missing[min(missing)]})")
     return {"group": grid.group, "seq": int(top), "op": op, "entered": entered, "behind": behind,
             "ranks": [{"rank": r, "newest_seq": int(v.newest_seq), "last_completed_seq": int(v.last_completed_seq),
-                       "state": _state(entry[r])} for r, v in views.items()],
+                       "op": entry[r].op if entry[r] is not None else "", "state": _state(entry[r])}
+                      for r, v in views.items()],
             "missing": [{"rank": r, "why": w} for r, w in sorted(missing.items())],
             "summary": "; ".join(parts)}
 

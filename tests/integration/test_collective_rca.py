@@ -19,7 +19,8 @@ communication hook (DDP). Nothing in the training script knows trainscope.
   results with the collector's communication hook equal those without trainscope;
 * stack grid (Mycroft §5): at the hang trigger every rank is dumped by the real
   py-spy and the dumps, clustered by stack, set the stuck rank apart in the
-  stall finding's evidence and the culprit's why.
+  stall finding's evidence and the culprit's why; each dump's Flight Recorder
+  view (torch's own ledger) says which seq each rank entered (rank 2 behind).
 Seven 4-rank jobs (~3.5 min on 2 cores).
 """
 from __future__ import annotations

@@ -199,6 +199,7 @@ def test_the_ranks_views_name_who_is_behind_on_the_grids_group():
                              "rank 2's newest entry is seq 12 (allreduce, completed)")
     assert (ev["seq"], ev["entered"], ev["behind"], ev["missing"]) == (13, [0, 1, 3], [2], [])
     assert {r["rank"]: r["newest_seq"] for r in ev["ranks"]} == {0: 13, 1: 13, 2: 12, 3: 13}
+    assert {r["op"] for r in ev["ranks"]} == {"allreduce"} and ev["ranks"][2]["state"] == "completed"
     # two ranks behind at different seqs, lowest first; a rank without a view says why; one not dumped
     g = book_with({0: hang_view(13, False), 1: hang_view(11, True), 2: hang_view(12, True),
                    3: "torch is not loaded in this process"}, members=(0, 1, 2, 3, 4))
