@@ -38,7 +38,12 @@ member, clock-free:
    position of its iteration in at least ``min_share`` of the window's
    iterations, by the same two margins, is a culprit too; its impact is its
    total lateness per iteration. (Random noise seldom makes one member last
-   at the same position of most iterations.)
+   at the same position of most iterations.) Only where that group is the
+   only one the rank synchronises in and it is in no pipeline (pure data
+   parallel, FSDP): a rank whose tensor-parallel partner or previous
+   pipeline stage is slow inherits exactly this pattern (a 64-rank job whose
+   rank 29 stalled in its data loader named its TP partner and both of
+   their next-stage ranks late to their DP all-reduce every step).
 4. Slow transfer (network side): no rank late, but the group's transfer time of
    these collectives ``slow_factor`` times its own earlier median for the same
    (op, size class): reported as evidence (informational: gloo gives no
@@ -358,6 +363,8 @@ class CollectiveState:
                     typical = float(np.median([e[1] for e in evs]))
                     if r in named or len(its_late) / len(basis_its) < cfg.min_share or not clearly(typical):
                         continue
+                    if not self._synchronises_only_in(r, gid):
+                        continue   # its lateness may be inherited from a partner of another group
                     first = min(evs, key=lambda e: e[2])
                     out += self._late_finding(job_id, window, gid, grp, r, late_of[r], len(basis), med_transfer,
                                               (first[2], grp.seqs[first[2]][r][0]), waits_of, iterations,
@@ -406,6 +413,13 @@ class CollectiveState:
                                                         cfg.waiting_graph, step_ns)
                     if not named & {s.rank for s in f.suspects}]
         return out
+
+    def _synchronises_only_in(self, rank: int, gid: str) -> bool:
+        """Step 3b: ``gid`` is the only group of two or more that ``rank`` synchronises in, and it is
+        in no pipeline (pure data parallel, FSDP): nothing else can have made it late."""
+        if rank in self.stages:
+            return False
+        return all(g == gid for g, grp in self.groups.items() if len(grp.members) > 1 and rank in grp.members)
 
     def _late_finding(self, job_id, window, gid, grp, rank, lates, judged, transfer, first,
                       waits_of, iterations, extra: dict | None = None) -> list[Finding]:

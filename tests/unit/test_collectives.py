@@ -172,6 +172,18 @@ def test_a_rank_late_to_one_collective_of_every_step_is_named():
     assert s.evidence["late_collectives"] == 12 and s.evidence["judged"] == 108
 
 
+def test_a_rank_in_another_group_is_not_named_by_position():
+    """Step 3b only where nothing else can have made the rank late: a member of a second group (a TP
+    partner waiting for its slow peer), or of a pipeline, inherits the same pattern."""
+    from trainscope.analyzer.collectives import _Group
+    st = state_of(fsdp_batches(late_rank=1))
+    st.groups["tp:0"] = _Group((0, 1))          # rank 1 also synchronises with rank 0 elsewhere
+    assert [f for f in st.late_starts("j", W) if f.kind == "late_start"] == []
+    st = state_of(fsdp_batches(late_rank=1))
+    st.stages[1] = 1                            # or sits in a pipeline stage
+    assert [f for f in st.late_starts("j", W) if f.kind == "late_start"] == []
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_late_entries_at_random_positions_name_nobody(seed):
     st = state_of(fsdp_batches(seed=seed, noise_late=0.3))
