@@ -90,12 +90,14 @@ class PartitionedMember(_Parsing):
                  sinks: Sequence = (), metrics=None, group_id: str = "trainscope-analyzer",
                  prefix: str = "trainscope", extra: dict | None = None, instance_id: str | None = None,
                  session_timeout_s: float = 10.0, partitions: int = 6, member: str = "",
-                 commit_interval_s: float = 1.0, first_partial_wait_s: float | None = None) -> None:
+                 commit_interval_s: float = 1.0, first_partial_wait_s: float | None = None,
+                 partials_signal: str = PARTIALS) -> None:
         super().__init__()
         from confluent_kafka import Consumer, KafkaException
 
         self.topics = {topic_for(s, prefix): s for s in SIGNALS}
-        self.partials_topic = topic_for(PARTIALS, prefix)
+        # partials_signal: the partials topic's middle name (benchmarks give each run its own)
+        self.partials_topic = topic_for(partials_signal, prefix)
         self.topics[self.partials_topic] = PARTIALS
         extra = dict(extra or {})
         ensure_topics(bootstrap, list(self.topics), partitions,

@@ -186,13 +186,16 @@ def run_process(args) -> None:
                                      spool_dir=tempfile.mkdtemp(prefix="bench-spool-"), partitions=args.partitions))
     published = []
 
+    partials = f"{PARTIALS}-{args.group}"      # each run its own partials topic: none left from another run
+
     def publish(d):
-        ok = sink.export_record(PARTIALS, d, key=d.job_id)
+        ok = sink.export_record(partials, d, key=d.job_id)
         published.append((time.time(), time.process_time()))
         return ok
 
     m = PartitionedMember(config, args.bootstrap, publish=publish, sinks=[Catch()], group_id=args.group,
-                          partitions=args.partitions, member=args.name, session_timeout_s=6.0)
+                          partitions=args.partitions, member=args.name, session_timeout_s=6.0,
+                          partials_signal=partials)
     m.hold()
     while not go.exists():
         m.step(0.2)
@@ -319,7 +322,11 @@ def run_config(role: str, n: int, bootstrap: str, partitions: int, work: pathlib
         time.sleep(1.0)   # the members' last status
         (d / "done").touch()
         for p in procs:
-            p.wait(60)
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:    # figures are in; a slow exit (flush, group leave) is not timed
+                p.kill()
+                p.wait(10)
         st = [read(s) for s in statuses]
         owner = next((s for s in st if "verdict_at" in s), None)
         if owner is None:    # no verdict within timeout_s: what it cost until then
