@@ -28,7 +28,9 @@ The ``trainscope.v1.Control`` service sits on the processor's gRPC port beside
    ``trainscope query deep-dive`` read. A worker thread here (not the training
    process: parsing a 5 MB trace holds a GIL for ~0.2 s) writes each trace's
    columnar summary, ``rank-<R>.summary.json`` (:func:`summarize_trace`), for a
-   trace inside the dive's directory and under ``max_bytes`` only. A dive is complete when every rank it
+   trace inside the dive's directory and under ``max_bytes`` only. With an uploader
+   (``processor/dive_upload.py``, ``--deep-dive-url``) the trace and summary then go to object
+   storage from its own worker thread, and ``manifest.json`` lists each rank's objects. A dive is complete when every rank it
    was sent to reported, or ``report_timeout_s`` after its expected end
    (then ``partial``).
 5. ``Status``: the deep dives this processor knows (bounded: ``max_dives``).

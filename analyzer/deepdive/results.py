@@ -1,7 +1,9 @@
 """A completed deep dive analysed, its findings stored and merged into the job's verdict (issue #14).
 
 Where it runs: in the analyzer, on the host whose deep-dive directory holds the
-traces. The processor cannot (stages point one way: it may not import the
+traces, or on any host when the processors upload them to object storage
+(``--deep-dive-url``, ``processor/dive_upload.py``; :class:`ObjectDives` merges each
+dive's per-host manifests, the traces are read from their objects). The processor cannot (stages point one way: it may not import the
 analyzer), the ranks must not (a trace read holds a GIL for ~1 s), and the
 analyzer of the default deployment runs beside the processor, on its store file
 and on the same ``TRAINSCOPE_DEEP_DIVE_DIR`` (``proto/env.deep_dive_dir``). A job on
@@ -118,8 +120,10 @@ class ObjectDives:
         self.url = url.rstrip("/")
         self.fs, self.root = open_fs(url, "--deep-dive-url")
 
-    def manifests(self, job: str | None = None) -> dict[tuple[str, str], list[dict]]:
-        """(job component, dive) -> the host manifests found (unreadable ones skipped)."""
+    def manifests(self, job: str | None = None,
+                  skip: Callable[[str, str], bool] | None = None) -> dict[tuple[str, str], list[dict]]:
+        """(job component, dive) -> the host manifests found (unreadable ones skipped; ``skip(job, dive)``
+        true: not read, e.g. a dive already analysed)."""
         from trainscope.processor.dive_upload import MANIFEST_PREFIX, job_component
         pattern = f"{self.root}/{job_component(job) if job else '*'}/*/{MANIFEST_PREFIX}*.json"
         out: dict[tuple[str, str], list[dict]] = {}
@@ -130,6 +134,8 @@ class ObjectDives:
             return out
         for p in paths:
             parts = p.rstrip("/").split("/")
+            if skip is not None and skip(parts[-3], parts[-2]):
+                continue
             try:
                 doc = json.loads(self.fs.cat_file(p))
             except Exception:
@@ -173,9 +179,10 @@ class ObjectDives:
         man["ranks_without_object"] = sorted(missing)
         return man
 
-    def dives(self, job: str | None = None) -> list[tuple[str, str, dict]]:
-        """(job component, dive, merged manifest) of every dive found, oldest first."""
-        out = [(j, d, self.merged(j, d, docs)) for (j, d), docs in self.manifests(job).items()]
+    def dives(self, job: str | None = None,
+              skip: Callable[[str, str], bool] | None = None) -> list[tuple[str, str, dict]]:
+        """(job component, dive, merged manifest) of every dive found (but the ones ``skip`` names), oldest first."""
+        out = [(j, d, self.merged(j, d, docs)) for (j, d), docs in self.manifests(job, skip).items()]
         out.sort(key=lambda x: (x[2].get("requested_unix_ns") or 0, x[1]))
         return out
 
@@ -387,9 +394,14 @@ class DeepDiveFollower:
         """Step 1 on a bucket: each complete dive gets a local work directory (0700) holding its merged
         manifest (0600), which ``analyze_dive`` and ``query deep-dive`` read like a local dive's."""
         out = []
-        for job_dir, dive, man in self.objects.dives():
+
+        def done(job_dir: str, dive: str) -> bool:   # analysed or being merged: its manifests are not read again
             work = os.path.join(self.work_root, job_dir, dive)
-            if not man.get("complete") or work in self._waiting or os.path.exists(os.path.join(work, ANALYSIS)):
+            return work in self._waiting or os.path.exists(os.path.join(work, ANALYSIS))
+
+        for job_dir, dive, man in self.objects.dives(skip=done):
+            work = os.path.join(self.work_root, job_dir, dive)
+            if not man.get("complete"):
                 continue
             try:
                 for d in (self.work_root, os.path.dirname(work), work):
