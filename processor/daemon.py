@@ -148,12 +148,12 @@ class Processor:
             config.window, Summarizer(config.summary), self.sinks, self.metrics,
             queue_max=config.queue_max_batches, collectives=config.collectives,
         )
-        # control streams hold handler threads too: at most half of them, ingest keeps the rest
         self.dive_uploader = None
         if config.deep_dive_upload is not None:  # traces to object storage (processor/dive_upload.py)
             from trainscope.processor.dive_upload import DiveUploader
             self.dive_uploader = DiveUploader(config.deep_dive_upload)
             self.registry.register(self.dive_uploader.metrics)  # deep_dive_uploads_total{what,outcome}, bytes, retries
+        # control streams hold handler threads too: at most half of them, ingest keeps the rest
         self.control = ControlHub(dataclasses.replace(
             config.control, max_subscribers=max(1, min(config.control.max_subscribers, config.grpc_workers // 2))),
             uploader=self.dive_uploader)
