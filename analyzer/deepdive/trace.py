@@ -140,7 +140,13 @@ def _load(path: str) -> Any:
     except (ImportError, ValueError) as e:   # an fsspec URL whose filesystem cannot be used here
         raise TraceError(path, f"cannot open the object ({str(e).splitlines()[0][:120]}): check the URL and "
                                "that its fsspec backend is installed") from None
-    except (EOFError, OSError, zlib.error) as e:
+    except OSError as e:
+        if "://" in path and not path.startswith("file://") and not isinstance(e, gzip.BadGzipFile):
+            raise TraceError(path, f"cannot read the object ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}): "
+                                   "check the bucket is reachable and its credentials (environment or fsspec config)") from None
+        raise TraceError(path, f"truncated or corrupt gzip ({e}): copy the trace again from the rank "
+                               "(it may still have been being written)") from None
+    except (EOFError, zlib.error) as e:
         raise TraceError(path, f"truncated or corrupt gzip ({e}): copy the trace again from the rank "
                                "(it may still have been being written)") from None
     try:

@@ -274,6 +274,16 @@ def test_a_missing_or_corrupt_object_is_one_line_naming_it(tmp_path):
     with pytest.raises(TraceError, match="truncated or corrupt gzip"):
         read_trace("memory://bad/r.json.gz")
 
+    class Unreachable(MemoryFileSystem):   # a bucket that cannot be reached
+        protocol = "downmem"
+
+        def _open(self, path, mode="rb", **kw):
+            raise ConnectionError("endpoint unreachable")
+
+    fsspec.register_implementation("downmem", Unreachable, clobber=True)
+    with pytest.raises(TraceError, match="cannot read the object .ConnectionError: endpoint unreachable"):
+        read_trace("downmem://b/r.json.gz")
+
 
 @pytest.mark.parametrize("argv, flag", [
     (["processor", "--deep-dive-url", "nosuch://x"], "--deep-dive-url"),
