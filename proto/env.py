@@ -32,8 +32,9 @@ def runtime_dir(environ: Mapping[str, str] = os.environ) -> str:
 def deep_dive_dir(environ: Mapping[str, str] = os.environ) -> str:
     """Root of the deep-dive traces (issue #14): ``TRAINSCOPE_DEEP_DIVE_DIR``, else ``<runtime dir>/deepdive``.
 
-    A local directory shared by the ranks, the processor and the analyzer of one host (the
-    "object storage" of the deep dive; an S3-style location is future work). Not created here.
+    A local directory shared by the ranks, the processor and the analyzer of one host; the
+    processor uploads each rank's trace from it to object storage when ``--deep-dive-url`` is
+    set (``processor/dive_upload.py``). Not created here.
     """
     return environ.get(DEEP_DIVE_DIR) or os.path.join(runtime_dir(environ), "deepdive")
 
