@@ -21,7 +21,9 @@ from trainscope.analyzer.model import Finding, Scope, SuspectRank
 from trainscope.analyzer.metrics import AnalyzerMetrics
 from trainscope.deploy.cli import main
 from trainscope.processor.prom_exporter import PrometheusConfig, PrometheusSink, start_metrics_server
-from trainscope.processor.selfmetrics import COUNTERS, GAUGES, SelfMetrics
+from trainscope.analyzer.triggers import DeepDiveTriggers
+from trainscope.processor.dive_upload import UploadMetrics
+from trainscope.processor.selfmetrics import COUNTERS, GAUGES, SelfMetrics, deep_dive_control_metrics
 from trainscope.proto.v1 import records_pb2
 
 from support.prometheus_server import PrometheusServer, synthetic_output
@@ -102,10 +104,14 @@ def _exposed_names() -> set[str]:
     sink.export(synthetic_output(0, phases={"fwd": 10.0}, kernels={"gemm": 3}))
     analyzer = AnalyzerMetrics()
     registry = CollectorRegistry()
-    for c in (metrics, sink, analyzer):
+    # the deep dive's collectors too: the processor's control-path events and trace uploads, the
+    # analyzer's trigger decisions
+    for c in (metrics, sink, analyzer, deep_dive_control_metrics({}), UploadMetrics(), DeepDiveTriggers()):
         registry.register(c)
     names = {s.name for fam in text_string_to_metric_families(generate_latest(registry).decode())
              for s in fam.samples}
+    # counter families with no sample yet expose name_total once they have one
+    names |= {f"{fam.name}_total" if fam.type == "counter" else fam.name for fam in registry.collect()}
     # families with no sample yet (labelled ones before their first value, the analyzer's)
     names |= {f"trainscope_processor_{n}_total" for n in COUNTERS}
     names |= {f"trainscope_processor_{n}" for n in GAUGES}
