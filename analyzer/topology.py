@@ -37,7 +37,7 @@ import re
 from typing import Mapping
 
 from trainscope.proto.errors import ConfigError
-from trainscope.proto.model import DEFAULT_ORDER, DIMS, ParallelCoords, Resource
+from trainscope.proto.model import DEFAULT_ORDER, DIMS, ParallelCoords, Resource, group_number
 
 #: Dimensions a phase or kernel may be compared along; "job" = every rank.
 GROUP_DIMS = (*DIMS, "job")
@@ -193,16 +193,7 @@ def group_index(coords: ParallelCoords, dim: str) -> int:
         raise ConfigError("topology.dim", dim, f"must be one of {GROUP_DIMS}")
     if dim == "job":
         return 0
-    order = (coords.order or DEFAULT_ORDER).split("-")
-    if sorted(order) != sorted(DIMS):
-        order = DEFAULT_ORDER.split("-")
-    index, scale = 0, 1
-    for d in order:
-        if d != dim:
-            c = getattr(coords, d)
-            index += c * scale
-            scale *= max(getattr(coords, f"{d}_size"), c + 1, 1)
-    return index
+    return group_number(coords, dim)
 
 
 def rank_to_group(groups: Mapping[int, list[int]]) -> dict[int, int]:

@@ -59,7 +59,7 @@ from trainscope.processor.kafka_config import _NAME, KafkaSinkConfig
 from trainscope.processor.kernel_names import KERNEL_NAMES, Sent, split
 from trainscope.processor.model import WindowOutput
 from trainscope.proto.contracts import SIGNALS, Signal, topic_for
-from trainscope.proto.model import DEFAULT_ORDER, DIMS
+from trainscope.proto.model import group_number
 from trainscope.processor.selfmetrics import SelfMetrics
 from trainscope.processor.spool import DiskSpool, SpoolFrame
 from trainscope.proto.errors import ConfigError, SinkError, scrub
@@ -77,16 +77,7 @@ def group_key(resource, dim: str = "dp") -> str:
     c = resource.coords
     if not any((c.dp_size, c.tp_size, c.pp_size, c.ep_size, c.cp_size)):
         return resource.job_id
-    order = (c.order or DEFAULT_ORDER).split("-")
-    if sorted(order) != sorted(DIMS):
-        order = DEFAULT_ORDER.split("-")
-    index, scale = 0, 1
-    for d in order:
-        if d != dim:
-            v = getattr(c, d)
-            index += v * scale
-            scale *= max(getattr(c, f"{d}_size"), v + 1, 1)
-    return f"{resource.job_id}/{dim}{index}"
+    return f"{resource.job_id}/{dim}{group_number(c, dim)}"
 
 
 class _Demoted(logging.LoggerAdapter):

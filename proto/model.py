@@ -82,6 +82,23 @@ class Resource:
         )
 
 
+def group_number(coords, dim: str) -> int:
+    """The mixed-radix number of every coordinate but ``dim``, in the job's order: ranks with the
+    same number share every other coordinate, i.e. sit in one ``dim`` group. Used by the analyzer
+    (``topology.group_index``) and by the processor's Kafka keys (``kafka_sink.group_key``); works
+    on ``ParallelCoords`` and on the wire message alike."""
+    order = (coords.order or DEFAULT_ORDER).split("-")
+    if sorted(order) != sorted(DIMS):
+        order = DEFAULT_ORDER.split("-")
+    index, scale = 0, 1
+    for d in order:
+        if d != dim:
+            c = getattr(coords, d)
+            index += c * scale
+            scale *= max(getattr(coords, f"{d}_size"), c + 1, 1)
+    return index
+
+
 def coords_for_rank(
     rank: int,
     world_size: int,
