@@ -49,6 +49,13 @@ Steps:
 6. Impact, s per iteration: (β_w − median β) × the rank's mean iteration
    time (the extra critical-path time the function costs the rank per step),
    when the traces have iteration marks.
+7. Waiting is not a cause (an addition, Mycroft §5's late start): a rank
+   whose only slower functions are communication (a collective's host or
+   device time) while another rank of the dive is slower in a function of
+   its own (compute, memory, Python) waited in the collective for that rank:
+   its collective outlier stays as evidence but is not marked slower. A
+   4-rank gloo job whose rank 2 ran a hot loop had healthy rank 0 named for
+   ``c10d::allreduce_`` on a loaded host.
 Assumption: ranks of one role run the same code, so a function's pattern
 differs between them only when something is wrong (§3 of the paper).
 """
@@ -282,8 +289,28 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
                                 impact, slower, (float(mB[j]), float(ref_mu[j]), float(np.median(SG[:, j]))),
                                 float(thr[j]), R, launched[j], expected is not None and (
                                     funcs[j] in expected or kinds[j] in expected)))
+    out = _waiting_is_not_a_cause(out)
     out.sort(key=lambda o: (-max((x for x in o.impact_s if x is not None), default=0.0), -max(o.d), -max(o.delta)))
     return out
+
+
+def _waiting_is_not_a_cause(out: list) -> list:
+    """Step 7: communication outliers of ranks slower in nothing else, when some rank is slower in
+    a function of its own, are waits: kept as evidence, not marked slower."""
+    causes = {r for o in out if o.kind != "communication" and not o.common
+              for r, slow in zip(o.ranks, o.slower) if slow}
+    if not causes:
+        return out
+    fixed = []
+    for o in out:
+        if o.kind == "communication" and any(s and r not in causes for r, s in zip(o.ranks, o.slower)):
+            waits = [r for r, s in zip(o.ranks, o.slower) if s and r not in causes]
+            o = dataclasses.replace(
+                o, slower=tuple(s and r in causes for r, s in zip(o.ranks, o.slower)),
+                evidence=(o.evidence + "; " if o.evidence else "")
+                + f"rank(s) {', '.join(map(str, waits))} waited in it for rank(s) {', '.join(map(str, sorted(causes)))}")
+        fixed.append(o)
+    return fixed
 
 
 def _outlier(func, kind, role, ranks, rows, j, D, Dl, B, MU, SG, impact, slower, ref, thr, R, launched,

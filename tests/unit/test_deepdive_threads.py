@@ -127,3 +127,25 @@ def test_unfused_ops_are_named_with_the_forward_that_called_them_on_their_rank(t
     assert mul.ranks == (4,) and mul.launched_by == "train.py(27): forward", mul   # rank 4's caller, not rank 0's
     tanh = next(o for o in res.outliers if o.function == "aten::tanh")
     assert tanh.launched_by == "train.py(27): forward"                           # through the built-in call
+
+
+def test_a_collective_longer_on_a_rank_waiting_for_a_slower_rank_is_not_a_cause():
+    """localize step 7: rank 0's longer c10d::allreduce_ (it waited) is kept as evidence, not marked
+    slower, when rank 2 is slower in a function of its own; alone, a slower collective still counts."""
+    from trainscope.analyzer.deepdive.localize import Outlier, _waiting_is_not_a_cause
+
+    def o(func, kind, ranks, slower):
+        n = len(ranks)
+        return Outlier(function=func, kind=kind, role="0", ranks=tuple(ranks), d=(0.1,) * n, delta=(0.5,) * n,
+                       beta=(0.2,) * n, mu=(0.01,) * n, sigma=(0.0,) * n, impact_s=(0.01,) * n,
+                       slower=tuple(slower), expected=(0.1, 0.01, 0.0), delta_threshold=0.2, common=False)
+
+    hot = o("train.py(8): hot_loop", "python", [2], [True])
+    wait = o("c10d::allreduce_", "communication", [0, 2], [True, True])
+    out = _waiting_is_not_a_cause([hot, wait])
+    named = {r for x in out for r, s in zip(x.ranks, x.slower) if s}
+    assert named == {2}
+    (w,) = [x for x in out if x.kind == "communication"]
+    assert w.slower == (False, True) and "rank(s) 0 waited in it for rank(s) 2" in w.evidence
+    # no rank slower in anything else: the collective itself is the finding
+    assert _waiting_is_not_a_cause([wait]) == [wait]
