@@ -166,6 +166,10 @@ def dive(tmp_path_factory):
     got = run_once(tmp / "a1")
     if got[0] != 0 and TORCH_EXIT_ABORT in got[1]:  # torch 2.13's gloo exit abort (tests/support/torch_jobs.py)
         got = run_once(tmp / "a2")
+    elif got[2].returncode != 0 and '"complete": false' in got[2].stdout:
+        # on a loaded 2-core host a rank can reach the start iteration before its command arrives
+        # (it reports "missed" and the dive is incomplete, as designed): one more job
+        got = run_once(tmp / "a3")
     return got
 
 
