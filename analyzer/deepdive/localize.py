@@ -53,7 +53,8 @@ Steps:
    whose only slower functions are communication (a collective's host or
    device time) while another rank of the dive is slower in a function of
    its own (compute, memory, Python) waited in the collective for that rank:
-   its collective outlier stays as evidence but is not marked slower. A
+   it is taken off the collective's outlier (named in its evidence); it is
+   neither a cause nor, by a shorter collective, a late arrival. A
    4-rank gloo job whose rank 2 ran a hot loop had healthy rank 0 named for
    ``c10d::allreduce_`` on a loaded host.
 Assumption: ranks of one role run the same code, so a function's pattern
@@ -295,18 +296,24 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
 
 
 def _waiting_is_not_a_cause(out: list) -> list:
-    """Step 7: communication outliers of ranks slower in nothing else, when some rank is slower in
-    a function of its own, are waits: kept as evidence, not marked slower."""
+    """Step 7: on communication outliers, the ranks slower in nothing else, when some rank is slower
+    in a function of its own, waited: they are taken off the outlier (named in its evidence), and an
+    outlier left with no rank is dropped."""
     causes = {r for o in out if o.kind != "communication" and not o.common
               for r, slow in zip(o.ranks, o.slower) if slow}
     if not causes:
         return out
     fixed = []
     for o in out:
-        if o.kind == "communication" and any(s and r not in causes for r, s in zip(o.ranks, o.slower)):
-            waits = [r for r, s in zip(o.ranks, o.slower) if s and r not in causes]
+        waits = [r for r, s in zip(o.ranks, o.slower) if s and r not in causes] if o.kind == "communication" else []
+        if waits:
+            keep = [i for i, r in enumerate(o.ranks) if r not in waits]
+            if not keep:
+                continue
+            pick = lambda t: tuple(t[i] for i in keep)  # noqa: E731
             o = dataclasses.replace(
-                o, slower=tuple(s and r in causes for r, s in zip(o.ranks, o.slower)),
+                o, ranks=pick(o.ranks), d=pick(o.d), delta=pick(o.delta), beta=pick(o.beta), mu=pick(o.mu),
+                sigma=pick(o.sigma), impact_s=pick(o.impact_s), slower=pick(o.slower),
                 evidence=(o.evidence + "; " if o.evidence else "")
                 + f"rank(s) {', '.join(map(str, waits))} waited in it for rank(s) {', '.join(map(str, sorted(causes)))}")
         fixed.append(o)

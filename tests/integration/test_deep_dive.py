@@ -90,6 +90,7 @@ main()
 def clean_env(deep_dir: Path) -> dict:
     e = {k: v for k, v in os.environ.items() if not k.startswith("TRAINSCOPE_") and k != "PYTHONPATH"}
     e[env.DEEP_DIVE_DIR] = str(deep_dir)
+    e[env.CPU_OPS] = "0"   # its profiler windows can make a rank report busy at the dive's start
     return e
 
 

@@ -104,6 +104,7 @@ def run_once(tmp: Path):
     analyzer.start()
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TRAINSCOPE_") and k != "PYTHONPATH"}
     environ[env.DEEP_DIVE_DIR] = str(deep)
+    environ[env.CPU_OPS] = "0"   # its profiler windows can make a rank report busy at the dive's start
     job = subprocess.Popen(
         [sys.executable, "-m", "trainscope.deploy.cli", "run", "--processor", proc.address, "--no-processor",
          "--no-stacks", "--run-dir", str(tmp / "run"), "--job-id", "slows", "--",

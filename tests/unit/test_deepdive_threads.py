@@ -130,8 +130,8 @@ def test_unfused_ops_are_named_with_the_forward_that_called_them_on_their_rank(t
 
 
 def test_a_collective_longer_on_a_rank_waiting_for_a_slower_rank_is_not_a_cause():
-    """localize step 7: rank 0's longer c10d::allreduce_ (it waited) is kept as evidence, not marked
-    slower, when rank 2 is slower in a function of its own; alone, a slower collective still counts."""
+    """localize step 7: rank 0's longer c10d::allreduce_ (it waited) is taken off the outlier when rank
+    2 is slower in a function of its own; alone, a slower collective still counts."""
     from trainscope.analyzer.deepdive.localize import Outlier, _waiting_is_not_a_cause
 
     def o(func, kind, ranks, slower):
@@ -146,6 +146,8 @@ def test_a_collective_longer_on_a_rank_waiting_for_a_slower_rank_is_not_a_cause(
     named = {r for x in out for r, s in zip(x.ranks, x.slower) if s}
     assert named == {2}
     (w,) = [x for x in out if x.kind == "communication"]
-    assert w.slower == (False, True) and "rank(s) 0 waited in it for rank(s) 2" in w.evidence
+    assert w.ranks == (2,) and w.slower == (True,) and "rank(s) 0 waited in it for rank(s) 2" in w.evidence
+    # a collective outlier of waiting ranks only is dropped
+    assert _waiting_is_not_a_cause([hot, o("c10d::allreduce_", "communication", [0], [True])]) == [hot]
     # no rank slower in anything else: the collective itself is the finding
     assert _waiting_is_not_a_cause([wait]) == [wait]
