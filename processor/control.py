@@ -198,18 +198,22 @@ class ControlHub:
     def send(self, job: str, ranks, msg: control_pb2.ControlCommand) -> list[int]:
         """Queue ``msg`` on the streams of ``job``'s subscribed ``ranks`` (any thread; never blocks):
         the stack grid's dump command (``stack_grid.py``). Returns the ranks reached."""
-        reached = []
         with self._lock:
-            subs = self._subs.get(job, {})
-            for r in ranks:
-                sub = subs.get(r)
-                if sub is None:
-                    continue
-                try:
-                    sub.queue.put_nowait(msg)
-                    reached.append(r)
-                except queue.Full:
-                    self.stats["commands_dropped"] += 1
+            return self._queue_locked(job, ranks, msg)
+
+    def _queue_locked(self, job: str, ranks, msg: control_pb2.ControlCommand) -> list[int]:
+        """``msg`` on each subscribed rank's stream (caller holds the lock); a full queue is counted."""
+        reached = []
+        subs = self._subs.get(job, {})
+        for r in ranks:
+            sub = subs.get(r)
+            if sub is None:
+                continue
+            try:
+                sub.queue.put_nowait(msg)
+                reached.append(r)
+            except queue.Full:
+                self.stats["commands_dropped"] += 1
         return reached
 
     # ------------------------------------------------------------------ pace
@@ -292,18 +296,9 @@ class ControlHub:
         rec = control_pb2.DeepDiveRecord(dive_id=dive_id, job_id=job, trigger=cmd.trigger,
                                          requested_unix_ns=time.time_ns(), start_iteration=start,
                                          iterations=n, reason=req.reason)
-        reached = []
         msg = control_pb2.ControlCommand(sent_unix_ns=time.time_ns(), deep_dive=cmd)
         with self._lock:
-            for r in ranks:
-                sub = self._subs.get(job, {}).get(r)
-                if sub is None:
-                    continue
-                try:
-                    sub.queue.put_nowait(msg)
-                    reached.append(r)
-                except queue.Full:
-                    self.stats["commands_dropped"] += 1
+            reached = self._queue_locked(job, ranks, msg)
             rec.ranks_expected.extend(reached)
             self._dives[dive_id] = Dive(rec, directory, expected_end)
             while len(self._dives) > cfg.max_dives:
