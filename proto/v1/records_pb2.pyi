@@ -182,7 +182,7 @@ class CollectiveStats(_message.Message):
     def __init__(self, group: _Optional[str] = ..., op: _Optional[str] = ..., size_class: _Optional[int] = ..., count: _Optional[int] = ..., p50_ns: _Optional[float] = ..., p99_ns: _Optional[float] = ..., max_ns: _Optional[float] = ..., total_bytes: _Optional[float] = ...) -> None: ...
 
 class CollectiveWindow(_message.Message):
-    __slots__ = ("resource", "window", "groups", "records", "stats", "now_ns", "records_dropped", "collector_dropped", "dumps")
+    __slots__ = ("resource", "window", "groups", "records", "stats", "now_ns", "records_dropped", "collector_dropped", "dumps", "states")
     RESOURCE_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,7 @@ class CollectiveWindow(_message.Message):
     RECORDS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     COLLECTOR_DROPPED_FIELD_NUMBER: _ClassVar[int]
     DUMPS_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
     resource: _common_pb2.Resource
     window: Window
     groups: _containers.RepeatedCompositeFieldContainer[_telemetry_pb2.CollectiveGroup]
@@ -201,7 +202,8 @@ class CollectiveWindow(_message.Message):
     records_dropped: int
     collector_dropped: int
     dumps: _containers.RepeatedCompositeFieldContainer[_telemetry_pb2.StackDump]
-    def __init__(self, resource: _Optional[_Union[_common_pb2.Resource, _Mapping]] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., groups: _Optional[_Iterable[_Union[_telemetry_pb2.CollectiveGroup, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[_telemetry_pb2.CollectiveRecord, _Mapping]]] = ..., stats: _Optional[_Iterable[_Union[CollectiveStats, _Mapping]]] = ..., now_ns: _Optional[int] = ..., records_dropped: _Optional[int] = ..., collector_dropped: _Optional[int] = ..., dumps: _Optional[_Iterable[_Union[_telemetry_pb2.StackDump, _Mapping]]] = ...) -> None: ...
+    states: _containers.RepeatedCompositeFieldContainer[_telemetry_pb2.ChannelState]
+    def __init__(self, resource: _Optional[_Union[_common_pb2.Resource, _Mapping]] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., groups: _Optional[_Iterable[_Union[_telemetry_pb2.CollectiveGroup, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[_telemetry_pb2.CollectiveRecord, _Mapping]]] = ..., stats: _Optional[_Iterable[_Union[CollectiveStats, _Mapping]]] = ..., now_ns: _Optional[int] = ..., records_dropped: _Optional[int] = ..., collector_dropped: _Optional[int] = ..., dumps: _Optional[_Iterable[_Union[_telemetry_pb2.StackDump, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[_telemetry_pb2.ChannelState, _Mapping]]] = ...) -> None: ...
 
 class DiagnosisScope(_message.Message):
     __slots__ = ("phase", "kernel", "stream", "group", "group_index")

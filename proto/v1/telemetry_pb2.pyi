@@ -224,19 +224,45 @@ class CollectiveRecord(_message.Message):
     step_end_ns: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., op: _Optional[str] = ..., bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., enqueue_ns: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., iteration: _Optional[int] = ..., ring_steps: _Optional[int] = ..., ring_next: _Optional[int] = ..., send_busy_ns: _Optional[int] = ..., recv_wait_ns: _Optional[int] = ..., algo: _Optional[str] = ..., step_index: _Optional[_Iterable[int]] = ..., step_dst: _Optional[_Iterable[int]] = ..., step_bytes: _Optional[_Iterable[int]] = ..., step_start_ns: _Optional[_Iterable[int]] = ..., step_end_ns: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ChannelState(_message.Message):
+    __slots__ = ("group", "seq", "channel", "time_ns", "total_chunks", "gpu_ready", "rdma_transmitted", "rdma_done", "stuck_ns", "peer")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    GPU_READY_FIELD_NUMBER: _ClassVar[int]
+    RDMA_TRANSMITTED_FIELD_NUMBER: _ClassVar[int]
+    RDMA_DONE_FIELD_NUMBER: _ClassVar[int]
+    STUCK_NS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    seq: int
+    channel: int
+    time_ns: int
+    total_chunks: int
+    gpu_ready: int
+    rdma_transmitted: int
+    rdma_done: int
+    stuck_ns: int
+    peer: int
+    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., channel: _Optional[int] = ..., time_ns: _Optional[int] = ..., total_chunks: _Optional[int] = ..., gpu_ready: _Optional[int] = ..., rdma_transmitted: _Optional[int] = ..., rdma_done: _Optional[int] = ..., stuck_ns: _Optional[int] = ..., peer: _Optional[int] = ...) -> None: ...
+
 class CollectiveBatch(_message.Message):
-    __slots__ = ("groups", "records", "now_ns", "dropped_records", "dumps")
+    __slots__ = ("groups", "records", "now_ns", "dropped_records", "dumps", "states")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     NOW_NS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_RECORDS_FIELD_NUMBER: _ClassVar[int]
     DUMPS_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedCompositeFieldContainer[CollectiveGroup]
     records: _containers.RepeatedCompositeFieldContainer[CollectiveRecord]
     now_ns: int
     dropped_records: int
     dumps: _containers.RepeatedCompositeFieldContainer[StackDump]
-    def __init__(self, groups: _Optional[_Iterable[_Union[CollectiveGroup, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[CollectiveRecord, _Mapping]]] = ..., now_ns: _Optional[int] = ..., dropped_records: _Optional[int] = ..., dumps: _Optional[_Iterable[_Union[StackDump, _Mapping]]] = ...) -> None: ...
+    states: _containers.RepeatedCompositeFieldContainer[ChannelState]
+    def __init__(self, groups: _Optional[_Iterable[_Union[CollectiveGroup, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[CollectiveRecord, _Mapping]]] = ..., now_ns: _Optional[int] = ..., dropped_records: _Optional[int] = ..., dumps: _Optional[_Iterable[_Union[StackDump, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[ChannelState, _Mapping]]] = ...) -> None: ...
 
 class TelemetryBatch(_message.Message):
     __slots__ = ("resource", "seq", "sent_unix_ns", "dropped_total", "submitted_total", "final", "kernels", "phases", "iterations", "stacks", "collectives")
