@@ -115,7 +115,7 @@ class StackBatch(_message.Message):
     def __init__(self, snapshots: _Optional[_Iterable[_Union[StackSnapshot, _Mapping]]] = ...) -> None: ...
 
 class StackDump(_message.Message):
-    __slots__ = ("grid_id", "group", "trigger", "seq", "expected_ranks", "taken_unix_ns", "took_s", "training_thread", "threads", "error", "flight_recorder", "flight_recorder_error")
+    __slots__ = ("grid_id", "group", "trigger", "seq", "expected_ranks", "taken_unix_ns", "took_s", "training_thread", "threads", "error", "flight_recorder", "flight_recorder_error", "flight_recorder_outcome", "flight_recorder_entries", "flight_recorder_read_s")
     GRID_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     TRIGGER_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,9 @@ class StackDump(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FLIGHT_RECORDER_FIELD_NUMBER: _ClassVar[int]
     FLIGHT_RECORDER_ERROR_FIELD_NUMBER: _ClassVar[int]
+    FLIGHT_RECORDER_OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    FLIGHT_RECORDER_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    FLIGHT_RECORDER_READ_S_FIELD_NUMBER: _ClassVar[int]
     grid_id: str
     group: str
     trigger: str
@@ -140,7 +143,10 @@ class StackDump(_message.Message):
     error: str
     flight_recorder: _containers.RepeatedCompositeFieldContainer[FlightRecorderGroup]
     flight_recorder_error: str
-    def __init__(self, grid_id: _Optional[str] = ..., group: _Optional[str] = ..., trigger: _Optional[str] = ..., seq: _Optional[int] = ..., expected_ranks: _Optional[_Iterable[int]] = ..., taken_unix_ns: _Optional[int] = ..., took_s: _Optional[float] = ..., training_thread: _Optional[int] = ..., threads: _Optional[_Iterable[_Union[FoldedStack, _Mapping]]] = ..., error: _Optional[str] = ..., flight_recorder: _Optional[_Iterable[_Union[FlightRecorderGroup, _Mapping]]] = ..., flight_recorder_error: _Optional[str] = ...) -> None: ...
+    flight_recorder_outcome: str
+    flight_recorder_entries: int
+    flight_recorder_read_s: float
+    def __init__(self, grid_id: _Optional[str] = ..., group: _Optional[str] = ..., trigger: _Optional[str] = ..., seq: _Optional[int] = ..., expected_ranks: _Optional[_Iterable[int]] = ..., taken_unix_ns: _Optional[int] = ..., took_s: _Optional[float] = ..., training_thread: _Optional[int] = ..., threads: _Optional[_Iterable[_Union[FoldedStack, _Mapping]]] = ..., error: _Optional[str] = ..., flight_recorder: _Optional[_Iterable[_Union[FlightRecorderGroup, _Mapping]]] = ..., flight_recorder_error: _Optional[str] = ..., flight_recorder_outcome: _Optional[str] = ..., flight_recorder_entries: _Optional[int] = ..., flight_recorder_read_s: _Optional[float] = ...) -> None: ...
 
 class FlightRecorderEntry(_message.Message):
     __slots__ = ("seq", "op", "state", "retired", "bytes", "sizes", "created_unix_ns")
