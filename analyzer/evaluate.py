@@ -38,6 +38,8 @@ class FaultScore:
     """The first right verdict's ``since_window`` minus the true onset window (0: onset located)."""
     confidence: float | None = None
     """The confidence of the first verdict after onset that named anyone (calibration: right vs wrong)."""
+    diagnosis_last_iteration: int | None = None
+    """The last iteration of the first right verdict's window (onset -> verdict in seconds, with the truth's times)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -133,6 +135,7 @@ def evaluate(verdicts: list[records_pb2.Verdict], truth: dict, window_iterations
             onset_error=(after[good[0]].since_window - onset) if good and onset is not None
             and after[good[0]].HasField("since_window") else None,
             confidence=first.confidence if first is not None else None,
+            diagnosis_last_iteration=int(after[good[0]].window.last_iteration) if good else None,
         ))
     return Evaluation(scores, false_alarms, len(healthy))
 

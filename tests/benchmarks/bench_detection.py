@@ -178,13 +178,26 @@ def _per_type(rows, pre) -> None:
               f"{sum(f.kernel for f in fs):>6} {med:>7} {sum(fa for _, fa, _ in xs):>6}/{sum(hw for _, _, hw in xs):<8}")
 
 
-def _row(label: str, ranks: int, f, cost: float | None = None) -> None:
+def _row(label: str, ranks: int, f, cost: float | None = None, lat_s: float | None = None) -> None:
     lat = "-" if f.windows_to_diagnosis is None else str(f.windows_to_diagnosis)
     lat += "" if f.onset_error is None else f"/{f.onset_error:+d}"
     c = "-" if cost is None else f"{cost:.1f}"
+    sec = "-" if lat_s is None else f"{lat_s:.0f}"
     print(f"{label:<52} {ranks:>5} {c:>6} {'yes' if f.caught else 'NO':>6} {'yes' if f.top1 else 'no':>5} "
           f"{'yes' if f.right else 'no':>5} {'yes' if f.host_named else '-':>5} {'yes' if f.phase else '-':>5} "
-          f"{'yes' if f.kernel else '-':>6} {lat:>7} {f.stable:>6.0%}  {f.verdict[:80]}", flush=True)
+          f"{'yes' if f.kernel else '-':>6} {lat:>7} {sec:>6} {f.stable:>6.0%}  {f.verdict[:80]}", flush=True)
+
+
+def onset_to_verdict_s(f, truth: dict) -> float | None:
+    """Simulated seconds from the fault's onset to the close of the first right verdict's window
+    (Mycroft §8 reports this latency: 15 s for 90 % of its cases)."""
+    its = truth.get("iterations", {})
+    onset = (truth.get("faults") or [{}])[0].get("onset_s")
+    last = f.diagnosis_last_iteration
+    if last is None or onset is None or not its.get("end_s"):
+        return None
+    end = its["end_s"][min(last, len(its["end_s"]) - 1)]
+    return None if end is None else max(0.0, float(end) - float(onset))
 
 
 def _wrong_names(verdicts, truth: dict, f) -> int:
@@ -306,13 +319,14 @@ def _fault_run(label: str, ranks: int, specs: list[str], iterations: int, combo:
             tail = named[first:]
             f.stable = sum(v.ranks[0].rank in union for v in tail) / len(tail)
     cost = true_cost_pct(ranks, 7, iterations, truth)
+    lat_s = onset_to_verdict_s(f, truth)
     import contextlib
     import io
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        _row(label if combo else specs[0], ranks, f, cost)
+        _row(label if combo else specs[0], ranks, f, cost, lat_s)
     return (label, ranks, f, (label, ev.false_alarm_windows, ev.healthy_windows), cost,
-            _wrong_names(verdicts, truth, f), buf.getvalue().rstrip("\n"))
+            _wrong_names(verdicts, truth, f), buf.getvalue().rstrip("\n"), lat_s)
 
 
 def _map(fn, tasks: list[tuple], workers: int):
@@ -358,9 +372,9 @@ def main(argv=None) -> int:
     costs = []               # (true cost % of the step, windows after onset naming a rank off the fault)
     t0 = time.perf_counter()
     head = (f"{'fault':<52} {'ranks':>5} {'cost%':>6} {'caught':>6} {'top1':>5} {'right':>5} {'host':>5} "
-            f"{'phase':>5} {'kernel':>6} {'windows':>7} {'stable':>6}  verdict   (cost%: what the fault really cost "
+            f"{'phase':>5} {'kernel':>6} {'windows':>7} {'lat s':>6} {'stable':>6}  verdict   (cost%: what the fault really cost "
             f"the job, % of a healthy twin's step; windows: onset -> first right verdict / its 'since' minus the "
-            f"true onset window)")
+            f"true onset window; lat s: onset -> that verdict's window close, simulated s)")
     print(head)
     tasks = []     # (type or combo label, ranks, fault specs, iterations, combo)
     for ftype, (scope, ladder) in SCENARIOS.items():
@@ -376,10 +390,13 @@ def main(argv=None) -> int:
                 tasks.append((ftype, ranks, [spec], args.iterations, False))
     if args.combos:
         tasks += [(label, 64, specs, 50, True) for label, specs in COMBOS.items()]
-    for label, ranks, f, pre_row, cost, wrong, printed in _map(_fault_run, tasks, args.workers):
+    lats = []                # (label, onset -> first right verdict in simulated s)
+    for label, ranks, f, pre_row, cost, wrong, printed, lat_s in _map(_fault_run, tasks, args.workers):
         rows.append((label, ranks, f))
         pre.append(pre_row)
         costs.append((cost, wrong))
+        if lat_s is not None:
+            lats.append((label, lat_s))
         print(printed, flush=True)
     n = len(rows)
     _per_type(rows, pre)
@@ -400,6 +417,11 @@ def main(argv=None) -> int:
         print(f"confidence of the first verdict naming anyone: right runs median {med(conf_right)} "
               f"(n={len(conf_right)}, {sum(c >= 0.5 for c in conf_right)} >= 0.5), wrong runs median "
               f"{med(conf_wrong)} (n={len(conf_wrong)}, {sum(c >= 0.5 for c in conf_wrong)} >= 0.5)")
+    if lats:
+        xs = np.array([x for _, x in lats])
+        print(f"onset -> first right verdict (window close), simulated s over {len(xs)} runs: median "
+              f"{np.median(xs):.0f} s, p90 {np.percentile(xs, 90):.0f} s; within 15 s in {int((xs <= 15).sum())}/"
+              f"{len(xs)} (Mycroft: 15 s for 90 % of cases)")
     stable = [f.stable for _, _, f in rows if f.right]
     if stable:
         print(f"top suspect stable after the first right verdict: median {sorted(stable)[len(stable) // 2]:.0%}, "
