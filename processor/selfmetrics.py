@@ -46,6 +46,9 @@ COUNTERS = {
                             ("kind",)),
     "collective_raw_records": ("Raw collective records by fate (kept: emitted with their window; pulled: "
                                "emitted by a trigger; summarised: summaries only)", ("fate",)),
+    "channel_states": ("Mycroft channel states of collectives by fate (kept: emitted, the collective in flight at "
+                       "its window's close; superseded: a newer state of the same channel; completed: its "
+                       "completion arrived; dropped: over max_states_per_window or an unknown group)", ("fate",)),
     "stack_grid_requests": ("Stack grids asked for at a collective trigger, by outcome (sent; cooldown: one per "
                             "group and grid_cooldown_s; unreachable: no member subscribed here; error)", ("outcome",)),
     "stack_grid_dumps": ("py-spy dumps of the stack grid received, by outcome (ok; error: the rank said why none)",
