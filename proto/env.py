@@ -39,6 +39,13 @@ def deep_dive_dir(environ: Mapping[str, str] = os.environ) -> str:
     return environ.get(DEEP_DIVE_DIR) or os.path.join(runtime_dir(environ), "deepdive")
 
 
+def nccl_ring_dir(environ: Mapping[str, str] = os.environ) -> str:
+    """Where the NCCL profiler plugin writes ``ring-<pid>``: ``TRAINSCOPE_NCCL_DIR``, else
+    ``<runtime dir>/nccl`` (the C plugin computes the same path; it creates ``nccl/`` 0700 when
+    the runtime directory exists and is this user's, and stays off otherwise)."""
+    return environ.get(NCCL_DIR) or os.path.join(runtime_dir(environ), "nccl")
+
+
 def deep_dive_trace_dir(root: str, job_id: str, dive_id: str) -> str:
     """``<root>/<job>/<dive>``: one deep dive's traces and manifest (the job id made one safe path
     component: ``[A-Za-z0-9_.-]``, at most 64 characters, no leading dot)."""
@@ -84,6 +91,13 @@ DDP_COMM_HOOK = "TRAINSCOPE_DDP_COMM_HOOK"  # "0": leave DDP modules alone (coll
 REPLAY_MAX_BYTES = "TRAINSCOPE_REPLAY_MAX_BYTES"  # cap on a trace file and its gzip content (sources/replay.py)
 DEEP_DIVE = "TRAINSCOPE_DEEP_DIVE"        # "0": the collector opens no control stream (no triggered profiling)
 DEEP_DIVE_DIR = "TRAINSCOPE_DEEP_DIVE_DIR"  # where deep-dive traces go (default <runtime dir>/deepdive)
+# The NCCL profiler plugin (collector/nccl_plugin/, read by collector/nccl_profiler.py); the C plugin
+# reads the TRAINSCOPE_NCCL_* ones, NCCL reads NCCL_PROFILER_PLUGIN.
+NCCL_DIR = "TRAINSCOPE_NCCL_DIR"          # where the plugin's rings are (default <runtime dir>/nccl)
+NCCL_RING_SLOTS = "TRAINSCOPE_NCCL_RING_SLOTS"  # ring capacity in 64-byte slots (a power of two, 65536)
+NCCL_POOL_COLLS = "TRAINSCOPE_NCCL_POOL_COLLS"  # collectives tracked in flight per process (256)
+NCCL_POOL_OPS = "TRAINSCOPE_NCCL_POOL_OPS"      # proxy ops and kernel channels tracked per process (2048)
+NCCL_PROFILER_PLUGIN = "NCCL_PROFILER_PLUGIN"   # NCCL's: the profiler plugin library (path or name)
 # Network security (proto/security.py; issue #11 item 8). Secrets come from a file
 # (the *_FILE variables, preferred) or the variable itself, never from argv.
 TLS_CA = "TRAINSCOPE_TLS_CA"                  # exporter: CA bundle that signed the processor's certificate
