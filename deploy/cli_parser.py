@@ -191,9 +191,10 @@ def _add_run_parser(sub, handlers: Handlers) -> None:
     ru.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
     ru.set_defaults(func=handlers["run"])
 
-    from trainscope.deploy import profile_cmd, report_cmd
+    from trainscope.deploy import nccl_plugin, profile_cmd, report_cmd
     report_cmd.add_parser(sub)
     profile_cmd.add_parser(sub)
+    nccl_plugin.add_parser(sub)
 
 
 def _add_query_parser(sub, handlers: Handlers) -> None:
