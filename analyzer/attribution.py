@@ -19,7 +19,8 @@ evidence and attributes the waiting to the member that made the others wait.
 3. Inherited lateness: a rank whose only culprit evidence is arriving late
    to a collective (or being slower in forward/backward, which hold
    tensor-parallel collectives) while a sync partner has slow work of its
-   own (compute, memory, a host phase, or a host function its stacks show)
+   own (compute, memory, a host phase, or a host function its stacks show; a late start
+   found by the collectives level is lateness, not work of its own)
    worth at least ``INHERIT_SHARE`` of it, was late because of that partner
    (a TP partner of a slow GPU arrives late to the data-parallel all-reduce
    too; so does that partner's pipeline neighbour: followed transitively):
@@ -92,6 +93,8 @@ INHERIT_SHARE = 0.2
 #: slower there is culprit evidence, but not proof of slow work of the rank's own.
 AMBIGUOUS = re.compile(r"^(forward|backward)$|^fwd$|^bwd$", re.IGNORECASE)
 
+#: The collectives level's finding of a rank late to a group's collectives (analyzer/collectives.py step 3).
+LATE_START = "late_start"
 #: Verdict order of roles.
 ROLE_ORDER = {CULPRIT: 0, LINK: 1, WAITER: 2, MISSING: 3}
 
@@ -124,8 +127,12 @@ class Evidence:
 
     @property
     def own(self) -> bool:
-        """Slow work of its own (not a collective it arrived late to, not a phase holding collectives)."""
-        return self.role == CULPRIT and not self.communication and not AMBIGUOUS.search(self.where)
+        """Slow work of its own (not a collective it arrived late to, not a phase holding collectives).
+        The collectives level's late start is lateness too (Mycroft §5: the lateness is measured, not its
+        cause): a slow GPU's TP partner and that pair's pipeline neighbours start late every step with
+        no work of their own, and step 3 follows them to the partner whose work is slow."""
+        return (self.role == CULPRIT and not self.communication and not AMBIGUOUS.search(self.where)
+                and self.kind != LATE_START)
 
     @property
     def strength(self) -> float:

@@ -306,6 +306,35 @@ def test_lateness_inherited_from_a_tp_partner_goes_to_the_partner():
     assert v.ranks[0].impact_s >= twelve.impact_s
 
 
+def test_late_starts_inherited_from_a_slow_gpu_go_to_the_gpu():
+    """The demo's pattern (gpu_throttle on rank 13, tp=2 pp=2): 13's kernels are slow (L3); its TP
+    partner 12 and the previous stage's pair 4, 5 start late to their own DP all-reduces every step
+    (the collectives level's late starts, each worth more than 13's own excess). A late start is
+    lateness, not work of its own: all three wait for 13, which is the only culprit. A late start
+    with no partner slow on its own stays a culprit."""
+    res = {r: Resource(job_id="j", rank=r, world_size=16, host=f"h{r // 4}",
+                       coords=coords_for_rank(r, 16, tp=2, pp=2)) for r in range(16)}
+    parts = sync_partners(13, res)
+    assert 12 in parts["tp"] and parts.get("pp")
+
+    def late_start(rank, impact_ms):
+        return Finding(level="collectives", kind="late_start", job_id="j", window=WIN,
+                       scope=Scope(group="collective"), evidence={"communication": False},
+                       suspects=(SuspectRank(rank, 3.0, {"function": "late start to allreduce"},
+                                             impact_ns=impact_ms * MS),))
+    pp_pair = sorted(p for p in parts["pp"])
+    slow = finding("L3", "degraded_kernel", "gemm", [(13, "slower", 40 * MS)], phase=False)
+    lates = [late_start(12, 60), *(late_start(p, 55) for p in pp_pair)]
+    v = merge("j", WIN, [slow, *lates], res, step_ns=400 * MS)
+    roles = {s.rank: (s.role, s.waited_for) for s in v.ranks}
+    assert v.ranks[0].rank == 13 and roles[13][0] == "culprit"
+    assert [r for r, (role, _) in roles.items() if role == "culprit"] == [13]
+    assert roles[12] == ("waiter", 13)
+    assert all(roles[p][0] == "waiter" for p in pp_pair)
+    alone = merge("j", WIN, [late_start(12, 60)], res, step_ns=400 * MS)
+    assert [(s.rank, s.role) for s in alone.ranks] == [(12, "culprit")]
+
+
 def test_a_rank_costing_a_large_share_of_the_step_is_named_at_once():
     res = resources(16, tp=4)
     big = finding("L2", "straggler", "mlp", [(3, "slower", 20 * MS)])      # 20 % of a 100 ms step
