@@ -49,6 +49,7 @@ SCENARIOS = {
     "cpu_contention": ("host=1", ["factor=3", "factor=10"]),
     "moe_imbalance": ("rank={r}", ["factor=1.5", "factor=2"]),
     "hang": ("rank={r}", ["timeout=60", "timeout=60"]),
+    "nic_fail": ("rank={r}", ["timeout=60", "timeout=60"]),
     "jit_stall": ("rank={r}", ["prob=0.05,delay=3", "prob=0.1,delay=5"]),
 }
 
