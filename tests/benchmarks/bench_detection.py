@@ -24,6 +24,7 @@ Also: onset → first diagnosis latency per level on a 1,024-rank job (--big).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -54,8 +55,13 @@ SCENARIOS = {
 }
 
 
-#: --collective-steps: every simulated job's collective records carry step records (fields 14-19).
-COLLECTIVE_STEPS = False
+#: --collective-steps: every simulated job's collective records carry step records (fields 14-19);
+#: --window-iterations: the analysis window. Both travel to spawned workers (--workers) in the environment.
+STEPS_ENV, WINDOW_ENV = "TRAINSCOPE_BENCH_COLLECTIVE_STEPS", "TRAINSCOPE_BENCH_WINDOW_ITERATIONS"
+
+
+def _window_iterations() -> int:
+    return int(os.environ.get(WINDOW_ENV, "10"))
 
 
 def run_one(ranks: int, fault: str | None, seed: int, iterations: int, home: str, *, tp: int = 2, pp: int = 2,
@@ -64,7 +70,8 @@ def run_one(ranks: int, fault: str | None, seed: int, iterations: int, home: str
     extra = {"noise": noise} if noise is not None else {}
     cfg = sim_config(ranks=ranks, tp=tp, pp=pp, ep=ep, iterations=iterations, seed=seed,
                      faults=faults if faults is not None else ([fault] if fault else []), job_id=f"bench{seed}",
-                     home=home, window_iterations=10, iteration_s=iteration_s, collective_steps=COLLECTIVE_STEPS,
+                     home=home, window_iterations=_window_iterations(), iteration_s=iteration_s,
+                     collective_steps=os.environ.get(STEPS_ENV) == "1",
                      **extra)
     analysis = SimAnalysis()
     res = run_sim_embedded(cfg, **analysis.hooks())
@@ -346,6 +353,8 @@ def _map(fn, tasks: list[tuple], workers: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--big", action="store_true", help="also the 1,024-rank latency run")
+    ap.add_argument("--window-iterations", type=int, default=10,
+                    help="iterations per analysis window (default 10); shorter windows, shorter latency")
     ap.add_argument("--ranks", type=int, nargs="+", default=[32])
     ap.add_argument("--magnitudes", type=int, nargs="+", default=[0, 1], help="indices into each ladder")
     ap.add_argument("--iterations", type=int, default=40)
@@ -364,8 +373,10 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=1,
                     help="faulty and healthy jobs run in this many processes (independent simulations; default 1)")
     args = ap.parse_args(argv)
-    global COLLECTIVE_STEPS
-    COLLECTIVE_STEPS = args.collective_steps
+    if args.window_iterations < 2:
+        ap.error("--window-iterations must be at least 2")
+    os.environ[STEPS_ENV] = "1" if args.collective_steps else "0"
+    os.environ[WINDOW_ENV] = str(args.window_iterations)
     if args.quick:
         args.ranks, args.magnitudes, args.healthy_runs, args.combos = [32], [1], 2, True
         args.real_jobs = args.real_jobs or 2
