@@ -127,6 +127,7 @@ class FrDump:
     groups: Mapping[str, tuple[str, tuple[int, ...]]]      # name -> (desc, ranks) from pg_config
     status: Mapping[int, tuple[int, int, int]]             # pg id -> last (enqueued, started, completed) seq
     entries: tuple[FrEntry, ...]
+    ring_entries: int = 0   # entries torch's dump held (``entries`` above may be only each group's newest)
 
     def in_flight(self) -> list[FrEntry]:
         return [e for e in self.entries if e.state != "completed"]
@@ -223,11 +224,12 @@ def _from_raw(raw: Any, source: str, last_per_group: int = 0) -> FrDump:
     entries = raw.get("entries", [])   # absent when dumped with includeCollectives=False
     if not isinstance(entries, list):
         raise FlightRecorderError(source, "'entries' is not a list")
+    ring = len(entries)
     if last_per_group > 0:
         entries = _last_per_group(entries, last_per_group)
     out = tuple(_entry(i, e, status, source) for i, e in enumerate(entries))
     return FrDump(version=version, comm_lib_version=str(raw.get("comm_lib_version", "")), groups=groups,
-                  status=status, entries=out)
+                  status=status, entries=out, ring_entries=ring)
 
 
 def _int(v: Any, where: str, source: str) -> int:
@@ -423,35 +425,56 @@ def view(dump: FrDump, entries: int = VIEW_ENTRIES, groups: int = VIEW_GROUPS) -
     return out
 
 
-def take_view(entries: int = VIEW_ENTRIES, groups: int = VIEW_GROUPS) -> tuple[list, str]:
-    """Step 5 in process (the stack dumper's thread): (view, "") or ([], why there is none). Never raises,
-    never imports torch into a process that has not (a job without torch has no recorder)."""
+#: Step 5's outcomes of one read (the processor counts them: ``flight_recorder_views{outcome}``).
+READ_OUTCOMES = ("ok", "off", "error")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FrRead:
+    """Step 5: one read of this process's recorder by the stack dumper."""
+
+    groups: list            # FlightRecorderGroup views (empty: none, ``why`` says why)
+    why: str = ""
+    outcome: str = "ok"     # ok | off: nothing to read | error: the dump or its parse failed
+    entries: int = 0        # entries torch's dump held (0: no dump taken)
+
+
+def read_view(entries: int = VIEW_ENTRIES, groups: int = VIEW_GROUPS) -> FrRead:
+    """Step 5 in process (the stack dumper's thread): the view, or why there is none, with the read's
+    outcome and the entries torch's dump held. Never raises, never imports torch into a process that
+    has not (a job without torch has no recorder)."""
     try:
         if "torch" not in sys.modules:
-            return [], "torch is not loaded in this process"
+            return FrRead([], "torch is not loaded in this process", "off")
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
-            return [], "torch.distributed is not initialised in this process"
+            return FrRead([], "torch.distributed is not initialised in this process", "off")
         from torch._C import _distributed_c10d as c10d_C
 
         dump_json = getattr(c10d_C, "_dump_fr_trace_json", None)
         if dump_json is None:
-            return [], "this torch has no in-process Flight Recorder dump (_dump_fr_trace_json)"
+            return FrRead([], "this torch has no in-process Flight Recorder dump (_dump_fr_trace_json)", "off")
         dump = parse(dump_json(includeCollectives=True, onlyActive=False), "in-process flight recorder",
                      last_per_group=max(entries, 1))
         out = view(dump, entries, groups)
         if out:
-            return out, ""
+            return FrRead(out, "", "ok", dump.ring_entries)
         name = next((k for k in FR_ENV if os.environ.get(k) is not None), None)
         if name is not None and not _positive(os.environ[name]):
-            return [], f"Flight Recorder off ({name}={os.environ[name][:20]})"
-        return [], ("the Flight Recorder holds no collective of this process (none issued yet, or the recorder "
-                    "was off when the first process group was created)")
+            return FrRead([], f"Flight Recorder off ({name}={os.environ[name][:20]})", "off", dump.ring_entries)
+        return FrRead([], "the Flight Recorder holds no collective of this process (none issued yet, or the "
+                          "recorder was off when the first process group was created)", "off", dump.ring_entries)
     except FlightRecorderError as e:
-        return [], str(e)[:200]
+        return FrRead([], str(e)[:200], "error")
     except Exception as e:   # evidence only: never into the dumper, never into training
-        return [], f"Flight Recorder dump failed: {type(e).__name__}: {e}"[:200]
+        return FrRead([], f"Flight Recorder dump failed: {type(e).__name__}: {e}"[:200], "error")
+
+
+def take_view(entries: int = VIEW_ENTRIES, groups: int = VIEW_GROUPS) -> tuple[list, str]:
+    """Step 5 as (view, "") or ([], why there is none); ``read_view`` without the read's figures."""
+    r = read_view(entries, groups)
+    return r.groups, r.why
 
 
 def _positive(v: str | None) -> bool:
@@ -461,5 +484,6 @@ def _positive(v: str | None) -> bool:
         return False
 
 
-__all__ = ["FR_ENV", "FlightRecorderError", "FrDump", "FrEntry", "parse", "read", "snapshot", "take_view",
+__all__ = ["FR_ENV", "FlightRecorderError", "FrDump", "FrEntry", "FrRead", "READ_OUTCOMES", "parse", "read",
+           "read_view", "snapshot", "take_view",
            "to_batch", "view", "DTYPES"]

@@ -51,7 +51,7 @@ import threading
 import time
 from typing import Sequence
 
-from trainscope.collector.flight_recorder import take_view
+from trainscope.collector.flight_recorder import read_view
 from trainscope.proto import env
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import ParallelCoords, Resource
@@ -358,8 +358,10 @@ class StackDumper:
        process, killed after the command's timeout: the training thread is never stopped by us
        (``--nonblocking``: py-spy reads the stacks without pausing the process either).
     2b. On the same thread, before py-spy: this process's PyTorch Flight Recorder view
-       (``flight_recorder.take_view``: per process group the newest seq entered and the last
-       entries, bounded), or why there is none (torch not loaded, recorder off).
+       (``flight_recorder.read_view``: per process group the newest seq entered and the last
+       entries, bounded), or why there is none (torch not loaded, recorder off), with how the
+       read went (outcome ok | off | error, the entries torch's dump held, the read's wall time)
+       for the processor's ``flight_recorder_*`` counters.
     3. The dump (or the reason there is none: py-spy missing, ptrace refused, timeout, bad
        output) goes to the processor as a ``CollectiveBatch`` with one ``StackDump`` through the
        exporter's bounded queue (``submit``), like every other record of this rank.
@@ -370,7 +372,7 @@ class StackDumper:
     def __init__(self, submit, *, py_spy: str = "py-spy", pid: int | None = None, nonblocking: bool = True,
                  run=None, training_thread: int | None = None, flight_recorder=None) -> None:
         self._submit = submit
-        self._fr = flight_recorder or take_view
+        self._fr = flight_recorder or read_view   # () -> flight_recorder.FrRead
         self.py_spy = shutil.which(py_spy) or (py_spy if os.path.exists(py_spy) else None)
         self._pid = pid
         self.nonblocking = nonblocking
@@ -434,15 +436,21 @@ class StackDumper:
         return d
 
     def _flight_recorder(self, d: telemetry_pb2.StackDump) -> None:
-        """Step 2b: this process's Flight Recorder view (``flight_recorder.take_view``: in process, on this
-        thread, bounded per group; why there is none in ``flight_recorder_error``). Never raises."""
+        """Step 2b: this process's Flight Recorder view (``flight_recorder.read_view``: in process, on this
+        thread, bounded per group; why there is none in ``flight_recorder_error``), the read's outcome,
+        the entries torch's dump held and the read's wall time. Never raises."""
+        t0 = time.monotonic()
         try:
-            groups, why = self._fr()
-            d.flight_recorder.extend(groups)
-            d.flight_recorder_error = "" if groups else (why or "no Flight Recorder view")[:200]
+            r = self._fr()
+            d.flight_recorder.extend(r.groups)
+            d.flight_recorder_error = "" if r.groups else (r.why or "no Flight Recorder view")[:200]
+            d.flight_recorder_outcome = r.outcome if r.groups or r.outcome != "ok" else "error"
+            d.flight_recorder_entries = max(int(r.entries), 0)
         except Exception as e:
             del d.flight_recorder[:]
             d.flight_recorder_error = f"Flight Recorder view failed: {type(e).__name__}: {e}"[:200]
+            d.flight_recorder_outcome = "error"
+        d.flight_recorder_read_s = round(time.monotonic() - t0, 6)
         self.stats["fr_views" if len(d.flight_recorder) else "fr_missing"] += 1
 
     def submit(self, d: telemetry_pb2.StackDump) -> bool:

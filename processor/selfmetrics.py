@@ -53,10 +53,18 @@ COUNTERS = {
                             "group and grid_cooldown_s; unreachable: no member subscribed here; error)", ("outcome",)),
     "stack_grid_dumps": ("py-spy dumps of the stack grid received, by outcome (ok; error: the rank said why none)",
                          ("outcome",)),
+    "flight_recorder_views": ("Flight Recorder reads sent with stack-grid dumps, by outcome (ok: a view; off: "
+                              "nothing to read, e.g. torch not loaded, recorder off or empty; error: the dump or "
+                              "its parse failed, or the view was rejected here as malformed)", ("outcome",)),
+    "flight_recorder_entries": ("Entries the ranks' stack dumpers read from their Flight Recorders (torch's dump "
+                                "of the whole ring, summed)", ()),
+    "flight_recorder_read_seconds_sum": ("Dumper-thread time the ranks spent reading their Flight Recorders "
+                                         "(the mean: divide by flight_recorder_views)", ()),
 }
 GAUGES = {
     "lag_seconds": ("Now minus the send time of the newest batch, by signal", ("signal",)),
     "window_close_seconds_max": ("Longest time to close and summarise one window", ()),
+    "flight_recorder_read_seconds_max": ("Longest Flight Recorder read by a rank's stack dumper", ()),
     "open_windows": ("Windows open now", ()),
     "open_streams": ("Ingest streams open now", ()),
     "queue_depth": ("Validated batches waiting for the processing thread", ()),

@@ -18,7 +18,10 @@ rank is somewhere else ("rank 2 in ``time.sleep``; ranks 0, 1, 3 in
    ``CollectiveWindows`` emits it at once (``stack_grid_dumps{outcome}``). The
    dump carries the rank's Flight Recorder view (per process group the newest
    seq entered and the last entries, ``collector/flight_recorder.view``), bounded
-   here too (step 2b).
+   here too (step 2b), and how the rank's read of its recorder went, counted here
+   (step 2c): ``flight_recorder_views{outcome=ok|off|error}``,
+   ``flight_recorder_entries`` (entries torch's dumps held),
+   ``flight_recorder_read_seconds_sum`` and ``_max`` (the dumpers' read time).
 3. The analyzer clusters the dumps by stack (``analyzer/stack_grid.py``).
 
 Assumption: a group's members reach this processor's control channel; the
@@ -47,6 +50,9 @@ MAX_FR_GROUPS = 16
 MAX_FR_ENTRIES = 32
 MAX_FR_SIZES = 128
 FR_STATES = ("scheduled", "started", "completed")
+FR_OUTCOMES = ("ok", "off", "error")
+#: Step 2c: a read time above this (a clock jump, a bad sender) is not added to the sums.
+MAX_FR_READ_S = 600.0
 GRID_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,95}")
 
 
@@ -64,13 +70,14 @@ def valid_dump(d: telemetry_pb2.StackDump, world_size: int, metrics: SelfMetrics
             metrics.inc("records_truncated", 1, what="stack")
     if len(d.error) > 256:
         d.error = d.error[:256]
-    _bound_flight_recorder(d, metrics)
+    _count_flight_recorder(d, _bound_flight_recorder(d, metrics), metrics)
     return True
 
 
-def _bound_flight_recorder(d: telemetry_pb2.StackDump, metrics: SelfMetrics) -> None:
+def _bound_flight_recorder(d: telemetry_pb2.StackDump, metrics: SelfMetrics) -> bool:
     """Step 2b: the dump's Flight Recorder view bounded (groups, newest entries kept); a view with a
-    malformed field is dropped (the stack dump stays), its reason in ``flight_recorder_error``."""
+    malformed field is dropped (the stack dump stays), its reason in ``flight_recorder_error``. True
+    when it was dropped."""
     if len(d.flight_recorder_error) > 256:
         d.flight_recorder_error = d.flight_recorder_error[:256]
     if len(d.flight_recorder) > MAX_FR_GROUPS:
@@ -91,6 +98,28 @@ def _bound_flight_recorder(d: telemetry_pb2.StackDump, metrics: SelfMetrics) -> 
         del d.flight_recorder[:]
         d.flight_recorder_error = f"Flight Recorder view rejected by the processor (malformed {bad})"
         metrics.inc("records_rejected", 1, reason="flight_recorder")
+    return bool(bad)
+
+
+def _count_flight_recorder(d: telemetry_pb2.StackDump, rejected: bool, metrics: SelfMetrics) -> None:
+    """Step 2c: the rank's Flight Recorder read counted where an operator sees it. The outcome is the
+    collector's (``flight_recorder_outcome``), except: a view rejected in step 2b, an ``ok`` without a
+    view and an unknown outcome are errors; a collector older than the field sent none (ok with a view,
+    else off). The outcome is written back on the dump, so the analyzer reads the same."""
+    outcome, has_view = d.flight_recorder_outcome, len(d.flight_recorder) > 0
+    if not outcome:
+        outcome = "ok" if has_view else "off"
+    elif outcome not in FR_OUTCOMES or (outcome == "ok" and not has_view):
+        outcome = "error"
+    if rejected:
+        outcome = "error"
+    d.flight_recorder_outcome = outcome
+    metrics.inc("flight_recorder_views", 1, outcome=outcome)
+    metrics.inc("flight_recorder_entries", d.flight_recorder_entries)
+    took = d.flight_recorder_read_s
+    if 0 <= took <= MAX_FR_READ_S:      # NaN fails both
+        metrics.inc("flight_recorder_read_seconds_sum", took)
+        metrics.set_max("flight_recorder_read_seconds_max", took)
 
 
 def grid_id(group: str, kind: str, seq: int) -> str:
@@ -149,5 +178,5 @@ class GridRequests:
         return reached
 
 
-__all__ = ["FR_STATES", "GRID_ID", "GridRequests", "MAX_DUMPS_PER_BATCH", "MAX_FR_ENTRIES", "MAX_FR_GROUPS", "MAX_DUMP_STACK", "MAX_DUMP_THREADS", "grid_id",
+__all__ = ["FR_OUTCOMES", "FR_STATES", "GRID_ID", "GridRequests", "MAX_DUMPS_PER_BATCH", "MAX_FR_ENTRIES", "MAX_FR_GROUPS", "MAX_DUMP_STACK", "MAX_DUMP_THREADS", "grid_id",
            "valid_dump"]

@@ -85,6 +85,7 @@ def test_reading_only_each_groups_newest_entries_gives_the_same_view():
 def test_take_view_fails_soft_and_says_why(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     assert fr.take_view() == ([], "torch is not loaded in this process")
+    assert fr.read_view() == fr.FrRead([], "torch is not loaded in this process", "off", 0)
 
 
 def test_take_view_reads_this_processs_real_recorder():
@@ -92,6 +93,7 @@ def test_take_view_reads_this_processs_real_recorder():
     torch = pytest.importorskip("torch")
     dist = torch.distributed
     assert fr.take_view()[1] == "torch.distributed is not initialised in this process"
+    assert fr.read_view().outcome == "off"
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         t = torch.ones(10)
@@ -103,6 +105,10 @@ def test_take_view_reads_this_processs_real_recorder():
         (g,) = groups
         assert (g.group, g.newest_seq, why) == ("0", 5, "") and [e.seq for e in g.entries] == [3, 4, 5]
         assert all(e.op == "allreduce" and e.bytes == 40 and e.sizes == "[10]" and e.retired for e in g.entries)
+        # the read's figures for the processor's counters: every entry of torch's dump was read, 3 kept
+        r = fr.read_view(entries=3)
+        assert (r.outcome, r.why, r.groups) == ("ok", "", groups)
+        assert r.entries >= 5      # this process's recorder (other tests' groups may have left entries too)
     finally:
         dist.destroy_process_group()
 
@@ -118,7 +124,8 @@ def test_the_dumper_sends_the_view_with_its_stack_dump_from_its_own_thread():
 
     def view():
         seen.append(threading.current_thread().name)
-        return [telemetry_pb2.FlightRecorderGroup(group="0", newest_seq=13)], ""
+        threading.Event().wait(0.01)
+        return fr.FrRead([telemetry_pb2.FlightRecorderGroup(group="0", newest_seq=13)], "", "ok", 64)
 
     dumper = StackDumper(lambda b, n: sent.append(b) or True, py_spy=__file__, run=Runner(), flight_recorder=view)
     assert dumper.request(CMD)
@@ -130,14 +137,21 @@ def test_the_dumper_sends_the_view_with_its_stack_dump_from_its_own_thread():
     (d,) = batch.dumps
     assert [g.newest_seq for g in d.flight_recorder] == [13] and not d.flight_recorder_error and len(d.threads) == 1
     assert seen == ["trainscope-stack-dump"] and dumper.stats["fr_views"] == 1    # never the caller's thread
+    # how the read went, for the processor's counters: outcome, entries torch's dump held, the read's time
+    assert (d.flight_recorder_outcome, d.flight_recorder_entries) == ("ok", 64) and d.flight_recorder_read_s >= 0.01
 
     def broken():
         raise RuntimeError("boom")
 
-    for source, why in ((lambda: ([], "torch is not loaded in this process"), "torch is not loaded in this process"),
-                        (broken, "Flight Recorder view failed: RuntimeError: boom")):
+    for source, why, outcome in (
+            (lambda: fr.FrRead([], "torch is not loaded in this process", "off"), "torch is not loaded in this process",
+             "off"),
+            (lambda: fr.FrRead([], "bad dump", "error"), "bad dump", "error"),
+            (lambda: fr.FrRead([], "", "ok"), "no Flight Recorder view", "error"),      # 'ok' with no view
+            (broken, "Flight Recorder view failed: RuntimeError: boom", "error")):
         d = StackDumper(lambda b, n: True, py_spy=__file__, run=Runner(), flight_recorder=source).dump(CMD)
         assert not d.flight_recorder and d.flight_recorder_error == why and len(d.threads) == 1   # the stack stays
+        assert d.flight_recorder_outcome == outcome and d.flight_recorder_entries == 0, why
 
 
 # ----------------------------------------------------------------- processor
@@ -173,6 +187,40 @@ def test_the_processor_bounds_the_view_and_drops_a_malformed_one_keeping_the_sta
     for d in d_bad:
         assert not d.flight_recorder and d.flight_recorder_error.startswith("Flight Recorder view rejected")
     assert m.get("records_rejected", reason="flight_recorder") == 5
+
+
+def test_the_processor_counts_each_ranks_flight_recorder_read_by_outcome_with_entries_and_time():
+    m = SelfMetrics()
+    dumps = [sd([grp()], flight_recorder_outcome="ok", flight_recorder_entries=2000, flight_recorder_read_s=0.04),
+             sd([grp()], flight_recorder_outcome="ok", flight_recorder_entries=64, flight_recorder_read_s=0.01),
+             sd([], flight_recorder_outcome="off", flight_recorder_error="Flight Recorder off (TORCH_FR_BUFFER_SIZE=0)",
+                flight_recorder_read_s=0.001),
+             sd([], flight_recorder_outcome="error", flight_recorder_error="Flight Recorder dump failed: X"),
+             sd([grp(state="exploded")], flight_recorder_outcome="ok", flight_recorder_entries=10),  # rejected here
+             sd([], flight_recorder_outcome="ok"),                      # says ok, sent no view
+             sd([], flight_recorder_outcome="weird", flight_recorder_read_s=float("nan")),
+             sd([grp()]), sd([]),                                       # a collector older than the fields
+             sd([], flight_recorder_read_s=1e9)]                        # a read time no clock gives
+    assert all(valid_dump(d, 8, m) for d in dumps)
+    assert {o: m.get("flight_recorder_views", outcome=o) for o in ("ok", "off", "error")} == \
+        {"ok": 3, "off": 3, "error": 4}
+    assert [d.flight_recorder_outcome for d in dumps] == ["ok", "ok", "off", "error", "error", "error", "error",
+                                                          "ok", "off", "off"]   # what the analyzer reads too
+    assert m.get("flight_recorder_entries") == 2000 + 64 + 10
+    assert m.get("flight_recorder_read_seconds_sum") == pytest.approx(0.051)
+    assert m.get("flight_recorder_read_seconds_max") == pytest.approx(0.04)
+    assert m.get("records_rejected", reason="flight_recorder") == 1
+    # a dump rejected whole is not counted as a read
+    assert not valid_dump(sd([grp()], grid_id="", flight_recorder_outcome="ok"), 8, m)
+    assert m.get("flight_recorder_views") == len(dumps)
+    # exported like the other self-metrics
+    from prometheus_client import CollectorRegistry, generate_latest
+    reg = CollectorRegistry()
+    reg.register(m)
+    text = generate_latest(reg).decode()
+    assert 'trainscope_processor_flight_recorder_views_total{outcome="error"} 4.0' in text
+    assert "trainscope_processor_flight_recorder_entries_total 2074.0" in text
+    assert "trainscope_processor_flight_recorder_read_seconds_max 0.04" in text
 
 
 # ------------------------------------------------------------------ analyzer
