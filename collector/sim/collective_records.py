@@ -40,6 +40,28 @@
    flows of the previous step ended and the data sent to it then arrived; the
    steps are scaled to fill the engine's transfer. Sent as fields 14-19 of
    each record (start/end offsets from the record's start, the rank's clock).
+7. Collectives in flight at the end of the run (``channel_states.py``; Mycroft §4.2
+   state log): a collective a rank entered that never ended (the engine's
+   step 7: a hang, a failed NIC) is sent as a record with ``end_ns`` 0 plus,
+   per channel (``channel_states.CHANNELS``), its newest channel state: the 100 ms tick of
+   simulated time at or before the first NCCL watchdog fired (the earliest
+   entry into a stuck collective + its timeout; the run ends there), with cumulative
+   GPU_ready / RDMA_transmitted / RDMA_done of the channel's
+   ``total_chunks`` (its ring steps x the chunks of one step, ``CHUNK_BYTES``),
+   the time since they last moved and the flow's peer (the ring's next
+   member; −1 for all-to-all). Per flow r → next(r), vectorised over every
+   (rank, collective) in flight: through a dead NIC (either end): one step's
+   chunks made ready and posted, none delivered (② > ③); to a member that
+   never entered: ready, not posted (① > ②, receiver not ready); otherwise
+   the step-0 chunks sent and done, the GPU waiting for upstream data
+   (① = ② = ③ > 0). Only the newest state of a collective that never
+   completed goes out: a collector cutting its batch drops the states its
+   completion records supersede (the processor would drop them at its window
+   close anyway), so a job without a stuck collective sends none and costs
+   nothing more. ``states_at`` builds the same snapshot at any moment of a
+   chunk (tests: a healthy job's collectives mid-flight, counters moving).
+   The earlier exclusion of in-flight records (step 3) stands for
+   collectives that do end: only those the run ends inside are sent.
 """
 from __future__ import annotations
 
@@ -48,6 +70,7 @@ import dataclasses
 import numpy as np
 
 from trainscope.collector.sim import workload as wl
+from trainscope.collector.sim.channel_states import flight_payloads, states_at
 from trainscope.collector.sim.topology import Topology
 from trainscope.proto.v1.telemetry_pb2 import CollectiveBatch, CollectiveGroup, CollectiveRecord
 
@@ -88,6 +111,9 @@ class CollectivePlan:
     #: order (G, n), per rank its row there and position in it (W,) each; None: no step records.
     step_plans: tuple | None = None
     step_groups: tuple | None = None
+    #: Step 7: (W, Kc) the slot's group spans hosts (its flows leave through the NICs); (Kc,) group sizes.
+    inter: np.ndarray | None = None
+    size: np.ndarray | None = None
 
     @classmethod
     def build(cls, topo: Topology, tmpl: wl.Template, *, steps: bool = False,
@@ -162,7 +188,10 @@ class CollectivePlan:
             step_plans = tuple(decompose(o, topo.size(d), int(b), (algos or {}).get(o))
                                for o, d, b in zip(ops, dims, nbytes.tolist()))
             step_groups = tuple(rows_of[d] for d in dims)
+        inter = np.stack([topo.inter_host(d)[topo.canon_of] for d in dims], axis=1) if dims else \
+            np.zeros((W, 0), dtype=bool)
         return cls(slots=slots, ops=ops, dtypes=dtypes, nbytes=nbytes, groups=tuple(groups),
+                   inter=inter, size=np.asarray([topo.size(d) for d in dims], dtype=np.int64),
                    step_plans=step_plans, step_groups=step_groups,
                    group_of=group_of, seq_index=seq_index[st], per_iteration=per_it[st],
                    ring_next=ring_next, ring_steps=ring_steps,
@@ -185,6 +214,9 @@ class CollectiveColumns:
     #: Step 6 (plans with steps): per slot index, (start, end) offsets from each member's own
     #: start, int64 ns (I, G, S, n, k) in the slot's group rows (``plan.step_groups``); −1: none.
     steps: dict | None = None
+    #: Step 7: per rank, (its in-flight records as field-2 bytes, its channel states as field-6 bytes,
+    #: its clock at the watchdog's abort); only ranks with a collective in flight.
+    flight: dict | None = None
     #: Step 4, made on the first ``payload``: every record's bytes, per-rank offsets, ``now_ns``.
     _wire: tuple[memoryview, np.ndarray, np.ndarray] | None = dataclasses.field(default=None, repr=False)
 
@@ -198,10 +230,20 @@ class CollectiveColumns:
             self._wire = encode_records(self)
         buf, off, now = self._wire
         lo, hi = int(off[r]), int(off[r + 1])
-        if lo == hi:
+        fl = self.flight.get(r) if self.flight else None
+        if lo == hi and fl is None:
             return None
-        data = b"".join((self.plan.groups_pb[r], buf[lo:hi], b"\x18", _varint(int(now[r]))))
+        if fl is None:
+            data = b"".join((self.plan.groups_pb[r], buf[lo:hi], b"\x18", _varint(int(now[r]))))
+        else:   # step 7: fields in number order (records 2, now_ns 3, states 6), as protobuf writes them
+            data = b"".join((self.plan.groups_pb[r], buf[lo:hi], fl[0], b"\x18",
+                             _varint(max(int(now[r]), fl[2])), fl[1]))
         return data if self.steps is None else self._with_steps(r, data)
+
+    @property
+    def state_events(self) -> int:
+        """Channel states sent (step 7)."""
+        return sum(v[3] for v in self.flight.values()) if self.flight else 0
 
     def _with_steps(self, r: int, data: bytes) -> bytes:
         """Step 6: the rank's batch with every record's flows (fields 14-19), by protobuf."""
@@ -337,11 +379,24 @@ def build_columns(plan: CollectivePlan, outs, topo: Topology, clocks) -> Collect
     end = np.maximum(clocks.local(np.where(valid, s + dur, 0.0), hosts), enq + 1)
     its = np.asarray([o.it for o in outs], dtype=np.int64)
     steps = None if plan.step_plans is None else step_times(plan, its, start, dur, busy, xfer, valid)
+    # step 7: entered, never ended (the watchdog aborted it after its timeout): in flight at the run's end
+    with np.errstate(invalid="ignore"):
+        flying = np.isfinite(start) & np.isfinite(dur) & ~np.isfinite(busy)
+    flight = None
+    if flying.any():
+        dead = [o.nic_dead for o in outs if o.nic_dead is not None]
+        dead = np.min(dead, axis=0)[perm] if dead else np.full(W, np.inf)
+        # every collector's last batch is cut when the first watchdog fires (the earliest entry + timeout):
+        # the collective stuck longest shows the longest wait, the ones it held up since, shorter ones
+        cut = float(np.min(start[flying])) + outs[-1].timeout_ns
+        snap = states_at(plan, its, start, flying, np.full(start.shape, cut), dead)
+        flight = flight_payloads(plan, its, snap, topo, clocks)
     with np.errstate(invalid="ignore"):
         return CollectiveColumns(plan=plan, iterations=its,
                                  enqueue=enq, end=end, valid=valid, done=done,
                                  busy=np.where(done, np.rint(busy), 0.0),
-                                 wait=np.where(done, np.maximum(np.rint(xfer - busy), 0.0), 0.0), steps=steps)
+                                 wait=np.where(done, np.maximum(np.rint(xfer - busy), 0.0), 0.0), steps=steps,
+                                 flight=flight)
 
 
 #: Step 6: log-spread of one flow step's time around its link's (healthy step-to-step jitter).

@@ -37,6 +37,7 @@ class Mods:
     hang_at: np.ndarray      # (W,) global ns after which the rank enters no collective
     cpu_delay: np.ndarray | None = None   # (W, K) CPU stall before launching a slot, ns
     coll_delay: np.ndarray | None = None  # (W, K) late entry into a collective, ns
+    nic_dead: np.ndarray | None = None    # (W,) global ns from which the rank's NIC delivers nothing (nic_fail)
     stall_s: dict = dataclasses.field(default_factory=dict)  # stack category -> (W,) seconds
 
     @classmethod
@@ -143,6 +144,11 @@ def apply(spec: FaultSpec, c: np.ndarray, mods: Mods, ctx: Ctx) -> np.ndarray:
     elif t == "hang":
         # The onset may fall inside this iteration: collectives entered after it never are.
         mods.hang_at[c] = np.minimum(mods.hang_at[c], ctx.t0_ns)
+    elif t == "nic_fail":
+        # From the iteration's start the NIC delivers nothing: the collectives through it never end.
+        if mods.nic_dead is None:
+            mods.nic_dead = np.full(mods.kmult.shape[0], np.inf)
+        mods.nic_dead[c] = np.minimum(mods.nic_dead[c], ctx.t0_ns)
     else:  # pragma: no cover - FaultSpec validated the type
         raise AssertionError(t)
     return c
@@ -205,6 +211,9 @@ def expectations(spec: FaultSpec, tmpl: wl.Template, topo: Topology) -> dict:
         culprit = _tagged(tmpl.kernel_keys(tmpl.op == wl.OP_BUCKET), "start after backward (not overlapped)")
     elif t == "hang":
         peers = _tagged(comm_keys, "one collective aborted after timeout on peers; none on the culprit")
+    elif t == "nic_fail":
+        peers = _tagged(_link_keys(tmpl, topo, inter=True),
+                        "one inter-host collective aborted after timeout on every member, the culprit too")
     elif t == "jit_stall":
         phases = ["backward"]
         extra["micro_batch"] = int(spec.params["mb"]) % M

@@ -52,6 +52,11 @@ emission. One iteration:
    that waits on it becomes inf. A rank that did arrive at a collective that
    never completes is aborted by the NCCL watchdog after ``timeout``: that
    kernel is reported with duration ``timeout``; nothing after it is.
+   A failed NIC (``nic_fail``): an inter-host collective of a group with a
+   member on it, whose transfer would end after the NIC died, never ends
+   on any member although every member arrived (end = inf). Point-to-point
+   sends carry no records in this simulator and are left running: the
+   collectives alone show the failure.
 """
 from __future__ import annotations
 
@@ -90,6 +95,8 @@ class IterationOut:
     hung: bool
     busy: np.ndarray | None = None  # (W, K) ring flows' busy time of collective slots, ns (NaN: none)
     xfer: np.ndarray | None = None  # (W, K) the collective's transfer (ring) time, ns (NaN: never ended)
+    nic_dead: np.ndarray | None = None  # (W,) global ns each rank's NIC died (inf: alive); None: no nic_fail
+    timeout_ns: float = 60e9        # the watchdog's timeout (step 7)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -247,7 +254,9 @@ class Engine:
         cat[:, 1] = np.maximum(total - cat[:, [0, 2, 3, 4]].sum(axis=1), 0.0)
         cat[~np.isfinite(cat)] = 0.0
         return IterationOut(it, start, dur, t_prev.copy(), t_end, ph_start, ph_dur, cat,
-                            hung=not bool(np.isfinite(t_end).all()), busy=st.busy, xfer=st.xfer)
+                            hung=not bool(np.isfinite(t_end).all()), busy=st.busy, xfer=st.xfer,
+                            nic_dead=None if mods.nic_dead is None else mods.nic_dead.copy(),
+                            timeout_ns=self.hang_timeout_ns)
 
     # ------------------------------------------------------------ pipeline
     def _pipeline(self, st: _State) -> None:
@@ -358,6 +367,9 @@ class Engine:
         mean_log = self._gmean(logd, dim, stage)
         transfer = np.exp(mean_log) * self._gmax(link, dim, stage)
         end = self._gmax(a, dim, stage) + transfer
+        if st.mods.nic_dead is not None:   # step 7: a failed NIC of a member: the transfer never ends
+            dead = np.where(self.inter[dim][sl], st.mods.nic_dead[sl], np.inf)
+            end = np.where(-self._gmax(-dead, dim, stage) < end, np.inf, end)
         self._record(sl, slot, a, end, st)
         # The ring's flows (module docstring, step 4): link r -> next(r) at the slower of its two ends.
         nxt = self.ring_next[dim][sl] - (sl.start or 0)

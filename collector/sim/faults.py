@@ -14,6 +14,7 @@ Syntax (CLI ``--fault``)::
 
     gpu_throttle:rank=137,onset=60s,factor=1.4
     nic_degrade:nic=3:1,factor=4,onset=20it          # host 3, NIC 1; onset at iteration 20
+    nic_fail:rank=5,onset=30s                         # rank 5's NIC stops delivering
     net_congestion:scope=all,every=30s,for=5s,factor=3
     moe_imbalance:group=ep:12,skew=0.4               # the EP group that holds rank 12
 
@@ -115,6 +116,14 @@ FAULT_TYPES: dict[str, FaultKind] = {k.name: k for k in (
        "iterations stop; the culprit never enters its next collective; its group peers enter "
        "it and are aborted by the NCCL watchdog after timeout (one collective longer than "
        "timeout on each peer, none on the culprit); stacks show the culprit elsewhere"),
+    _K("nic_fail", "a NIC stops delivering: the collectives through it never complete", {"timeout": 60.0},
+       None, ("L1",), None,
+       "Mycroft §7.1 #1 NIC shutdown (the link dies, the ranks stay alive)",
+       "from onset every inter-host collective with a member on the NIC stays in flight on all its "
+       "members (every one entered); Mycroft's channel states: the flows into and out of the NIC "
+       "posted but never delivered (RDMA_transmitted > RDMA_done), every other member's GPU waiting "
+       "for upstream data (GPU_ready = RDMA_transmitted = RDMA_done); the NCCL watchdog aborts after "
+       "timeout; iterations stop"),
     _K("background_load", "background GPU load sharing the device", {"factor": 1.4}, None,
        ("L2", "L3"), None, "Mycroft §7.1 #5 background computation",
        "compute kernels slower and noisier (wider distribution) on the affected ranks"),
@@ -356,7 +365,7 @@ def resolve_ranks(spec: FaultSpec, topo, setting: str) -> np.ndarray:
         if bad:
             raise ConfigError(f"{setting}.rank", bad[0], f"outside the world of {W} ranks")
         ranks = np.asarray(spec.ranks, dtype=np.int64)
-        if spec.type == "nic_degrade":  # a NIC named by a rank using it: every rank on that NIC
+        if spec.type in ("nic_degrade", "nic_fail"):  # a NIC named by a rank using it: every rank on that NIC
             return np.flatnonzero(np.isin(topo.nic, topo.nic[ranks]))
         return ranks
     if spec.hosts:

@@ -32,6 +32,8 @@ from trainscope.collector.sim.faults import Activity, FaultSpec, resolve_ranks
 from trainscope.collector.sim.topology import HostClocks
 from trainscope.collector.sim.workload import build_template
 
+#: Faults that stop the job (the NCCL watchdog's timeout applies): a rank stops, a NIC fails.
+HANG_TYPES = ("hang", "nic_fail")
 #: Cap on per-iteration firing records kept per fault in the ground truth.
 MAX_FIRED_RECORDS = 10_000
 # The engine's host-time categories are the first stack columns, in the same order.
@@ -59,7 +61,7 @@ class Simulation:
         self.config = cfg = config
         self.topo = topo = cfg.topology()
         self.tmpl = build_template(topo, layers=cfg.layers, micro_batches=cfg.micro_batches)
-        hang_timeouts = [f.params["timeout"] for f in cfg.faults if f.type == "hang"]
+        hang_timeouts = [f.params["timeout"] for f in cfg.faults if f.type in HANG_TYPES]
         self.engine = Engine(topo, self.tmpl, iteration_s=cfg.iteration_s, noise_sigma=cfg.noise_sigma,
                              comm_sigma=cfg.comm_sigma, hang_timeout_s=min(hang_timeouts, default=60.0),
                              noise=cfg.noise, noise_rng=np.random.default_rng([cfg.seed, 3]))
@@ -152,12 +154,13 @@ class Simulation:
         """Step 4: one stack snapshot per rank over the watchdog timeout after the hang."""
         topo = self.topo
         W = topo.world
-        hangs = [f for f in self.faults if f.spec.type == "hang" and f.active_iterations]
+        hangs = [f for f in self.faults if f.spec.type in HANG_TYPES and f.active_iterations]
         t0 = float(np.min(buf_end))
         timeout = min(f.spec.params["timeout"] for f in hangs) if hangs else 60.0
         culprits = np.zeros(W, dtype=bool)
         for f in hangs:
-            culprits[f.ranks] = True
+            if f.spec.type == "hang":    # a failed NIC leaves every rank waiting in NCCL
+                culprits[f.ranks] = True
         s = np.zeros((W, len(STACK_COLUMNS)))
         s[culprits, STACK_COLUMNS.index("hang")] = timeout
         s[~culprits, STACK_COLUMNS.index("nccl_wait")] = timeout

@@ -108,7 +108,7 @@ def _fault(sim: Simulation, f) -> dict:
         dims = [d for d in ("tp", "cp", "ep", "dp", "pp") if topo.size(d) > 1]
         out["peer_groups"] = {d: sorted({tuple(topo.group_members(d, r)) for r in ranks}) for d in dims}
         out["peer_groups"] = {d: [list(g) for g in gs] for d, gs in out["peer_groups"].items()}
-    if sp.type == "nic_degrade" or sp.nic is not None:
+    if sp.type in ("nic_degrade", "nic_fail") or sp.nic is not None:
         out["nics"] = sorted(set(topo.nic[f.ranks].tolist()))
     return out
 
