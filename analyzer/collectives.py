@@ -98,7 +98,37 @@ has not started the op"), checked on every analyzer step, not per window:
    other members never reported that seq: those others are stuck before it. The
    first-stuck rank is the one whose last collective on the group is the
    oldest (lowest seq); it is the culprit of a ``stall`` finding naming the
-   group and seq; the members in flight are its waiters.
+   group and seq; the members in flight are its waiters. A member that is
+   itself stuck in flight in another collective (for ``hang_timeout_s``) is
+   not a root (Mycroft §5.2: "a single responsible group whose stuck rank
+   propagates problems to other groups"): it waits there, and that
+   collective's own rule names the root; a group whose absent members all
+   wait elsewhere gets no finding. Where channel states of the collective are
+   held, the culprit's upstream channels corroborate (``channel_states``
+   step 5: typically "not transmitted: receiver not ready").
+5c. One hang per job at a time (Mycroft §5.2, Algorithm 2: the group whose
+   stuck rank propagates to the others): of the collectives steps 5 and 5b
+   localise in one call, the one stuck longest on its members' own clocks
+   is reported; the others stuck by then, and any stuck later while it is
+   still in flight, are its consequences (marked, not reported). A test job
+   whose culprit's tensor-parallel partner waits in its all-reduce leaves
+   the partner absent from its data-parallel group's next collective: without
+   5 and 5c the partner would be named there too.
+5b. Every member entered and every one is in flight (the link hang): the
+   newest channel states of that (group, seq) (``CollectiveWindow.states``,
+   Mycroft §4.2) are read by ``channel_states.localise`` (Mycroft §5.2-5.3,
+   Table 3 "each flow should complete", Table 4, sender versus receiver):
+   the NIC of a rank all of whose flows are stuck at the network, else the
+   blocked flow src → dst with the least progress. It is the root of a
+   ``stall`` finding, role ``link``, its evidence the Table 4 state and
+   stuck time (``why``), the other members listed as waiting ranks. Without
+   states, or with none stuck at the network, nothing is named (as before).
+
+Channel states as evidence of a slow link (steps 6-8): each named rank's
+recent state samples (the last ``state_samples`` of every collective it
+reported in flight), when there are any, add a line to its evidence
+(``channel_states``): the commonest unfinished Table 4 state and its share,
+e.g. "②>③ (not delivered) on 60 % of 10 samples: NIC side".
 
 Stall and late-start findings carry the group's stack grid when its py-spy dumps
 are in (Mycroft §5 evidence, ``stack_grid.py``).
@@ -111,7 +141,7 @@ from typing import Mapping
 
 import numpy as np
 
-from trainscope.analyzer import provenance, stack_grid, waiting_graph
+from trainscope.analyzer import channel_states, provenance, stack_grid, waiting_graph
 from trainscope.analyzer.model import CULPRIT, LINK, WAITER, Finding, Scope, SuspectRank
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import records_pb2
@@ -148,14 +178,21 @@ class CollectivesConfig:
     """Step 8: iterations of the window without a slow link of the host, the baseline of its cost."""
     stack_grid: stack_grid.StackGridConfig = dataclasses.field(default_factory=stack_grid.StackGridConfig)
     """The py-spy dumps of a triggering group, clustered and attached to stall and late-start findings."""
+    state_stuck_s: float = 5.0
+    """Step 5b: a flow whose channel counters have not moved this long is stuck."""
+    max_states_per_group: int = 65_536
+    """Step 5b: channel states held per group (the newest per (seq, rank, channel)); beyond it dropped, counted."""
+    state_samples: int = 64
+    """Slow-link evidence: Table 4 states of the latest channel states kept per rank."""
 
     def __post_init__(self) -> None:
-        for f in ("hang_timeout_s", "late_factor", "min_late_ms", "slow_factor"):
+        for f in ("hang_timeout_s", "late_factor", "min_late_ms", "slow_factor", "state_stuck_s"):
             if not getattr(self, f) > 0:
                 raise ConfigError(f"analyzer.collectives.{f}", getattr(self, f), "must be > 0")
         if not 0 < self.min_share <= 1:
             raise ConfigError("analyzer.collectives.min_share", self.min_share, "must be in (0, 1]")
-        for f in ("min_collectives", "max_seqs_per_group", "max_groups", "max_step_flows", "host_min_clean"):
+        for f in ("min_collectives", "max_seqs_per_group", "max_groups", "max_step_flows", "host_min_clean",
+                  "max_states_per_group", "state_samples"):
             if not (isinstance(getattr(self, f), int) and getattr(self, f) >= 1):
                 raise ConfigError(f"analyzer.collectives.{f}", getattr(self, f), "must be an integer >= 1")
 
@@ -193,7 +230,7 @@ class StepColumns:
 
 
 class _Group:
-    __slots__ = ("members", "seqs", "judged", "transfer_hist", "reported_hang")
+    __slots__ = ("members", "seqs", "judged", "transfer_hist", "reported_hang", "states", "n_states")
 
     def __init__(self, members: tuple[int, ...]) -> None:
         self.members = members
@@ -203,6 +240,15 @@ class _Group:
         self.judged = 0                     # highest seq judged for late start
         self.transfer_hist: dict[tuple[str, int], collections.deque] = {}
         self.reported_hang: set[int] = set()
+        # step 5b: seq -> (rank, channel) -> the newest state as a channel_states.FIELDS tuple
+        self.states: dict[int, dict[tuple[int, int], tuple]] = {}
+        self.n_states = 0
+
+    def forget(self, seq: int) -> None:
+        """A seq leaves ``seqs`` (judged, or the oldest over the bound): its channel states go with it."""
+        held = self.states.pop(seq, None)
+        if held:
+            self.n_states -= len(held)
 
 
 def _in_window(row: Mapping[int, tuple], window: records_pb2.Window) -> bool:
@@ -232,6 +278,9 @@ class CollectiveState:
         self.step_flows = 0                 # step 6: flow steps held (bounded by max_step_flows)
         self.steps_dropped = 0              # records whose steps were not kept (bound reached)
         self.grids = stack_grid.GridBook(config.stack_grid)   # Mycroft §5 evidence (analyzer/stack_grid.py)
+        self.states_dropped = 0             # channel states over max_states_per_group
+        self.hung: tuple[str, int] | None = None   # step 5c: the (group, seq) of the hang reported, while stuck
+        self.samples: dict[int, collections.deque] = {}   # rank -> Table 4 states of its latest channel states
 
     def _release(self, row: Mapping[int, tuple]) -> None:
         self.step_flows -= sum(v[9].flows for v in row.values() if v[9] is not None)
@@ -260,7 +309,9 @@ class CollectiveState:
             if row is None:
                 row = grp.seqs[r.seq] = {}
                 if len(grp.seqs) > cfg.max_seqs_per_group:
-                    self._release(grp.seqs.pop(min(grp.seqs)))
+                    oldest = min(grp.seqs)
+                    self._release(grp.seqs.pop(oldest))
+                    grp.forget(oldest)
             old = row.get(rank)
             if old is None or not old[3]:   # a completion replaces the state record
                 steps = None
@@ -276,6 +327,35 @@ class CollectiveState:
                 row[rank] = (r.op, r.bytes, r.enqueue_ns, r.end_ns, r.iteration, r.ring_steps, r.ring_next,
                              r.send_busy_ns, r.recv_wait_ns, steps)
             self.records += 1
+        if rec.states:
+            self._absorb_states(rank, rec, ids)
+
+    def _absorb_states(self, rank: int, rec: records_pb2.CollectiveWindow, ids: list) -> None:
+        """Step 5b's input: the newest state per (group, seq, rank, channel), bounded; the Table 4 state of
+        each into the rank's samples (slow-link evidence)."""
+        cfg = self.config
+        sample = self.samples.get(rank)
+        if sample is None:
+            sample = self.samples[rank] = collections.deque(maxlen=cfg.state_samples)
+        st = channel_states.table4([x.gpu_ready for x in rec.states], [x.rdma_transmitted for x in rec.states],
+                                   [x.rdma_done for x in rec.states], [x.total_chunks for x in rec.states])
+        sample.extend(st.tolist())
+        for x in rec.states:
+            grp = ids[x.group] if x.group < len(ids) else None
+            if grp is None or x.seq <= grp.judged and x.seq not in grp.seqs:
+                continue    # untracked group, or a collective judged (completed) already
+            held = grp.states.setdefault(x.seq, {})
+            key = (rank, x.channel)
+            old = held.get(key)
+            if old is not None and old[2] > x.time_ns:
+                continue    # an older sample than the one held
+            if old is None:
+                if grp.n_states >= cfg.max_states_per_group:
+                    self.states_dropped += 1
+                    continue
+                grp.n_states += 1
+            held[key] = (rank, x.channel, x.time_ns, x.total_chunks, x.gpu_ready, x.rdma_transmitted, x.rdma_done,
+                         x.stuck_ns, x.peer)
 
     # ------------------------------------------------------------ steps 1-4
     def late_starts(self, job_id: str, window: records_pb2.Window,
@@ -301,6 +381,8 @@ class CollectiveState:
                 continue
             if len({self.stages.get(m, -1) for m in members}) > 1:   # spans pipeline stages: step 3
                 judged += [(gid, grp.members, s, grp.seqs.pop(s)) for s in done]
+                for s_ in done:
+                    grp.forget(s_)
                 continue
             transfer, first_late = [], {}
             late_of: dict[int, list[float]] = collections.defaultdict(list)   # significant latenesses
@@ -382,6 +464,7 @@ class CollectiveState:
                 h.append(t)
             for s in done:
                 judged.append((gid, grp.members, s, grp.seqs.pop(s)))
+                grp.forget(s)
         if judged:
             out += self._slow_links(job_id, window, judged, iterations, step_ns)
         return out
@@ -412,7 +495,7 @@ class CollectiveState:
             out += [f for f in waiting_graph.slow_links(job_id, window, plain, self.hosts, iterations,
                                                         cfg.waiting_graph, step_ns)
                     if not named & {s.rank for s in f.suspects}]
-        return out
+        return self.state_evidence(out) if self.samples else out
 
     def _synchronises_only_in(self, rank: int, gid: str) -> bool:
         """Step 3b: ``gid`` is the only group of two or more that ``rank`` synchronises in, and it is
@@ -469,41 +552,136 @@ class CollectiveState:
 
     # ------------------------------------------------------------ step 5
     def hangs(self, job_id: str, window: records_pb2.Window, ended: set[int] = frozenset()) -> list[Finding]:
-        """Step 5, for every group: the first-stuck rank of a collective others wait in."""
+        """Steps 5 and 5b, for every group: the first-stuck rank of a collective others wait in, or the
+        link or NIC of a collective every member is stuck in."""
         cfg = self.config
         out = []
         timeout = int(cfg.hang_timeout_s * 1e9)
+        stuck = []        # (gid, grp, seq, row, waiting) of every collective in flight past the timeout
         for gid, grp in self.groups.items():
             for seq in sorted(grp.seqs, reverse=True)[:4]:   # the newest few: a hang is at the front
                 if seq in grp.reported_hang:
                     continue
                 row = grp.seqs[seq]
                 waiting = {r: self.now_ns.get(r, 0) - v[2] for r, v in row.items() if not v[3]}
-                if not waiting or max(waiting.values()) < timeout:
-                    continue
-                absent = [m for m in grp.members if m not in row and m not in ended]
-                if not absent:
-                    continue   # every member entered: in the transfer itself (not localised here)
-                last_seen = {m: max((s for s, rw in grp.seqs.items() if m in rw), default=grp.judged)
-                             for m in absent}
-                first = min(absent, key=lambda m: (last_seen[m], m))
-                grp.reported_hang.add(seq)
-                op = next(iter(row.values()))[0]
-                waited = max(waiting.values())
-                suspects = [SuspectRank(first, waited / 1e9, {
-                    "group": gid, "seq": seq, "op": op, "last_seq": last_seen[first],
-                    "function": f"never entered {op} (group {gid}, seq {seq})",
-                    "waited_s": round(waited / 1e9, 3)}, impact_ns=float(waited), role=CULPRIT)]
-                out.append(self.grids.attach(Finding(
-                    level=LEVEL, kind="stall", job_id=job_id, window=window, scope=Scope(group="collective"),
-                    suspects=tuple(suspects), severity=waited / 1e9, job_impact_ns=float(waited), comparison="job",
-                    evidence={"rule": "collective hang (Mycroft §4.3 timeout, §5 not started)", "group": gid,
-                              "seq": seq, "op": op, "first_stuck_rank": first,
-                              "waiting_ranks": sorted(waiting), "absent_ranks": absent,
-                              "waited_s": round(waited / 1e9, 3), "hang_timeout_s": cfg.hang_timeout_s}),
-                    gid, seq, grp.members))
-                break
+                if waiting and max(waiting.values()) >= timeout:
+                    stuck.append((gid, grp, seq, row, waiting))
+        # step 5: a member stuck in flight elsewhere waits there; it is not the root of this one
+        elsewhere: dict[int, set[str]] = collections.defaultdict(set)
+        for gid, _, _, _, waiting in stuck:
+            for r, w in waiting.items():
+                if w >= timeout:
+                    elsewhere[r].add(gid)
+        if self.hung is not None:     # step 5c: the hang reported is still there: the rest follows from it
+            gid0, seq0 = self.hung
+            g0 = self.groups.get(gid0)
+            if g0 is not None and seq0 in g0.seqs and not all(v[3] for v in g0.seqs[seq0].values()):
+                for gid, grp, seq, _, _ in stuck:
+                    grp.reported_hang.add(seq)
+                return self.grids.updates()
+            self.hung = None
+        found = []        # (the longest wait, gid, seq, finding)
+        done: set[str] = set()
+        for gid, grp, seq, row, waiting in stuck:
+            if gid in done:
+                continue      # one finding per group: the newest stuck seq
+            absent = [m for m in grp.members if m not in row and m not in ended]
+            if absent:
+                roots = [m for m in absent if not elsewhere.get(m, set()) - {gid}]
+                if not roots:
+                    continue  # every absent member waits in another stuck collective: that one is the hang
+                f = self._never_entered(job_id, window, gid, grp, seq, row, waiting, absent, roots)
+            elif len(row) == len(grp.members):
+                f = self._link_hang(job_id, window, gid, grp, seq, row, waiting)     # step 5b
+                if f is None:
+                    continue  # no states, or none stuck at the network: not localised
+            else:
+                continue      # the members not in the row ended (their final batch): nothing to name
+            done.add(gid)
+            found.append((max(waiting.values()), gid, seq, f))
+        if found:
+            # step 5c (Mycroft §5.2: a single responsible group): the collective stuck longest (on the
+            # ranks' own clocks) is the hang; the others stuck since are its consequences
+            _, gid, seq, f = max(found, key=lambda x: (x[0], x[1]))
+            self.hung = (gid, seq)
+            for _, grp, seq_, _, _ in stuck:
+                grp.reported_hang.add(seq_)
+            out.append(self.grids.attach(f, gid, seq, self.groups[gid].members))   # its stack grid, when in
         return out + self.grids.updates()   # stalls issued again once their stack grid is in
+
+    def _snapshot(self, grp: _Group, seq: int) -> channel_states.Snapshot | None:
+        held = grp.states.get(seq)
+        return channel_states.Snapshot.of(held.values()) if held else None
+
+    def _never_entered(self, job_id, window, gid, grp, seq, row, waiting, absent, roots) -> Finding:
+        """Step 5: the first-stuck rank of the members that never entered (and wait nowhere else)."""
+        cfg = self.config
+        last_seen = {m: max((s for s, rw in grp.seqs.items() if m in rw), default=grp.judged) for m in roots}
+        first = min(roots, key=lambda m: (last_seen[m], m))
+        op = next(iter(row.values()))[0]
+        waited = max(waiting.values())
+        ev = {"group": gid, "seq": seq, "op": op, "last_seq": last_seen[first],
+              "function": f"never entered {op} (group {gid}, seq {seq})", "waited_s": round(waited / 1e9, 3)}
+        evidence = {"rule": "collective hang (Mycroft §4.3 timeout, §5 not started)", "group": gid,
+                    "seq": seq, "op": op, "first_stuck_rank": first,
+                    "waiting_ranks": sorted(waiting), "absent_ranks": absent,
+                    "waited_s": round(waited / 1e9, 3), "hang_timeout_s": cfg.hang_timeout_s}
+        snap = self._snapshot(grp, seq)
+        if snap is not None:       # channel_states step 5: its upstream's channels to it
+            line = channel_states.upstream_of(snap, first, int(cfg.state_stuck_s * 1e9))
+            if line:
+                ev["channel_states"] = evidence["channel_states"] = line
+        suspects = (SuspectRank(first, waited / 1e9, ev, impact_ns=float(waited), role=CULPRIT),)
+        return Finding(level=LEVEL, kind="stall", job_id=job_id, window=window, scope=Scope(group="collective"),
+                       suspects=suspects, severity=waited / 1e9, job_impact_ns=float(waited), comparison="job",
+                       evidence=evidence)
+
+    def _link_hang(self, job_id, window, gid, grp, seq, row, waiting) -> Finding | None:
+        """Step 5b: every member in flight; the channel states name the NIC or the link."""
+        cfg = self.config
+        snap = self._snapshot(grp, seq)
+        if snap is None:
+            return None
+        root = channel_states.localise(snap, int(cfg.state_stuck_s * 1e9))
+        if root is None:
+            return None
+        op = next(iter(row.values()))[0]
+        waited = max(waiting.values())
+        why = root.why()
+        hw = "NIC" if root.element == "nic" else "link"
+        ev = {"group": gid, "seq": seq, "op": op, "link": root.name, "hardware": hw,
+              "src": root.rank, "dst": root.dst, "state": channel_states.STATES[root.state],
+              "condition": channel_states.CONDITION[root.state], "stuck_s": round(root.stuck_ns / 1e9, 3),
+              "function": root.short(), "why": f"{why} (group {gid}, seq {seq}, {op})",
+              "waited_s": round(waited / 1e9, 3), "channel_states": why,
+              "waiters": sorted(r for r in waiting if r != root.rank)}
+        flows = [{"src": f.src, "dst": f.dst, "state": channel_states.STATES[f.state],
+                  "progress": round(f.progress, 3), "stuck_s": round(f.stuck_ns / 1e9, 3)} for f in root.flows[:16]]
+        return Finding(
+            level=LEVEL, kind="stall", job_id=job_id, window=window, scope=Scope(group="collective"),
+            suspects=(SuspectRank(root.rank, waited / 1e9, ev, impact_ns=float(waited), role=LINK),),
+            severity=waited / 1e9, job_impact_ns=float(waited), comparison="job",
+            evidence={"rule": "link hang (Mycroft §5.2 least-progress flow, §5.3 Table 4, sender vs receiver)",
+                      "communication": True, "group": gid, "seq": seq, "op": op, "link": root.name,
+                      "hardware": hw, "state": ev["state"], "stuck_s": ev["stuck_s"], "flows": flows,
+                      "waiting_ranks": sorted(r for r in waiting if r != root.rank), "absent_ranks": [],
+                      "waited_s": round(waited / 1e9, 3), "hang_timeout_s": cfg.hang_timeout_s,
+                      "channel_states": why})
+
+    def state_evidence(self, findings: list[Finding]) -> list[Finding]:
+        """Slow links (steps 6-8): each named rank's recent Table 4 states, when there are any, as a line of
+        its evidence (``channel_states``)."""
+        out = []
+        for f in findings:
+            if f.kind != waiting_graph.KIND or not any(self.samples.get(s.rank) for s in f.suspects):
+                out.append(f)
+                continue
+            sus = []
+            for s in f.suspects:
+                line = channel_states.share_line(np.fromiter(self.samples.get(s.rank, ()), dtype=np.int64))
+                sus.append(dataclasses.replace(s, evidence={**s.evidence, "channel_states": line}) if line else s)
+            out.append(dataclasses.replace(f, suspects=tuple(sus)))
+        return out
 
 
 def host_network(findings: list[Finding], hosts: Mapping[int, str], its: np.ndarray, steps: np.ndarray,

@@ -66,6 +66,29 @@ The stack grid (Mycroft §5 evidence; ``stack_grid.py``):
    clock is not moved); the analyzer clusters them (``analyzer/stack_grid.py``).
    Counted: ``stack_grid_dumps{outcome=ok|error}``.
 
+Channel states (Mycroft §4.2 state log, ``CollectiveBatch.states``; read by
+``analyzer/channel_states.py``):
+
+9. ``validate`` checks each state like a record: its group index, a seq,
+   ``time_ns`` inside the clock bound, ``stuck_ns`` under a day, a peer inside
+   the world (or −1), counters ordered ① GPU_ready ≥ ② RDMA_transmitted ≥
+   ③ RDMA_done (a chunk is made ready, then posted, then completed) and none
+   above ``total_chunks``; a bad one is dropped and counted
+   (``records_rejected{reason="channel_state"}``). A batch may hold only states.
+10. ``add`` keeps the newest state per (group, seq, channel) of the rank's
+   open window; a newer state whose counters went backwards (below the held
+   one's) is dropped (``records_rejected{reason="channel_state_backwards"}``),
+   an older one replaced (``channel_states{fate="superseded"}``). At most
+   ``max_states_per_window`` are held; a state beyond it is dropped
+   (``channel_states{fate="dropped"}``, and ``drops{where="channel_states"}``).
+11. At the window's close only the states of collectives still in flight go
+   out, in ``CollectiveWindow.states`` (a completion record of the same
+   (group, seq) in the window supersedes them: ``channel_states{fate=
+   "completed"}``; the rest ``fate="kept"``). With ``raw_records="triggered"``
+   they go out whatever the group's heat (a stuck collective is what a hang
+   trigger is about), and the rank's ring keeps them with its records, so a
+   trigger's pulled window carries them too.
+
 The closed window's ``raw`` part carries a window with ``end_ns = 0``, so
 ``processor/durability.py`` never counts a collective window as closing a
 rank's iteration windows; collective batches are admitted with end 0 for the
@@ -315,14 +338,17 @@ class CollectiveWindowConfig:
     max_groups_per_window: int = 1024
     """Distinct process groups kept per rank and window."""
     max_records_per_batch: int = 65_536
-    """A batch with more records is refused (a collector ships every second)."""
+    """A batch with more records (or more channel states) is refused (a collector ships every second)."""
+    max_states_per_window: int = 4096
+    """Step 10: channel states held per rank and window (the newest per (group, seq, channel))."""
     trigger: TriggerConfig = dataclasses.field(default_factory=TriggerConfig)
     """Mycroft's triggers and the raw-record policy (steps 4-6)."""
 
     def __post_init__(self) -> None:
         if not self.length_s > 0:
             raise ConfigError("collectives.length_s", self.length_s, "must be > 0")
-        for f in ("max_records_per_window", "max_groups_per_window", "max_records_per_batch"):
+        for f in ("max_records_per_window", "max_groups_per_window", "max_records_per_batch",
+                  "max_states_per_window"):
             if not (isinstance(getattr(self, f), int) and getattr(self, f) >= 1):
                 raise ConfigError(f"collectives.{f}", getattr(self, f), "must be an integer >= 1")
 
@@ -332,15 +358,23 @@ def size_class(nbytes: int) -> int:
     return int(nbytes).bit_length() - 1 if nbytes > 0 else 0
 
 
+def valid_state(s: telemetry_pb2.ChannelState, groups: list, world_size: int, max_ts: int) -> bool:
+    """Step 9: one channel state's fields (the group table already checked)."""
+    return (s.group < len(groups) and groups[s.group] is not None and s.seq > 0
+            and 0 < s.time_ns <= max_ts and s.stuck_ns <= MAX_COLLECTIVE_NS
+            and -1 <= s.peer < world_size
+            and s.total_chunks >= s.gpu_ready >= s.rdma_transmitted >= s.rdma_done)
+
+
 def validate(batch: telemetry_pb2.CollectiveBatch, world_size: int, max_ts: int, metrics: SelfMetrics,
              config: CollectiveWindowConfig = CollectiveWindowConfig()) -> tuple[tuple, int, int]:
-    """Step 1: (payload, records, end) where payload is ``(groups, records, now_ns, dropped, dumps)``
-    (step 8's stack-grid dumps; a batch may hold only those).
+    """Step 1: (payload, records, end) where payload is ``(groups, records, now_ns, dropped, dumps,
+    states)`` (step 8's stack-grid dumps, step 9's channel states; a batch may hold only those).
 
     ``end`` is always 0: see the module docstring (durability)."""
-    if len(batch.records) > config.max_records_per_batch:
-        raise ValueError(f"collective batch of {len(batch.records)} records "
-                         f"(limit {config.max_records_per_batch})")
+    if len(batch.records) > config.max_records_per_batch or len(batch.states) > config.max_records_per_batch:
+        raise ValueError(f"collective batch of {len(batch.records)} records and {len(batch.states)} channel "
+                         f"states (limit {config.max_records_per_batch} each)")
     groups = []
     for g in batch.groups:
         if not g.id or len(g.id) > MAX_NAME or not g.members or any(m >= world_size for m in g.members):
@@ -365,18 +399,22 @@ def validate(batch: telemetry_pb2.CollectiveBatch, world_size: int, max_ts: int,
     dumps = tuple(d for d in batch.dumps[:MAX_DUMPS_PER_BATCH] if valid_dump(d, world_size, metrics))
     if len(batch.dumps) > MAX_DUMPS_PER_BATCH:
         metrics.inc("records_rejected", len(batch.dumps) - MAX_DUMPS_PER_BATCH, reason="stack_dump")
-    if not good and not dumps:
+    states = tuple(x for x in batch.states if valid_state(x, groups, world_size, max_ts))   # step 9
+    if len(states) < len(batch.states):
+        metrics.inc("records_rejected", len(batch.states) - len(states), reason="channel_state")
+    if not good and not dumps and not states:
         raise ValueError("collective batch with no valid records")
     if 0 < batch.now_ns <= max_ts:
         now = batch.now_ns
     else:
-        now = max((max(r.end_ns, r.enqueue_ns) for r in good), default=0)
-    return (tuple(groups), tuple(good), now, batch.dropped_records, dumps), len(good) + len(dumps), 0
+        now = max([max(r.end_ns, r.enqueue_ns) for r in good] + [x.time_ns for x in states], default=0)
+    return ((tuple(groups), tuple(good), now, batch.dropped_records, dumps, states),
+            len(good) + len(dumps) + len(states), 0)
 
 
 class _Open:
     __slots__ = ("opened", "groups", "group_index", "records", "now_ns", "dropped", "collector_dropped",
-                 "durations", "lo", "hi")
+                 "durations", "lo", "hi", "states", "completed")
 
     def __init__(self, opened: float) -> None:
         self.opened = opened
@@ -389,6 +427,9 @@ class _Open:
         # (group id, op, size class) -> [durations ns], [bytes]: summaries cover every record
         self.durations: dict[tuple[str, str, int], tuple[list, list]] = {}
         self.lo, self.hi = 2**63, 0
+        # step 10: (group index, seq, channel) -> the newest ChannelState; step 11: (group index, seq) completed
+        self.states: dict[tuple[int, int, int], telemetry_pb2.ChannelState] = {}
+        self.completed: set[tuple[int, int]] = set()
 
 
 class CollectiveWindows:
@@ -415,9 +456,10 @@ class CollectiveWindows:
     def add(self, resource: Resource, payload: tuple) -> None:
         """Step 2: file one validated batch under its rank's open window (step 8: dumps go out at once)."""
         groups, records, now_ns, collector_dropped = payload[:4]
+        states = payload[5] if len(payload) > 5 else ()
         if len(payload) > 4 and payload[4]:
             self._emit_dumps(resource, payload[4])
-            if not records:
+            if not records and not states:
                 return
         key = (resource.job_id, resource.rank)
         held = self._open.get(key)
@@ -456,6 +498,7 @@ class CollectiveWindows:
                 d, b = w.durations.setdefault((w.groups[j].id, r.op, size_class(r.bytes)), ([], []))
                 d.append(r.end_ns - r.enqueue_ns)
                 b.append(r.bytes)
+                w.completed.add((j, r.seq))
             w.lo = min(w.lo, r.enqueue_ns)
             w.hi = max(w.hi, r.end_ns or now_ns)
             if len(w.records) >= cap:
@@ -467,8 +510,51 @@ class CollectiveWindows:
                 r2.group = j
                 r = r2
             w.records.append(r)
+        if states:
+            self._add_states(w, remap, states)
         for t in fired:
             self._on_trigger(t)
+
+    def _add_states(self, w: _Open, remap: dict[int, int], states) -> None:
+        """Step 10: the newest state per (group, seq, channel) of the window, bounded."""
+        cap = self.config.max_states_per_window
+        for x in states:
+            j = remap.get(x.group)
+            if j is None:
+                self.metrics.inc("channel_states", 1, fate="dropped")
+                continue
+            key = (j, x.seq, x.channel)
+            held = w.states.get(key)
+            if held is not None:
+                if x.time_ns < held.time_ns:
+                    self.metrics.inc("channel_states", 1, fate="superseded")   # an older sample
+                    continue
+                if (x.gpu_ready < held.gpu_ready or x.rdma_transmitted < held.rdma_transmitted
+                        or x.rdma_done < held.rdma_done or x.total_chunks != held.total_chunks):
+                    self.metrics.inc("records_rejected", 1, reason="channel_state_backwards")
+                    continue
+                self.metrics.inc("channel_states", 1, fate="superseded")
+            elif len(w.states) >= cap:
+                self.metrics.inc("channel_states", 1, fate="dropped")
+                self.metrics.inc("drops", 1, where="channel_states")
+                continue
+            if j != x.group:
+                y = telemetry_pb2.ChannelState()
+                y.CopyFrom(x)
+                y.group = j
+                x = y
+            w.states[key] = x
+            w.lo = min(w.lo, x.time_ns)
+            w.hi = max(w.hi, x.time_ns)
+
+    def _states_out(self, w: _Open) -> list:
+        """Step 11: the held states of collectives with no completion in the window."""
+        out = [x for k, x in w.states.items() if (k[0], k[1]) not in w.completed]
+        if len(out) < len(w.states):
+            self.metrics.inc("channel_states", len(w.states) - len(out), fate="completed")
+        if out:
+            self.metrics.inc("channel_states", len(out), fate="kept")
+        return out
 
     def tick(self) -> None:
         """Step 3: close windows open for ``length_s`` (call from the pipeline's idle check)."""
@@ -486,7 +572,7 @@ class CollectiveWindows:
     def _forget_ring(self, key: tuple[str, int]) -> None:
         ring = self._rings.pop(key, None)
         self._ring_seen.pop(key, None)
-        n = sum(len(rows) for _, by_group in ring or () for _, rows in by_group.values())
+        n = sum(len(held[1]) for _, by_group in ring or () for held in by_group.values())
         if n:
             self.metrics.inc("collective_raw_records", n, fate="summarised")
 
@@ -541,13 +627,15 @@ class CollectiveWindows:
             ring = self._rings.get((t.job_id, m))
             if not ring:
                 continue
-            res, group, rows = None, None, []
+            res, group, rows, held_states = None, None, [], {}
             for res_i, by_group in ring:
                 hit = by_group.pop(t.group, None)
                 if hit is not None:
                     res, group = res_i, hit[0]
                     rows += hit[1]
-            if not rows:
+                    for x in hit[2]:        # step 11: the newest state per (seq, channel) of the ring
+                        held_states[(x.seq, x.channel)] = x
+            if not rows and not held_states:
                 continue
             index = self._index.get((t.job_id, m), 0)
             self._index[(t.job_id, m)] = index + 1
@@ -558,34 +646,50 @@ class CollectiveWindows:
                 c.group = 0
                 copies.append(c)
             rows = copies
+            done = {r.seq for r in rows if r.end_ns}
+            sts = []
+            for x in held_states.values():
+                if x.seq not in done:       # a later window's completion supersedes it
+                    c = telemetry_pb2.ChannelState()
+                    c.CopyFrom(x)
+                    c.group = 0
+                    sts.append(c)
+            times = [t_ for r in rows for t_ in (r.enqueue_ns, r.end_ns)] + [x.time_ns for x in sts]
             window = records_pb2.Window(kind=records_pb2.WINDOW_KIND_TIME, index=index,
-                                        start_ns=min(r.enqueue_ns for r in rows),
-                                        end_ns=max(max(r.end_ns, r.enqueue_ns) for r in rows))
+                                        start_ns=min((t_ for t_ in times if t_), default=0),
+                                        end_ns=max(times, default=0))
             rec = records_pb2.CollectiveWindow(resource=res.to_pb(), window=window, groups=[group], records=rows,
-                                               now_ns=max(max(r.end_ns, r.enqueue_ns) for r in rows))
-            self.metrics.inc("collective_raw_records", len(rows), fate="pulled")
+                                               now_ns=max(times, default=0), states=sts)
+            if rows:
+                self.metrics.inc("collective_raw_records", len(rows), fate="pulled")
             raw = ClosedWindow(resource=res, window=records_pb2.Window(kind=window.kind, index=index),
                                kernels=KernelColumns.empty())
             self._emit(WindowOutput(raw=raw, collectives=rec))
 
-    def _gate(self, key: tuple[str, int], res: Resource, w: _Open) -> list:
-        """Step 6: the records this window carries; the others go to the rank's ring."""
+    def _gate(self, key: tuple[str, int], res: Resource, w: _Open, states: list = ()) -> list:
+        """Step 6: the records this window carries; the others go to the rank's ring (with the window's
+        channel states, step 11, which the window carries in any case)."""
         if not self._gated:
             if w.records:
                 self.metrics.inc("collective_raw_records", len(w.records), fate="kept")
             return w.records
         keep, held = [], {}
+
+        def slot(g):
+            return held.setdefault(g.id, (telemetry_pb2.CollectiveGroup(id=g.id, members=g.members), [], []))
         for r in w.records:
             g = w.groups[r.group]
             if self.hot(key[0], g.id):
                 keep.append(r)
             else:
-                held.setdefault(g.id, (telemetry_pb2.CollectiveGroup(id=g.id, members=g.members), []))[1].append(r)
+                slot(g)[1].append(r)
+        for x in states:
+            slot(w.groups[x.group])[2].append(x)
         ring = self._rings.get(key)
         if ring is None:
             ring = self._rings[key] = collections.deque(maxlen=self.config.trigger.lookback_windows)
         if len(ring) == ring.maxlen:
-            n = sum(len(rows) for _, by_group in [ring[0]] for _, rows in by_group.values())
+            n = sum(len(h[1]) for _, by_group in [ring[0]] for h in by_group.values())
             if n:
                 self.metrics.inc("collective_raw_records", n, fate="summarised")
         ring.append((res, held))
@@ -602,9 +706,11 @@ class CollectiveWindows:
         self._index[key] = index + 1
         window = records_pb2.Window(kind=records_pb2.WINDOW_KIND_TIME, index=index,
                                     start_ns=w.lo if w.lo < 2**63 else 0, end_ns=w.hi)
+        states = self._states_out(w)                                   # step 11
         rec = records_pb2.CollectiveWindow(resource=res.to_pb(), window=window, groups=w.groups,
-                                           records=self._gate(key, res, w), now_ns=w.now_ns,
-                                           records_dropped=w.dropped, collector_dropped=w.collector_dropped)
+                                           records=self._gate(key, res, w, states), now_ns=w.now_ns,
+                                           records_dropped=w.dropped, collector_dropped=w.collector_dropped,
+                                           states=states)
         for (gid, op, sc), (durs, nbytes) in sorted(w.durations.items()):
             a = np.asarray(durs, dtype=np.float64)
             p50, p99 = np.percentile(a, [50, 99])
@@ -620,4 +726,4 @@ class CollectiveWindows:
 
 
 __all__ = ["CollectiveWindowConfig", "CollectiveWindows", "MAX_COLLECTIVE_NS", "Trigger", "TriggerConfig", "Triggers",
-           "sample", "size_class", "validate"]
+           "sample", "size_class", "valid_state", "validate"]
