@@ -471,7 +471,10 @@ static ncclResult_t ts_finalize(void* context) {
   if (!ctx) return ncclSuccess;
   pthread_mutex_lock(&g_init_lock);
   if (ctx->used) {
-    for (uint32_t i = 0; g_colls && i < g_ncolls; i++)       /* its collectives in flight are forgotten */
+    for (uint32_t i = 0; g_ops && i < g_nops; i++)           /* its ops and collectives in flight are forgotten */
+      if (LOAD(&g_ops[i].state) == LIVE && g_ops[i].coll && g_ops[i].coll->comm == ctx->comm)
+        STORE(&g_ops[i].state, FREE);
+    for (uint32_t i = 0; g_colls && i < g_ncolls; i++)
       if (g_colls[i].comm == ctx->comm && LOAD(&g_colls[i].state) != FREE) STORE(&g_colls[i].state, FREE);
     ctx->used = 0;
     if (--g_live_ctx == 0) teardown();

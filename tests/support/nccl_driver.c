@@ -19,10 +19,13 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -248,6 +251,45 @@ static void run_collective(uint64_t seq, int stall) {
   if (group != NULL) { printf("error: group handle not NULL\n"); exit(3); }
 }
 
+static uint64_t real_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_REALTIME, &t);
+  return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
+/* Hold the stall until the plugin's state thread has reported channel 1 of collective `seq`
+ * `rounds` times at or after `after` (read from the ring, as the collector would), or 20 s: the test does not
+ * depend on how fast a loaded host schedules that thread. No ring (a no-op plugin): 350 ms. */
+static int wait_for_states(uint64_t seq, int rounds, uint64_t after) {
+  const char* dir = getenv("TRAINSCOPE_NCCL_DIR");
+  char path[4096];
+  struct stat st;
+  int fd = -1;
+  if (dir) {
+    snprintf(path, sizeof path, "%s/ring-%d", dir, (int)getpid());
+    fd = open(path, O_RDONLY);
+  }
+  if (fd < 0 || fstat(fd, &st) != 0) { if (fd >= 0) close(fd); pause_us(350000); return 0; }
+  const char* m = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+  close(fd);
+  if (m == MAP_FAILED) return 0;
+  const ts_ring_header* h = (const ts_ring_header*)m;
+  const ts_slot* slots = (const ts_slot*)(m + sizeof(ts_ring_header));
+  int seen = 0;
+  uint64_t next = 0;
+  for (int tries = 0; tries < 2000 && seen < rounds; tries++) {
+    uint64_t head = __atomic_load_n(&h->head, __ATOMIC_ACQUIRE);
+    for (; next < head; next++) {
+      const ts_slot* sl = &slots[next & (h->capacity - 1)];
+      while (__atomic_load_n(&sl->seq, __ATOMIC_ACQUIRE) != next + 1) pause_us(100);
+      if (sl->kind == TS_STATE && sl->coll_seq == seq && sl->channel == 1 && sl->a >= after) seen++;
+    }
+    if (seen < rounds) pause_us(10000);
+  }
+  munmap((void*)m, (size_t)st.st_size);
+  return seen;
+}
+
 int main(int argc, char** argv) {
   if (argc != 4) { fprintf(stderr, "usage: nccl_driver PLUGIN.so 4|5|6 main|exhaust|nodir\n"); return 2; }
   void* lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
@@ -268,8 +310,10 @@ int main(int argc, char** argv) {
   const char* scen = argv[3];
   if (!strcmp(scen, "main") || !strcmp(scen, "nodir")) {
     run_collective(0, 0);
-    run_collective(1, 1);
-    pause_us(350000);                  /* the stall: the plugin's state thread reports it */
+    run_collective(1, 1);              /* returns when both proxy threads are done: counters final */
+    uint64_t settled = real_ns();
+    printf("settled %llu\n", (unsigned long long)settled);
+    printf("states %d\n", wait_for_states(1, 3, settled));   /* the stall, until the plugin reported it */
   } else if (!strcmp(scen, "exhaust")) {
     void* c[4];
     for (int i = 0; i < 4; i++) c[i] = start_coll(NULL, (uint64_t)i);

@@ -4,8 +4,10 @@ A one-rank gloo process group in this process (a FileStore in tmp_path): no othe
 """
 from __future__ import annotations
 
+import os
 import time
 
+import numpy as np
 import pytest
 
 from trainscope.collector.collective_log import CollectiveLog, CollectiveLogConfig
@@ -147,3 +149,91 @@ def test_payload_takes_the_input_argument_when_the_output_comes_first():
     assert _payload((out,), {"input_tensor": inp}, 1, "input_tensor") == (16, "float16")
     assert _payload((out, inp), {}) == (128, "float32")            # no input argument known: the first tensor
     assert _payload(([inp, inp],), {}, 0, "tensor") == (32, "float16")   # a list: summed
+
+
+# ------------------------------------------------ step 4: the NCCL plugin's records joined
+class RingFile:
+    """A hand-made plugin ring in a 0600 file (the layout of collector/nccl_profiler.py): no plugin,
+    no process; the C plugin itself is exercised in tests/integration/test_nccl_plugin.py."""
+
+    COMM = 0xC0FFEE
+
+    def __init__(self, path, capacity: int = 64) -> None:
+        from trainscope.collector import nccl_profiler as nc
+        self.nc, self.path, self.capacity = nc, str(path), capacity
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, nc.HEADER.itemsize + capacity * nc.SLOT.itemsize)
+        os.close(fd)
+        self.mm = np.memmap(self.path, dtype=np.uint8, mode="r+")
+        h = self.mm[:64].view(nc.HEADER)
+        h["magic"], h["version"], h["slot_bytes"], h["capacity"] = nc.MAGIC, nc.VERSION, 64, capacity
+        self.head = self.mm[24:32].view("<u8")
+        self.slots = self.mm[64:].view(nc.SLOT)
+
+    def put(self, **fields) -> None:
+        i = int(self.head[0])
+        s = self.slots[i % self.capacity]
+        for k, v in fields.items():
+            s[k] = v
+        s["seq"] = i + 1
+        self.head[0] = i + 1
+        self.mm.flush()
+
+    def coll(self, nseq: int, func: int, flows: int = 0) -> None:
+        t0 = 1_700_000_000_000_000_000
+        for step in range(flows):
+            self.put(kind=self.nc.FLOW, comm=self.COMM, coll_seq=nseq, a=1_000 * (step + 1), b=1_000 * (step + 1) + 500,
+                     c=4096, d=step, e=2)
+        self.put(kind=self.nc.COLL, comm=self.COMM, coll_seq=nseq, func=func, algo=2, proto=3, dtype=7,
+                 a=t0, b=t0 + 50_000, c=8192, d=0, e=flows)
+
+
+def test_the_plugins_records_join_the_hooks_by_group_and_seq_and_its_states_ship(tmp_path):
+    """Rank 11 of group "0" (10..13) is comm rank 1 of the plugin's 4-rank communicator."""
+    from trainscope.collector.nccl_profiler import RingFile as Ring
+
+    ALLREDUCE, ALLGATHER = 5, 3
+    ring = RingFile(tmp_path / "ring-1")
+    exp = Exporter()
+    log = CollectiveLog(exp.submit, CollectiveLogConfig(interval_s=60), nccl=Ring(ring.path), rank=11)
+    log.begin("other", (11, 20, 21, 22), "allreduce", 1, "f")     # same size, rank 11 at position 0: not it
+    a = log.begin("0", (10, 11, 12, 13), "allreduce", 8192, "float32", iteration=5)
+    b = log.begin("0", (10, 11, 12, 13), "alltoall", 8192, "float32")
+    ring.put(kind=ring.nc.COMM, comm=ring.COMM, d=1, e=4)
+    ring.coll(0, ALLREDUCE, flows=2)          # seq 1: joins a
+    ring.coll(1, ALLGATHER)                   # seq 2: the hooks' seq 2 is an all-to-all: not joined, counted
+    ring.coll(2, ALLREDUCE)                   # seq 3: the hooks never saw it (issued from C++): its own record
+    ring.put(kind=ring.nc.STATE, comm=ring.COMM, coll_seq=3, channel=1, a=1, d=4, e=0, b=0, c=12, flags=3)
+    log.end(a)
+    log.end(b)
+    assert log.ship()
+    batch, = exp.batches
+    names = [g.id for g in batch.groups]
+    recs = {(names[r.group], r.seq): r for r in batch.records}
+    assert set(recs) == {("0", 1), ("0", 3)}                       # b waits one ship for its plugin record
+    r1 = recs[("0", 1)]
+    assert (r1.op, r1.iteration, r1.enqueue_ns, r1.algo) == ("allreduce", 5, a.enqueue_ns, "ring")
+    assert list(r1.step_dst) == [12, 12] and r1.end_ns == 1_700_000_000_000_050_000
+    assert recs[("0", 3)].op == "allreduce" and recs[("0", 3)].algo == "ring"
+    st, = batch.states
+    assert (names[st.group], st.seq, st.channel, st.gpu_ready, st.total_chunks, st.peer) == ("0", 4, 1, 4, 12, 12)
+    assert log.nccl == {"joined": 1, "unjoined": 1, "own": 1}
+    ring.coll(0, ALLREDUCE)                   # the same collective again: its key was shipped
+    exp.batches.clear()
+    assert log.ship()
+    assert [(r.seq, r.op, r.end_ns) for r in exp.batches[0].records] == [(2, "alltoall", b.end_ns)]
+    assert log.nccl["late"] == 1 and log.stats()["nccl"]["lost"] == 0
+    log.stop()
+    assert os.path.exists(ring.path)          # not named after this process: not its plugin's ring, left alone
+
+
+def test_without_the_opt_in_no_ring_is_read(monkeypatch):
+    from trainscope.collector.collective_log import nccl_ring
+    from trainscope.proto import env
+
+    monkeypatch.delenv(env.NCCL_PROFILER_PLUGIN, raising=False)
+    monkeypatch.delenv(env.NCCL_DIR, raising=False)
+    assert nccl_ring() is None and CollectiveLog(Exporter().submit)._nccl is None
+    monkeypatch.setenv(env.NCCL_DIR, "/nonexistent")
+    ring = nccl_ring()
+    assert ring is not None and ring.path == f"/nonexistent/ring-{os.getpid()}" and ring.poll() == ([], [])

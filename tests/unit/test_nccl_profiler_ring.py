@@ -1,8 +1,9 @@
 """The NCCL profiler plugin ring reader (collector/nccl_profiler.py) on hand-made rings.
 
-No GPU and no plugin here: ``Ring`` below writes slots the way the designed C
-plugin would (docs/collectives.md: claim an index, fill the slot, store its seq
-last), so the reader's contract is tested, not NCCL's behaviour. Unverified on a GPU.
+No GPU and no plugin here: ``Ring`` below writes slots the way the C plugin does
+(collector/nccl_plugin/: claim an index, zero the slot's seq, fill it, store its
+seq last), so the reader's contract is tested, not NCCL's behaviour; the plugin
+itself is driven in tests/integration/test_nccl_plugin.py. Unverified on a GPU.
 """
 from __future__ import annotations
 
@@ -142,3 +143,17 @@ def test_state_records_say_how_long_a_channels_counters_have_not_moved():
     assert [s.state for s in states] == ["not transmitted", "not transmitted", "not transmitted"]
     s = states[2]
     assert (s.seq, s.channel, s.gpu_ready, s.rdma_transmitted, s.rdma_done, s.total_chunks) == (8, 3, 9, 6, 5, 16)
+
+
+def test_the_plugins_counters_and_a_channels_peer_reach_the_wire_row():
+    ring = Ring(capacity=16)
+    np.frombuffer(ring.buf, "<u8", count=4, offset=32)[:] = (3, 2, 1, 0)   # the plugin's header counters
+    reader = nc.RingReader(ring.buf)
+    assert reader.counters() == {"dropped": 3, "detached": 2, "truncated": 1, "stale": 0}
+    ring.put(kind=nc.STATE, comm=COMM_HASH, coll_seq=4, channel=2, a=5, d=6, e=6, b=6, c=6, flags=2 + 1)
+    ring.put(kind=nc.STATE, comm=COMM_HASH, coll_seq=4, channel=3, a=5, d=1, e=0, b=0, c=6, flags=0)
+    known, unknown = nc.Assembler({COMM_HASH: (4, 5, 6, 7)}).feed(reader.poll())[1]
+    assert (known.peer, known.state, unknown.peer, unknown.state) == (6, "done", -1, "not transmitted")
+    row = known.to_proto(group=1)
+    assert (row.group, row.seq, row.channel, row.time_ns, row.total_chunks, row.rdma_done, row.peer) == \
+        (1, 5, 2, 5, 6, 6, 6)
