@@ -184,3 +184,22 @@ def test_a_triggered_processor_sends_states_and_a_trigger_window_carries_them():
     assert m.get("collective_triggers", kind="hang") == 1
     pulled = [o.collectives for o in out]
     assert pulled and all(len(w.states) == 2 and w.states[0].seq == seq for w in pulled)
+
+
+def test_a_slow_link_gets_its_ranks_table4_share_as_evidence():
+    """Steps 6-8's evidence line: the named rank's recent channel states (6 of 10 not delivered)."""
+    from trainscope.analyzer.model import Finding, Scope, SuspectRank
+
+    b = job_batches(steps=2)[1]
+    b.records.add(group=0, seq=3, op="allreduce", bytes=4096, dtype="float32", enqueue_ns=T0 + S, start_ns=T0 + S)
+    b.states.extend([state(3, c, 4, 4, 1, 2, stuck_s=0.01) for c in range(6)]
+                    + [state(3, c, 3, 3, 3, 2, stuck_s=0.01) for c in range(6, 10)])
+    st = state_of({1: b})
+    link = Finding(level="collectives", kind="slow_link", job_id="j", window=W, scope=Scope(group="collective"),
+                   suspects=(SuspectRank(1, 2.0, {"link": "NIC of rank 1"}, role=LINK),
+                             SuspectRank(3, 2.0, {"link": "NIC of rank 3"}, role=LINK)))
+    (f,) = st.state_evidence([link])
+    assert f.suspects[0].evidence["channel_states"] == "②>③ (not delivered) on 60 % of 10 samples: NIC side"
+    assert "channel_states" not in f.suspects[1].evidence          # no states of rank 3: nothing added
+    other = Finding(level="collectives", kind="late_start", job_id="j", window=W, suspects=link.suspects)
+    assert st.state_evidence([other]) == [other]
