@@ -56,6 +56,10 @@ JOB_KINDS = ("stall", "jitter", "regression", "job_slowdown")
 LINK_FAULTS = ("nvlink_degrade",)
 
 
+#: Faults that stop the job (the simulator's ``simulate.HANG_TYPES``): scored by the stall they cause.
+HANG_TYPES = ("hang", "nic_fail")
+
+
 def _window_of(iteration: int | None, per_window: int) -> int | None:
     return None if iteration is None else iteration // per_window
 
@@ -74,7 +78,7 @@ def evaluate(verdicts: list[records_pb2.Verdict], truth: dict, window_iterations
         onsets = [None if o is None else min(o, vs[-1].window.index) for o in onsets]
     first_onset = min((o for o in onsets if o is not None), default=None)
     healthy = [v for v in vs if first_onset is None or v.window.index < first_onset]
-    hung = {r for f in truth.get("faults", []) if f.get("type") == "hang" for r in f.get("ranks", [])} \
+    hung = {r for f in truth.get("faults", []) if f.get("type") in HANG_TYPES for r in f.get("ranks", [])} \
         if truth.get("hung") else set()
 
     def false_alarm(v) -> bool:
@@ -86,11 +90,15 @@ def evaluate(verdicts: list[records_pb2.Verdict], truth: dict, window_iterations
     false_alarms = sum(1 for v in healthy if false_alarm(v))
     scores = []
     stall_vs = [v for v in vs if any(d.kind == "stall" for d in _active(v))]
+    # the collectives level's hang verdict is published when the hang is seen, on a time window (the
+    # analyzer's hang check, not a window's close): one that names a rank counts with the others
+    named_stalls = sorted((v for v in verdicts if v.ranks and any(d.kind == "stall" for d in _active(v))),
+                          key=lambda v: v.window.index)
     for f, onset in zip(truth.get("faults", []), onsets):
         ranks = set(f.get("ranks", []))
-        if truth.get("hung") and f.get("type") == "hang" and stall_vs:
+        if truth.get("hung") and f.get("type") in HANG_TYPES and stall_vs:
             # a stall is a state of the job, reported with whichever window was analysed when it was seen
-            v = stall_vs[0]
+            v = (named_stalls or stall_vs)[0]
             scores.append(FaultScore(
                 fault=f.get("spec", "hang"), ranks=sorted(ranks), caught=True,
                 top1=bool(v.ranks) and v.ranks[0].rank in ranks, phase=False, kernel=False, levels=["L1"],

@@ -43,3 +43,20 @@ def test_a_hang_reported_with_the_last_closed_window_is_not_a_false_alarm():
     ev = evaluate([v0, records_pb2.Verdict(window=records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS,
                                                                      index=2))], truth, 10)
     assert ev.false_alarm_windows == 1
+
+
+def test_a_failed_nic_is_scored_by_the_collectives_stall_published_on_a_time_window():
+    """nic_fail stops the job like a hang; every rank waits alike, so the iteration windows' stall names
+    nobody, and the collectives level's stall (a time window, published when seen) names the NIC's rank."""
+    it = records_pb2.Verdict(window=records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=0),
+                             state="stalled")
+    it.findings.add(kind="stall", level="L1")
+    coll = records_pb2.Verdict(window=records_pb2.Window(kind=records_pb2.WINDOW_KIND_TIME, index=0), state="stalled")
+    coll.ranks.add(rank=28, role="culprit")
+    coll.findings.add(kind="stall", level="collectives").suspects.add(rank=28)
+    truth = {"hung": True, "faults": [{"type": "nic_fail", "spec": "nic_fail:rank=29", "ranks": [28, 29],
+                                       "onset_iteration": 10}]}
+    f = evaluate([it, coll], truth, 10).faults[0]
+    assert f.caught and f.top1 and f.right
+    coll.ranks[0].rank = 3
+    assert not evaluate([it, coll], truth, 10).faults[0].top1
