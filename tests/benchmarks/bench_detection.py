@@ -430,6 +430,7 @@ def main(argv=None) -> int:
               f"(n={len(conf_right)}, {sum(c >= 0.5 for c in conf_right)} >= 0.5), wrong runs median "
               f"{med(conf_wrong)} (n={len(conf_wrong)}, {sum(c >= 0.5 for c in conf_wrong)} >= 0.5)")
     if lats:
+        import numpy as np
         xs = np.array([x for _, x in lats])
         print(f"onset -> first right verdict (window close), simulated s over {len(xs)} runs: median "
               f"{np.median(xs):.0f} s, p90 {np.percentile(xs, 90):.0f} s; within 15 s in {int((xs <= 15).sum())}/"
