@@ -35,9 +35,10 @@ member's channel is the sender's view of one flow src → peer.
    c. else the flow stuck at the network with the least progress: the link;
    d. else (every stuck flow waits for its GPU or its upstream): nobody; the
       snapshot cannot tell a network root.
-5. Corroboration of a member that never entered (``upstream_of``): its
-   upstream's channels to it, typically *not transmitted* (receiver not
-   ready); and a slow link's share of Table 4 states over recent samples of a
+5. Corroboration of a member that never entered (``upstream_of``,
+   ``receiver_ready``): its upstream's channels to it, typically *not
+   transmitted* (receiver not ready); channels to it in another state say it
+   did enter (its own records are late); and a slow link's share of Table 4 states over recent samples of a
    rank (``share_line``), e.g. "②>③ (not delivered) on 60 % of 10 samples:
    NIC side".
 
@@ -219,6 +220,17 @@ def upstream_of(snap: Snapshot, rank: int, stuck_ns: int = STUCK_NS) -> str:
     return "; ".join(parts)
 
 
+def receiver_ready(snap: Snapshot, rank: int) -> bool | None:
+    """Step 5: did ``rank`` enter, by its upstream's channels to it? False when one shows *not
+    transmitted* or *not started* (the receiver is not ready: it never entered), True when they
+    show another state (it took their data), None when no channel sends to it in the snapshot."""
+    to = snap.peer == rank
+    if not to.any():
+        return None
+    st = table4(snap.ready[to], snap.transmitted[to], snap.done[to], snap.total[to])
+    return not bool(np.isin(st, (NOT_TRANSMITTED, NOT_STARTED)).any())
+
+
 def share_line(states: np.ndarray) -> str:
     """Step 5: the most common unfinished Table 4 state among a rank's recent samples, as a share."""
     s = np.asarray(states, dtype=np.int64)
@@ -235,4 +247,4 @@ def share_line(states: np.ndarray) -> str:
 
 __all__ = ["CONDITION", "DONE", "FIELDS", "Flow", "GPU_NOT_READY", "LOCAL_CAUSE", "NOT_DELIVERED", "NOT_STARTED",
            "NOT_TRANSMITTED", "REMOTE_CAUSE", "Root", "STATES", "STUCK_NS", "Snapshot", "flows", "localise",
-           "nic_side", "share_line", "table4", "upstream_of"]
+           "nic_side", "receiver_ready", "share_line", "table4", "upstream_of"]

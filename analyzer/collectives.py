@@ -113,7 +113,10 @@ has not started the op"), checked on every analyzer step, not per window:
    still in flight, are its consequences (marked, not reported). A test job
    whose culprit's tensor-parallel partner waits in its all-reduce leaves
    the partner absent from its data-parallel group's next collective: without
-   5 and 5c the partner would be named there too.
+   5 and 5c the partner would be named there too. A member whose upstream's
+   channel states show it took their data entered (its own records are
+   late: a batch on its way) and is not named; should a member named as
+   never entered report the collective after all, the hang is judged again.
 5b. Every member entered and every one is in flight (the link hang): the
    newest channel states of that (group, seq) (``CollectiveWindow.states``,
    Mycroft §4.2) are read by ``channel_states.localise`` (Mycroft §5.2-5.3,
@@ -279,7 +282,8 @@ class CollectiveState:
         self.steps_dropped = 0              # records whose steps were not kept (bound reached)
         self.grids = stack_grid.GridBook(config.stack_grid)   # Mycroft §5 evidence (analyzer/stack_grid.py)
         self.states_dropped = 0             # channel states over max_states_per_group
-        self.hung: tuple[str, int] | None = None   # step 5c: the (group, seq) of the hang reported, while stuck
+        # step 5c: the hang reported while stuck: (group, seq, named as never entered, the seqs marked with it)
+        self.hung: tuple[str, int, bool, list] | None = None
         self.samples: dict[int, collections.deque] = {}   # rank -> Table 4 states of its latest channel states
 
     def _release(self, row: Mapping[int, tuple]) -> None:
@@ -573,11 +577,18 @@ class CollectiveState:
                 if w >= timeout:
                     elsewhere[r].add(gid)
         if self.hung is not None:     # step 5c: the hang reported is still there: the rest follows from it
-            gid0, seq0 = self.hung
+            gid0, seq0, absent0, marked = self.hung
             g0 = self.groups.get(gid0)
             if g0 is not None and seq0 in g0.seqs and not all(v[3] for v in g0.seqs[seq0].values()):
+                if absent0 and all(m in g0.seqs[seq0] or m in ended for m in g0.members):
+                    # the rank named as never entered did enter (its records came late): judge again
+                    for g_, s_ in marked:
+                        g_.reported_hang.discard(s_)
+                    self.hung = None
+                    return self.hangs(job_id, window, ended)
                 for gid, grp, seq, _, _ in stuck:
                     grp.reported_hang.add(seq)
+                    marked.append((grp, seq))
                 return self.grids.updates()
             self.hung = None
         found = []        # (the longest wait, gid, seq, finding)
@@ -588,8 +599,11 @@ class CollectiveState:
             absent = [m for m in grp.members if m not in row and m not in ended]
             if absent:
                 roots = [m for m in absent if not elsewhere.get(m, set()) - {gid}]
+                snap = self._snapshot(grp, seq)
+                if snap is not None:   # its upstream could send to it: it entered, its records are late
+                    roots = [m for m in roots if channel_states.receiver_ready(snap, m) is not True]
                 if not roots:
-                    continue  # every absent member waits in another stuck collective: that one is the hang
+                    continue  # every absent member waits in another stuck collective (or entered): not here
                 f = self._never_entered(job_id, window, gid, grp, seq, row, waiting, absent, roots)
             elif len(row) == len(grp.members):
                 f = self._link_hang(job_id, window, gid, grp, seq, row, waiting)     # step 5b
@@ -603,7 +617,7 @@ class CollectiveState:
             # step 5c (Mycroft §5.2: a single responsible group): the collective stuck longest (on the
             # ranks' own clocks) is the hang; the others stuck since are its consequences
             _, gid, seq, f = max(found, key=lambda x: (x[0], x[1]))
-            self.hung = (gid, seq)
+            self.hung = (gid, seq, f.evidence.get("absent_ranks") != [], [(grp, s_) for _, grp, s_, _, _ in stuck])
             for _, grp, seq_, _, _ in stuck:
                 grp.reported_hang.add(seq_)
             out.append(self.grids.attach(f, gid, seq, self.groups[gid].members))   # its stack grid, when in

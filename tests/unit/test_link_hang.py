@@ -203,3 +203,24 @@ def test_a_slow_link_gets_its_ranks_table4_share_as_evidence():
     assert "channel_states" not in f.suspects[1].evidence          # no states of rank 3: nothing added
     other = Finding(level="collectives", kind="late_start", job_id="j", window=W, suspects=link.suspects)
     assert st.state_evidence([other]) == [other]
+
+
+def test_members_whose_records_come_late_are_not_taken_for_the_root():
+    """The windows of a link hang arrive rank by rank (a simulated run's last chunk comes at once, its
+    windows one by one): rank 1 looks absent, but rank 0's channel to it took data: it entered. Rank 2
+    has no channel state sent to it yet and is named; once its in-flight record arrives the hang is
+    judged again, from the states: the NIC of rank 1."""
+    batches, seq = link_hang_batches()
+    ws = windows_of(batches)
+    st = CollectiveState(CollectivesConfig())
+    for r in (0, 3):
+        st.absorb(r, ws[r])
+    st.late_starts("j", W)
+    (f,) = st.hangs("j", W)
+    assert f.suspects[0].rank == 2 and f.evidence["absent_ranks"] == [1, 2]
+    for r in (1, 2):
+        st.absorb(r, ws[r])
+    st.late_starts("j", W)
+    (g,) = st.hangs("j", W)
+    assert g.evidence["link"] == "NIC of rank 1" and g.evidence["seq"] == seq and g.suspects[0].role == LINK
+    assert st.hangs("j", W) == []
