@@ -127,7 +127,7 @@ typedef struct {
   uint8_t flags;
   int step;
   struct ts_op* op;
-  uint64_t t_ready, t_tx, t_recv_wait, size;
+  uint64_t t_ready, t_recv_wait, size;
 } ts_step;
 
 typedef struct ts_op {
@@ -590,8 +590,8 @@ static void* start_step(const ts_ev* e) {
   s->flags = ST_USED;
   s->step = e->step;
   s->op = op;
-  s->t_ready = s->t_tx = s->t_recv_wait = s->size = 0;
-  atomic_min64(&op->coll->t_first_step, now_ns());
+  s->t_ready = s->t_recv_wait = s->size = 0;
+  if (!RLOAD(&op->coll->t_first_step)) atomic_min64(&op->coll->t_first_step, now_ns());   /* the clock once */
   return s;
 }
 
@@ -607,17 +607,17 @@ static void* start_event(void* context, const ts_ev* e) {
   }
 }
 
+/* the clock is read only where a time is kept: ~100 ns a read on a virtualised host */
 static void mark_ready(ts_step* s, uint64_t t) {
   if (s->flags & ST_READY) return;
   s->flags |= ST_READY;
-  s->t_ready = t;
+  s->t_ready = t ? t : now_ns();
   FADD(&s->op->coll->ch[s->op->chan].ready, 1);
 }
 
-static void mark_tx(ts_step* s, uint64_t t) {
+static void mark_tx(ts_step* s) {
   if (s->flags & ST_TX) return;
   s->flags |= ST_TX;
-  s->t_tx = t;
   FADD(&s->op->coll->ch[s->op->chan].tx, 1);
 }
 
@@ -631,20 +631,19 @@ static void close_recv_wait(ts_step* s, uint64_t t) {
 static ncclResult_t record_state(void* h, ncclProfilerEventState_t st, const ncclProfilerEventStateArgs_v4_t* a) {
   ts_step* s = (ts_step*)h;
   if (!s || s->kind != K_STEP || !(s->flags & ST_USED) || !LOAD(&g_ok)) return ncclSuccess;
-  uint64_t t = now_ns();
   switch (st) {
-    case ncclProfilerProxyStepSendPeerWait_v4: mark_ready(s, t); break;
+    case ncclProfilerProxyStepSendPeerWait_v4: mark_ready(s, 0); break;
     case ncclProfilerProxyStepSendWait:
-      mark_ready(s, t);
-      mark_tx(s, t);
+      mark_ready(s, 0);
+      mark_tx(s);
       if (a) s->size = a->proxyStep.transSize;
       break;
     case ncclProfilerProxyStepRecvWait:
-      if (!(s->flags & ST_RECV_WAIT)) { s->flags |= ST_RECV_WAIT; s->t_recv_wait = t; }
+      if (!(s->flags & ST_RECV_WAIT)) { s->flags |= ST_RECV_WAIT; s->t_recv_wait = now_ns(); }
       break;
     case ncclProfilerProxyStepRecvFlushWait:
     case ncclProfilerProxyStepRecvGPUWait:
-      close_recv_wait(s, t);
+      if ((s->flags & ST_RECV_WAIT) && !(s->flags & ST_RECV_DONE)) close_recv_wait(s, now_ns());
       if (a && a->proxyStep.transSize) s->size = a->proxyStep.transSize;
       break;
     default: break;                   /* SendGPUWait (posted, not ready yet), KernelChStop, op states */
@@ -683,7 +682,7 @@ static void stop_step(ts_step* s) {
   uint64_t t = now_ns();
   if (op->is_send) {
     mark_ready(s, t);
-    mark_tx(s, t);
+    mark_tx(s);
     FADD(&c->ch[op->chan].done, 1);
     uint64_t algo_step = ((uint64_t)s->step / (uint64_t)c->xfer_per_step) % (uint64_t)c->steps_per_loop;
     add_flow(c, algo_step, op->peer, s->size, s->t_ready, t);

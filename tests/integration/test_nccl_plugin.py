@@ -161,3 +161,15 @@ def test_the_collector_joins_the_plugins_record_to_the_hooks_and_ships_the_state
     assert log.stats()["nccl"]["joined"] == 1
     assert os.path.exists(path)               # the driver's ring, not this process's: left alone at stop
     shutil.rmtree(tmp_path / "nccl")
+
+
+def test_a_plugin_loaded_again_in_the_same_process_makes_its_ring_again(built, tmp_path):
+    """The last communicator finalized (NCCL may unload the plugin), then a new one: a new ring file
+    of this pid, not the old one appended to (the collector maps the new inode)."""
+    lines, path = drive(built, 4, "reinit", tmp_path / "nccl")
+    assert int(lines["mask2"]) == int(lines["mask"]) == 90
+    with open(path, "rb") as f:
+        reader = nc.RingReader(bytearray(f.read()))
+    s = reader.poll()
+    assert list(s["kind"]) == [nc.COMM] and int(s["comm"][0]) == COMM + 1 and int(s["e"][0]) == 2
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600

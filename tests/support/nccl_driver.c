@@ -290,6 +290,56 @@ static int wait_for_states(uint64_t seq, int rounds, uint64_t after) {
   return seen;
 }
 
+/* NCCL's cost of calling a plugin that does nothing: the baseline of "bench" */
+static ncclResult_t empty_start(void* c, void** h, ncclProfilerEventDescr_v4_t* d) { (void)c; (void)d; *h = NULL; return ncclSuccess; }
+static ncclResult_t empty_stop(void* h) { (void)h; return ncclSuccess; }
+static ncclResult_t empty_record(void* h, ncclProfilerEventState_t s, ncclProfilerEventStateArgs_v4_t* a) {
+  (void)h; (void)s; (void)a; return ncclSuccess;
+}
+
+static double step_cycles(int n, int plugin, void* op) {
+  ncclResult_t (*volatile v_start)(void*, void**, ncclProfilerEventDescr_v4_t*) = plugin ? p4->startEvent : empty_start;
+  ncclResult_t (*volatile v_stop)(void*) = plugin ? p4->stopEvent : empty_stop;
+  ncclResult_t (*volatile v_record)(void*, ncclProfilerEventState_t, ncclProfilerEventStateArgs_v4_t*) =
+      plugin ? p4->recordEventState : empty_record;
+  ncclProfilerEventDescr_v4_t d;
+  memset(&d, 0, sizeof d);
+  d.type = ncclProfileProxyStep; d.parentObj = op; d.rank = RANK;
+  ncclProfilerEventStateArgs_v4_t a;
+  memset(&a, 0, sizeof a);
+  a.proxyStep.transSize = TRANS;
+  struct timespec t0, t1;              /* thread CPU time: other work on the host is not counted */
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);
+  for (int i = 0; i < n; i++) {
+    void* h = NULL;
+    d.proxyStep.step = i;
+    v_start(ctx, &h, &d);
+    v_record(h, ncclProfilerProxyStepSendGPUWait, &a);
+    v_record(h, ncclProfilerProxyStepSendPeerWait_v4, &a);
+    v_record(h, ncclProfilerProxyStepSendWait, &a);
+    v_stop(h);
+  }
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
+  return ((t1.tv_sec - t0.tv_sec) * 1e9 + (t1.tv_nsec - t0.tv_nsec)) / n;
+}
+
+/* thread-CPU ns per send step (start, 3 state changes, stop: what NCCL's proxy thread calls per network
+ * transfer), plugin against empty functions, best of 5 rounds each, one thread */
+static void bench(void) {
+  if (version != 4) { printf("bench: version 4 only\n"); return; }
+  void* coll = start_coll(NULL, 0);
+  void* op = start_op(coll, 0, NEXT, 1);
+  double best_plugin = 1e18, best_empty = 1e18;
+  for (int r = 0; r < 5; r++) {
+    double e = step_cycles(200000, 0, op), p = step_cycles(200000, 1, op);
+    if (e < best_empty) best_empty = e;
+    if (p < best_plugin) best_plugin = p;
+  }
+  printf("bench plugin_ns_per_step %.1f empty_ns_per_step %.1f\n", best_plugin, best_empty);
+  stop(op);
+  stop(coll);
+}
+
 int main(int argc, char** argv) {
   if (argc != 4) { fprintf(stderr, "usage: nccl_driver PLUGIN.so 4|5|6 main|exhaust|nodir\n"); return 2; }
   void* lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
@@ -314,6 +364,16 @@ int main(int argc, char** argv) {
     uint64_t settled = real_ns();
     printf("settled %llu\n", (unsigned long long)settled);
     printf("states %d\n", wait_for_states(1, 3, settled));   /* the stall, until the plugin reported it */
+  } else if (!strcmp(scen, "bench")) {
+    bench();
+  } else if (!strcmp(scen, "reinit")) {
+    /* the last communicator finalized (NCCL may dlclose the plugin), then a new one: the ring of
+     * this pid is made again (a new file), not appended to */
+    if (version == 4) p4->finalize(ctx); else if (version == 5) p5->finalize(ctx); else p6->finalize(ctx);
+    mask = -1;
+    if (version == 4) p4->init(&ctx, &mask, "again", COMM_HASH + 1, 1, 2, 0, log_fn);
+    else p5->init(&ctx, COMM_HASH + 1, &mask, "again", 1, 2, 0, log_fn);
+    printf("mask2 %d\n", mask);
   } else if (!strcmp(scen, "exhaust")) {
     void* c[4];
     for (int i = 0; i < 4; i++) c[i] = start_coll(NULL, (uint64_t)i);
