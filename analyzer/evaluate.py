@@ -96,7 +96,7 @@ def evaluate(verdicts: list[records_pb2.Verdict], truth: dict, window_iterations
                           key=lambda v: v.window.index)
     for f, onset in zip(truth.get("faults", []), onsets):
         ranks = set(f.get("ranks", []))
-        if truth.get("hung") and f.get("type") in HANG_TYPES and stall_vs:
+        if truth.get("hung") and f.get("type") in HANG_TYPES and (named_stalls or stall_vs):
             # a stall is a state of the job, reported with whichever window was analysed when it was seen
             v = (named_stalls or stall_vs)[0]
             scores.append(FaultScore(

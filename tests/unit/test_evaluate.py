@@ -58,5 +58,8 @@ def test_a_failed_nic_is_scored_by_the_collectives_stall_published_on_a_time_win
                                        "onset_iteration": 10}]}
     f = evaluate([it, coll], truth, 10).faults[0]
     assert f.caught and f.top1 and f.right
+    healthy = records_pb2.Verdict(window=records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=0),
+                                  state="healthy")    # the iteration rule had not seen the stall yet
+    assert evaluate([healthy, coll], truth, 10).faults[0].top1
     coll.ranks[0].rank = 3
     assert not evaluate([it, coll], truth, 10).faults[0].top1
