@@ -68,6 +68,8 @@ PLAN = {
         "SKIP: needs a running job; tests/integration/test_deep_dive.py runs it on one",
     "trainscope query deep-dive --job J":
         "SKIP: needs a deep dive; tests/integration/test_deep_dive.py runs it on a real job's",
+    "trainscope nccl-plugin build": "SKIP: tests/integration/test_nccl_plugin.py builds with it (--out in tmp_path) "
+                                    "and loads the library",
 }
 
 #: placeholders of the README's synopses -> what a new user would type
