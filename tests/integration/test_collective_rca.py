@@ -11,8 +11,13 @@ communication hook (DDP). Nothing in the training script knows trainscope.
 * late start: one rank sleeps before it enters the gradient all-reduce (plain,
   DDP) or before its backward (FSDP2: late to one of the step's 9 collectives)
   → the verdict names it as culprit with the collective's group and sequence
-  number;
-* hang: one rank stops before an all-reduce and never enters it → a stalled
+  number; on the plain job the processor's straggler trigger also takes stack
+  grids, and the late-start finding's grid shows the late rank alone in its
+  delay (``late_start``) while the others wait in the all-reduce, with the
+  Flight Recorder view beside it (the others entered seq N, the late rank at
+  N - 1) and the processor's Flight Recorder counters (one read per dump);
+* hang: one rank stops before its next collective and never enters it (DDP: the
+  bucket all-reduce; FSDP2: the first all-gather of its backward) → a stalled
   verdict names it as the first-stuck rank, with the sequence number, well
   before the iteration-based stall rule (about 75 s on this job, naming nobody);
 * healthy (DDP): nobody is named by the collective level, and the job's
@@ -21,7 +26,7 @@ communication hook (DDP). Nothing in the training script knows trainscope.
   py-spy and the dumps, clustered by stack, set the stuck rank apart in the
   stall finding's evidence and the culprit's why; each dump's Flight Recorder
   view (torch's own ledger) says which seq each rank entered (rank 2 behind).
-Six 4-rank jobs (~3 min on 2 cores; the plain hang is the stack-grid test's).
+Seven 4-rank jobs (~4 min on 2 cores; the plain hang is the stack-grid test's).
 """
 from __future__ import annotations
 
@@ -140,9 +145,9 @@ def collective_findings(v, kind: str) -> list:
     return [f for f in v.findings if f.level == "collectives" and f.kind == kind]
 
 
-def run_to_end(tmp: Path, job_id: str, *args: str):
+def run_to_end(tmp: Path, job_id: str, *args: str, **live):
     for attempt in (1, 2):
-        job = LiveJob(tmp / f"a{attempt}", job_id, *args)
+        job = LiveJob(tmp / f"a{attempt}", job_id, *args, **live)
         try:
             out = job.finish()
         finally:
@@ -153,10 +158,21 @@ def run_to_end(tmp: Path, job_id: str, *args: str):
     raise AssertionError("unreachable")
 
 
+#: The plain late-start job also carries the late start's stack grid and Flight Recorder view: the processor's
+#: straggler trigger (Mycroft §4.3: the completion interval doubles) learns its baseline on a 1 s horizon over
+#: 0.5 s windows during a longer healthy start, then fires at the onset and again every 2 s (each a grid).
+GRID_LATE_FROM = 100
+GRID_TRIGGER = CollectiveWindowConfig(length_s=0.5, trigger=TriggerConfig(horizon_s=1.0, hot_s=2.0,
+                                                                          grid_cooldown_s=2.0))
+
+
 @pytest.mark.parametrize("mode", ["plain", "ddp", "fsdp"])
 def test_a_late_rank_is_named_with_the_collective_sequence_number(tmp_path, mode):
-    job, _ = run_to_end(tmp_path, f"late-{mode}", "--mode", mode, "--steps", "60", "--late-rank", str(LATE_RANK),
-                        "--late-s", str(LATE_S), "--late-from", str(LATE_FROM))
+    grid = mode == "plain" and shutil.which("py-spy") is not None
+    late_from = GRID_LATE_FROM if grid else LATE_FROM
+    job, _ = run_to_end(tmp_path, f"late-{mode}", "--mode", mode, "--steps", str(late_from + 50),
+                        "--late-rank", str(LATE_RANK), "--late-s", str(LATE_S), "--late-from", str(late_from),
+                        *(("--flight-recorder", "64") if grid else ()), **({"collectives": GRID_TRIGGER} if grid else {}))
     for v in job.seen():
         for f in collective_findings(v, "late_start"):
             print(f"window {v.window.index}: late_start {'named' if f.suspects else 'candidate'} "
@@ -175,11 +191,11 @@ def test_a_late_rank_is_named_with_the_collective_sequence_number(tmp_path, mode
         # last on one of them, the first all-gather of its backward, every step (step 3b)
         assert ev["group"] == "0" and ev["op"] == "allgather" and ev["per_iteration"]
         assert ev["late_iterations"] >= 0.5 * ev["iterations"]
-        assert ev["seq"] >= 9 * LATE_FROM
+        assert ev["seq"] >= 9 * late_from
     else:
         assert ev["group"] == "0" and ev["op"] == "allreduce"
         # plain: one all-reduce per step (seq = step + 1); DDP: one per bucket and step, this model one bucket
-        assert ev["seq"] >= LATE_FROM + 1
+        assert ev["seq"] >= late_from + 1
     assert ev["median_late_ms"] == pytest.approx(LATE_S * 1e3, rel=0.5)
     # the others only waited (they are never culprits of the collective level)
     for v in job.seen():
@@ -189,24 +205,91 @@ def test_a_late_rank_is_named_with_the_collective_sequence_number(tmp_path, mode
     # (a finding not yet persistent names nobody: its candidates are evidence only)
     firsts = [dict(f.suspects[0].evidence)["seq"] for v in job.seen() for f in collective_findings(v, "late_start")
               if f.suspects]
-    assert min(firsts) >= (9 * LATE_FROM if mode == "fsdp" else LATE_FROM + 1), firsts
+    assert min(firsts) >= (9 * late_from if mode == "fsdp" else late_from + 1), firsts
+    if grid:
+        assert_late_start_grid(job)
 
 
-@pytest.mark.parametrize("mode", ["ddp"])     # plain: the stack-grid test below, same assertions
+def assert_late_start_grid(job: LiveJob) -> None:
+    """The late start's stack grid and Flight Recorder view (Mycroft §5 evidence) on the real plain job: the
+    straggler trigger's grids ride on the late-start findings. Each py-spy dump is one moment of its rank,
+    taken within the dumps' spread of each other (~0.1-0.5 s here, steps of ~0.2 s), so a grid shows the late
+    rank in its delay most of the time, not always: one grid of the several must set it apart, alone in
+    ``late_start``, a function no other rank runs, while waiters sit in the all-reduce; no grid ever puts
+    another rank in it."""
+    found = []
+    for v in job.seen():
+        for f in collective_findings(v, "late_start"):
+            ev = MessageToDict(f.evidence)
+            if f.suspects and "stack_grid" in ev:
+                found.append((v, f, ev))
+    assert found, "no late-start finding carried a stack grid"
+    good = []
+    for v, f, ev in found:
+        g = ev["stack_grid"]
+        assert g["trigger"] == "straggler" and g["group"] == "0", g
+        for c in g["clusters"]:
+            if any(x.startswith("late_start (") for x in c["stack"]):
+                assert [int(r) for r in c["ranks"]] == [LATE_RANK], g["summary"]
+        alone = [c for c in g["clusters"] if [int(r) for r in c["ranks"]] == [LATE_RANK]
+                 and c["stack"][0].startswith("late_start (") and "train_collectives.py:" in c["stack"][0]]
+        waiting = [int(r) for c in g["clusters"] for r in c["ranks"] if any(x.startswith("all_reduce (") for x in c["stack"])]
+        if g["complete"] and alone and waiting and LATE_RANK in [int(r) for r in g["odd_ranks"]]:
+            good.append((v, f, ev))
+        print(f"late-start grid {g['grid']} (window {v.window.index}): {g['summary']}"
+              + "".join(f"\n  rank {m['rank']}: {m['why']}" for m in g["missing"]))
+    print(f"{len(good)} of {len(found)} late-start findings' grids set rank {LATE_RANK} apart in late_start")
+    assert good, [ev["stack_grid"]["summary"] for _, _, ev in found]
+    v, f, ev = good[-1]
+    # the Flight Recorder view beside it: every rank's recorder read, compared on the group's all-reduces
+    fr = ev["flight_recorder"]
+    print(f"flight recorder: {fr['summary']}")
+    assert fr["group"] == "0" and fr["op"] == "allreduce" and fr["missing"] == [], fr
+    assert sorted(int(r["rank"]) for r in fr["ranks"]) == list(range(WORLD))
+    assert dict(f.suspects[0].evidence)["flight_recorder"] == fr["summary"]
+    (culprit,) = [s for s in v.ranks if s.rank == LATE_RANK and s.role == "culprit"]
+    assert "; stack grid: in `late_start (" in culprit.why and f"; flight recorder: {fr['summary']}" in culprit.why, \
+        culprit.why
+    (js,) = [x for x in contract_verdict_json(v)["suspects"] if x["rank"] == LATE_RANK]
+    assert js["evidence"]["stack_grid"].startswith("in `late_start (") and js["evidence"]["flight_recorder"] == fr["summary"]
+    # the processor counted every rank's Flight Recorder read with its dump (outcome ok: a view each; a grid
+    # asked for as the job ends may miss dumps of ranks that exited)
+    m = job.proc.metrics
+    sent, dumps = m.get("stack_grid_requests", outcome="sent"), m.get("stack_grid_dumps")
+    assert sent >= 1 and WORLD <= dumps <= WORLD * sent
+    assert m.get("flight_recorder_views", outcome="ok") == dumps == m.get("flight_recorder_views")
+    assert m.get("flight_recorder_entries") == 64 * dumps        # --flight-recorder 64: a full ring read each time
+    assert 0 < m.get("flight_recorder_read_seconds_max") <= m.get("flight_recorder_read_seconds_sum")
+    print(f"{sent:g} grids, {dumps:g} dumps; Flight Recorder reads: {m.get('flight_recorder_views'):g} ok, "
+          f"{m.get('flight_recorder_entries') / m.get('flight_recorder_views'):.0f} entries and "
+          f"{m.get('flight_recorder_read_seconds_sum') / m.get('flight_recorder_views') * 1e3:.1f} ms each on average "
+          f"(max {m.get('flight_recorder_read_seconds_max') * 1e3:.1f} ms)")
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])     # plain: the stack-grid test below, same assertions
 def test_a_hang_names_the_first_stuck_rank_and_the_sequence_number(tmp_path, mode):
     hang_file = tmp_path / "hang.txt"
+    # DDP with the analyzer's default hang timeout (15 s); FSDP with 5 s (the same rule, 10 s less suite time)
+    analyzer = AnalyzerConfig(collectives=CollectivesConfig(hang_timeout_s=5.0)) if mode == "fsdp" else None
     job = LiveJob(tmp_path, f"hang-{mode}", "--mode", mode, "--steps", "200", "--hang-rank", str(HANG_RANK),
-                  "--hang-from", str(HANG_FROM), "--hang-file", str(hang_file))
+                  "--hang-from", str(HANG_FROM), "--hang-file", str(hang_file), analyzer=analyzer)
     try:
         v, at = job.wait_for(lambda v: v.state == "stalled" and names(v, HANG_RANK), timeout_s=90)
         assert v is not None, [x.summary for x in job.seen()][-5:]
         (f,) = [f for f in v.findings if f.level == "collectives" and f.kind == "stall"]
         ev = dict(f.evidence)
         assert ev["first_stuck_rank"] == HANG_RANK and sorted(ev["waiting_ranks"]) == [0, 1, 3]
-        assert ev["group"] == "0" and ev["op"] == "allreduce"
-        if mode == "plain":
-            assert ev["seq"] == HANG_FROM + 1        # the all-reduce of that step: step + 1
+        # the healthy ranks are not named: they are waiters, never culprits
+        assert [s.rank for s in v.ranks if s.role == "culprit"] == [HANG_RANK], v.summary
+        if mode == "fsdp":
+            # FSDP2 (fully_shard on the 3 Linear layers and the root): per step 3 parameter all-gathers in forward,
+            # 3 in backward (reshard after forward), 3 gradient reduce-scatters, so 9 collectives a step. Rank 2
+            # stops between forward and backward: the others wait in the first all-gather of step 25's backward,
+            # the 4th collective of that step
+            assert ev["group"] == "0" and ev["op"] == "allgather"
+            assert ev["seq"] == 9 * HANG_FROM + 4
         else:
+            assert ev["group"] == "0" and ev["op"] == "allreduce"
             assert ev["seq"] > HANG_FROM
         stopped = float(hang_file.read_text())
         latency = at - stopped

@@ -12,10 +12,12 @@ optimizer step. Faults, on one rank, from one step on:
 
 * ``--late-rank R --late-s S --late-from N``: rank R sleeps S seconds just
   before its gradient all-reduce (plain: before the call; DDP and FSDP: between
-  forward and backward), i.e. it enters the collective late (a host-side delay);
-* ``--hang-rank R --hang-from N``: rank R stops before the all-reduce of step N
-  and never enters it (it sleeps until killed); ``--hang-file F`` gets the wall
-  time (seconds) at which it stopped.
+  forward and backward), i.e. it enters the collective late (a host-side delay),
+  in a function of its own (``late_start``: a stack the other ranks never show);
+* ``--hang-rank R --hang-from N``: rank R stops between forward and backward of
+  step N, so it never enters that step's gradient collectives (plain, DDP: the
+  all-reduce; FSDP2: the first all-gather of its backward) and sleeps until
+  killed; ``--hang-file F`` gets the wall time (seconds) at which it stopped.
 
 ``--flight-recorder N`` sizes torch's Flight Recorder to N entries
 (``TORCH_FR_BUFFER_SIZE``, set before the process group is created; torch
@@ -36,6 +38,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+
+def late_start(seconds: float) -> None:
+    """The late rank's delay (a host-side stall before the collective: a slow data or checkpoint step)."""
+    time.sleep(seconds)
 
 
 def main() -> int:
@@ -79,7 +86,7 @@ def main() -> int:
                     f.write(str(time.time()))
             time.sleep(3600)
         if rank == a.late_rank and step >= a.late_from:
-            time.sleep(a.late_s)
+            late_start(a.late_s)
         loss.backward()
         if a.mode == "plain":
             grads = [p.grad for p in model.parameters()]
