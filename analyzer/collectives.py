@@ -115,8 +115,11 @@ has not started the op"), checked on every analyzer step, not per window:
    the partner absent from its data-parallel group's next collective: without
    5 and 5c the partner would be named there too. A member whose upstream's
    channel states show it took their data entered (its own records are
-   late: a batch on its way) and is not named; should a member named as
-   never entered report the collective after all, the hang is judged again.
+   late: a batch on its way) and is not named; one with no upstream state
+   yet, where the collective has states, is named only once the row held
+   still between two calls (its windows may be on their way); should a
+   member named as never entered report the collective after all, the hang
+   is judged again.
 5b. Every member entered and every one is in flight (the link hang): the
    newest channel states of that (group, seq) (``CollectiveWindow.states``,
    Mycroft §4.2) are read by ``channel_states.localise`` (Mycroft §5.2-5.3,
@@ -284,6 +287,7 @@ class CollectiveState:
         self.states_dropped = 0             # channel states over max_states_per_group
         # step 5c: the hang reported while stuck: (group, seq, named as never entered, the seqs marked with it)
         self.hung: tuple[str, int, bool, list] | None = None
+        self._seen_rows: dict[tuple[str, int], frozenset] = {}   # step 5: rows awaiting their upstream's states
         self.samples: dict[int, collections.deque] = {}   # rank -> Table 4 states of its latest channel states
 
     def _release(self, row: Mapping[int, tuple]) -> None:
@@ -600,8 +604,12 @@ class CollectiveState:
             if absent:
                 roots = [m for m in absent if not elsewhere.get(m, set()) - {gid}]
                 snap = self._snapshot(grp, seq)
-                if snap is not None:   # its upstream could send to it: it entered, its records are late
-                    roots = [m for m in roots if channel_states.receiver_ready(snap, m) is not True]
+                if snap is not None and roots:
+                    ready = {m: channel_states.receiver_ready(snap, m) for m in roots}
+                    sure = [m for m in roots if ready[m] is False]       # its upstream: receiver not ready
+                    roots = sure or [m for m in roots if ready[m] is None]   # True: it entered, records late
+                    if roots and not sure and self._settling(gid, seq, row):
+                        continue  # no upstream state of it yet: judged once the row holds still a call
                 if not roots:
                     continue  # every absent member waits in another stuck collective (or entered): not here
                 f = self._never_entered(job_id, window, gid, grp, seq, row, waiting, absent, roots)
@@ -622,6 +630,17 @@ class CollectiveState:
                 grp.reported_hang.add(seq_)
             out.append(self.grids.attach(f, gid, seq, self.groups[gid].members))   # its stack grid, when in
         return out + self.grids.updates()   # stalls issued again once their stack grid is in
+
+    def _settling(self, gid: str, seq: int, row) -> bool:
+        """Step 5: True the first call a stuck row is seen with these members (their windows may still be
+        coming, a simulated run's last chunk at once); False once it held still between two calls."""
+        key, now = (gid, seq), frozenset(row)
+        if self._seen_rows.get(key) == now:
+            return False
+        if len(self._seen_rows) >= 1024:
+            self._seen_rows.clear()
+        self._seen_rows[key] = now
+        return True
 
     def _snapshot(self, grp: _Group, seq: int) -> channel_states.Snapshot | None:
         held = grp.states.get(seq)

@@ -208,14 +208,16 @@ def test_a_slow_link_gets_its_ranks_table4_share_as_evidence():
 def test_members_whose_records_come_late_are_not_taken_for_the_root():
     """The windows of a link hang arrive rank by rank (a simulated run's last chunk comes at once, its
     windows one by one): rank 1 looks absent, but rank 0's channel to it took data: it entered. Rank 2
-    has no channel state sent to it yet and is named; once its in-flight record arrives the hang is
-    judged again, from the states: the NIC of rank 1."""
+    has no channel state sent to it yet: not named while the row still changes; named once it held
+    still a call; once its in-flight record arrives the hang is judged again, from the states: the
+    NIC of rank 1."""
     batches, seq = link_hang_batches()
     ws = windows_of(batches)
     st = CollectiveState(CollectivesConfig())
     for r in (0, 3):
         st.absorb(r, ws[r])
     st.late_starts("j", W)
+    assert st.hangs("j", W) == []                 # settling: rank 2's upstream may be on its way
     (f,) = st.hangs("j", W)
     assert f.suspects[0].rank == 2 and f.evidence["absent_ranks"] == [1, 2]
     for r in (1, 2):
@@ -224,3 +226,16 @@ def test_members_whose_records_come_late_are_not_taken_for_the_root():
     (g,) = st.hangs("j", W)
     assert g.evidence["link"] == "NIC of rank 1" and g.evidence["seq"] == seq and g.suspects[0].role == LINK
     assert st.hangs("j", W) == []
+
+
+def test_windows_that_arrive_while_a_row_settles_name_the_link_at_once():
+    batches, seq = link_hang_batches()
+    ws = windows_of(batches)
+    st = CollectiveState(CollectivesConfig())
+    for r in (0, 3):
+        st.absorb(r, ws[r])
+    assert st.hangs("j", W) == []
+    for r in (1, 2):
+        st.absorb(r, ws[r])
+    (f,) = st.hangs("j", W)
+    assert f.evidence["link"] == "NIC of rank 1" and f.evidence["seq"] == seq
