@@ -115,11 +115,12 @@ has not started the op"), checked on every analyzer step, not per window:
    the partner absent from its data-parallel group's next collective: without
    5 and 5c the partner would be named there too. A member whose upstream's
    channel states show it took their data entered (its own records are
-   late: a batch on its way) and is not named; one with no upstream state
-   yet, where the collective has states, is named only once the row held
-   still between two calls (its windows may be on their way); should a
-   member named as never entered report the collective after all, the hang
-   is judged again.
+   late: a batch on its way) and is not named; where the collective has
+   states, a member is named only once the row and the set of ranks in
+   flight held still between two calls (windows may be on their way: a
+   member absent here may turn out to wait in another stuck collective);
+   should a member named as never entered report the collective, or turn
+   up in flight in another stuck one, the hang is judged again.
 5b. Every member entered and every one is in flight (the link hang): the
    newest channel states of that (group, seq) (``CollectiveWindow.states``,
    Mycroft §4.2) are read by ``channel_states.localise`` (Mycroft §5.2-5.3,
@@ -285,9 +286,10 @@ class CollectiveState:
         self.steps_dropped = 0              # records whose steps were not kept (bound reached)
         self.grids = stack_grid.GridBook(config.stack_grid)   # Mycroft §5 evidence (analyzer/stack_grid.py)
         self.states_dropped = 0             # channel states over max_states_per_group
-        # step 5c: the hang reported while stuck: (group, seq, named as never entered, the seqs marked with it)
-        self.hung: tuple[str, int, bool, list] | None = None
-        self._seen_rows: dict[tuple[str, int], frozenset] = {}   # step 5: rows awaiting their upstream's states
+        # step 5c: the hang reported while stuck: (group, seq, the rank named as never entered or -1, the seqs
+        # marked with it)
+        self.hung: tuple[str, int, int, list] | None = None
+        self._seen_rows: dict[tuple[str, int], tuple] = {}   # step 5: stuck rows settling (members, ranks in flight)
         self.samples: dict[int, collections.deque] = {}   # rank -> Table 4 states of its latest channel states
 
     def _release(self, row: Mapping[int, tuple]) -> None:
@@ -581,11 +583,12 @@ class CollectiveState:
                 if w >= timeout:
                     elsewhere[r].add(gid)
         if self.hung is not None:     # step 5c: the hang reported is still there: the rest follows from it
-            gid0, seq0, absent0, marked = self.hung
+            gid0, seq0, named0, marked = self.hung
             g0 = self.groups.get(gid0)
             if g0 is not None and seq0 in g0.seqs and not all(v[3] for v in g0.seqs[seq0].values()):
-                if absent0 and all(m in g0.seqs[seq0] or m in ended for m in g0.members):
-                    # the rank named as never entered did enter (its records came late): judge again
+                if named0 >= 0 and (named0 in g0.seqs[seq0] or elsewhere.get(named0, set()) - {gid0}):
+                    # the rank named as never entered did enter, or waits in another stuck collective
+                    # (its records came late): judge again
                     for g_, s_ in marked:
                         g_.reported_hang.discard(s_)
                     self.hung = None
@@ -608,8 +611,8 @@ class CollectiveState:
                     ready = {m: channel_states.receiver_ready(snap, m) for m in roots}
                     sure = [m for m in roots if ready[m] is False]       # its upstream: receiver not ready
                     roots = sure or [m for m in roots if ready[m] is None]   # True: it entered, records late
-                    if roots and not sure and self._settling(gid, seq, row):
-                        continue  # no upstream state of it yet: judged once the row holds still a call
+                    if roots and self._settling(gid, seq, row, elsewhere):
+                        continue  # judged once the row and the ranks in flight held still a call
                 if not roots:
                     continue  # every absent member waits in another stuck collective (or entered): not here
                 f = self._never_entered(job_id, window, gid, grp, seq, row, waiting, absent, roots)
@@ -625,16 +628,18 @@ class CollectiveState:
             # step 5c (Mycroft §5.2: a single responsible group): the collective stuck longest (on the
             # ranks' own clocks) is the hang; the others stuck since are its consequences
             _, gid, seq, f = max(found, key=lambda x: (x[0], x[1]))
-            self.hung = (gid, seq, f.evidence.get("absent_ranks") != [], [(grp, s_) for _, grp, s_, _, _ in stuck])
+            named = f.suspects[0].rank if f.evidence.get("absent_ranks") else -1    # step 5's, not 5b's
+            self.hung = (gid, seq, named, [(grp, s_) for _, grp, s_, _, _ in stuck])
             for _, grp, seq_, _, _ in stuck:
                 grp.reported_hang.add(seq_)
             out.append(self.grids.attach(f, gid, seq, self.groups[gid].members))   # its stack grid, when in
         return out + self.grids.updates()   # stalls issued again once their stack grid is in
 
-    def _settling(self, gid: str, seq: int, row) -> bool:
-        """Step 5: True the first call a stuck row is seen with these members (their windows may still be
-        coming, a simulated run's last chunk at once); False once it held still between two calls."""
-        key, now = (gid, seq), frozenset(row)
+    def _settling(self, gid: str, seq: int, row, elsewhere) -> bool:
+        """Step 5: True the first call a stuck row is seen with these members and these ranks in flight
+        (windows may still be coming: a simulated run's last chunk at once, one rank's window after
+        another's); False once both held still between two calls."""
+        key, now = (gid, seq), (frozenset(row), frozenset(elsewhere))
         if self._seen_rows.get(key) == now:
             return False
         if len(self._seen_rows) >= 1024:

@@ -93,6 +93,7 @@ def test_a_rank_that_never_entered_is_named_with_its_upstream_channels():
         b1.states.append(state(13, c, 2, 0, 0, 2, at=b1.now_ns))
     st = state_of(batches)
     st.late_starts("j", W)
+    assert st.hangs("j", W) == []                 # with states: named once nothing changed for a call
     (f,) = st.hangs("j", W)
     assert f.suspects[0].rank == 2 and f.evidence["seq"] == 13
     assert "rank 1's channels to rank 2: not transmitted" in f.evidence["channel_states"]
@@ -239,3 +240,33 @@ def test_windows_that_arrive_while_a_row_settles_name_the_link_at_once():
         st.absorb(r, ws[r])
     (f,) = st.hangs("j", W)
     assert f.evidence["link"] == "NIC of rank 1" and f.evidence["seq"] == seq
+
+
+def test_a_rank_named_as_never_entered_that_turns_up_stuck_elsewhere_is_judged_again():
+    """Group A = {0, 1}: rank 1 is absent from A's seq 13 (0 waits, its channel to 1 not transmitted); rank
+    1's window, coming later, shows it in flight in group B = {1, 2, 3} since earlier, where rank 3 never
+    entered: the hang is B's, and rank 3 is named."""
+    t_b, t_a = T0 + 5 * S, T0 + 8 * S
+    g = [telemetry_pb2.CollectiveGroup(id="A", members=[0, 1]),
+         telemetry_pb2.CollectiveGroup(id="B", members=[1, 2, 3])]
+
+    def batch(recs, states=(), now=T0 + 40 * S):
+        b = telemetry_pb2.CollectiveBatch(groups=g, now_ns=now, states=list(states))
+        for grp, seq, t in recs:
+            b.records.add(group=grp, seq=seq, op="allreduce", bytes=64, dtype="float32", enqueue_ns=t, start_ns=t)
+        return b
+    rank0 = batch([(0, 13, t_a)], [state(13, 0, 2, 0, 0, 1, at=T0 + 40 * S)])
+    rank1 = batch([(1, 7, t_b)], [state(7, 0, 2, 2, 2, 2, group=1)])
+    rank2 = batch([(1, 7, t_b)], [state(7, 0, 2, 0, 0, 3, group=1)])
+    ws = windows_of({0: rank0, 1: rank1, 2: rank2})
+    st = CollectiveState(CollectivesConfig())
+    st.absorb(0, ws[0])
+    assert st.hangs("j", W) == []
+    (f,) = st.hangs("j", W)                          # rank 1 named: nothing says otherwise yet
+    assert f.suspects[0].rank == 1 and f.evidence["group"] == "A"
+    st.absorb(1, ws[1])
+    st.absorb(2, ws[2])
+    assert st.hangs("j", W) == []                    # judged again: settling
+    (g_,) = st.hangs("j", W)
+    assert g_.evidence["group"] == "B" and g_.suspects[0].rank == 3
+    assert "not transmitted" in g_.evidence["channel_states"]

@@ -78,6 +78,7 @@ def test_a_failed_nic_is_named_with_the_seq_every_member_is_stuck_in(nic_fail):
 def test_a_plain_hang_still_names_the_rank_that_never_entered():
     sim, st, flying, m = _run("hang:rank=13,onset=5it")
     assert sim.hung and not flying[13] and flying[12]          # its TP partner waits in their all-reduce
+    assert st.hangs("j", records_pb2.Window(index=1)) == []     # with states: named once nothing changed
     found = st.hangs("j", records_pb2.Window(index=1))
     assert [(f.kind, f.suspects[0].rank, f.suspects[0].role) for f in found] == [("stall", 13, CULPRIT)]
     (f,) = found
