@@ -117,7 +117,8 @@ has not started the op"), checked on every analyzer step, not per window:
    channel states show it took their data entered (its own records are
    late: a batch on its way) and is not named; where the collective has
    states, a member is named only once the row and the set of ranks in
-   flight held still between two calls (windows may be on their way: a
+   flight held still between two calls ``hang_settle_s`` (2 s) apart, or at
+   the end of a replay (windows may be on their way: a
    member absent here may turn out to wait in another stuck collective);
    should a member named as never entered report the collective, or turn
    up in flight in another stuck one, the hang is judged again.
@@ -144,7 +145,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Mapping
+import time
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -191,11 +193,16 @@ class CollectivesConfig:
     """Step 5b: channel states held per group (the newest per (seq, rank, channel)); beyond it dropped, counted."""
     state_samples: int = 64
     """Slow-link evidence: Table 4 states of the latest channel states kept per rank."""
+    hang_settle_s: float = 2.0
+    """Step 5 with channel states: the stuck row and the ranks in flight hold still this long (analyzer clock,
+    and two calls) before a member is named as never entered (its window may be on its way)."""
 
     def __post_init__(self) -> None:
         for f in ("hang_timeout_s", "late_factor", "min_late_ms", "slow_factor", "state_stuck_s"):
             if not getattr(self, f) > 0:
                 raise ConfigError(f"analyzer.collectives.{f}", getattr(self, f), "must be > 0")
+        if not self.hang_settle_s >= 0:
+            raise ConfigError("analyzer.collectives.hang_settle_s", self.hang_settle_s, "must be >= 0")
         if not 0 < self.min_share <= 1:
             raise ConfigError("analyzer.collectives.min_share", self.min_share, "must be in (0, 1]")
         for f in ("min_collectives", "max_seqs_per_group", "max_groups", "max_step_flows", "host_min_clean",
@@ -275,7 +282,9 @@ def _iteration(row: Mapping[int, tuple]) -> int:
 class CollectiveState:
     """One job's collectives joined by (group, seq); bounded (``CollectivesConfig``)."""
 
-    def __init__(self, config: CollectivesConfig = CollectivesConfig()) -> None:
+    def __init__(self, config: CollectivesConfig = CollectivesConfig(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock                 # step 5's settling (hang_settle_s)
         self.config = config
         self.groups: dict[str, _Group] = {}
         self.now_ns: dict[int, int] = {}    # rank -> its clock at its latest record
@@ -289,7 +298,8 @@ class CollectiveState:
         # step 5c: the hang reported while stuck: (group, seq, the rank named as never entered or -1, the seqs
         # marked with it)
         self.hung: tuple[str, int, int, list] | None = None
-        self._seen_rows: dict[tuple[str, int], tuple] = {}   # step 5: stuck rows settling (members, ranks in flight)
+        # step 5: stuck rows settling: ((members, ranks in flight), first seen on the analyzer clock)
+        self._seen_rows: dict[tuple[str, int], tuple] = {}
         self.samples: dict[int, collections.deque] = {}   # rank -> Table 4 states of its latest channel states
 
     def _release(self, row: Mapping[int, tuple]) -> None:
@@ -561,9 +571,11 @@ class CollectiveState:
                                  "members": list(grp.members), "rule": "Mycroft §5 slow transfer"})
 
     # ------------------------------------------------------------ step 5
-    def hangs(self, job_id: str, window: records_pb2.Window, ended: set[int] = frozenset()) -> list[Finding]:
+    def hangs(self, job_id: str, window: records_pb2.Window, ended: set[int] = frozenset(),
+              final: bool = False) -> list[Finding]:
         """Steps 5 and 5b, for every group: the first-stuck rank of a collective others wait in, or the
-        link or NIC of a collective every member is stuck in."""
+        link or NIC of a collective every member is stuck in. ``final``: every record has been read (the
+        end of a replay): nothing to settle."""
         cfg = self.config
         out = []
         timeout = int(cfg.hang_timeout_s * 1e9)
@@ -592,7 +604,7 @@ class CollectiveState:
                     for g_, s_ in marked:
                         g_.reported_hang.discard(s_)
                     self.hung = None
-                    return self.hangs(job_id, window, ended)
+                    return self.hangs(job_id, window, ended, final)
                 for gid, grp, seq, _, _ in stuck:
                     grp.reported_hang.add(seq)
                     marked.append((grp, seq))
@@ -611,7 +623,7 @@ class CollectiveState:
                     ready = {m: channel_states.receiver_ready(snap, m) for m in roots}
                     sure = [m for m in roots if ready[m] is False]       # its upstream: receiver not ready
                     roots = sure or [m for m in roots if ready[m] is None]   # True: it entered, records late
-                    if roots and self._settling(gid, seq, row, elsewhere):
+                    if roots and not final and self._settling(gid, seq, row, elsewhere):
                         continue  # judged once the row and the ranks in flight held still a call
                 if not roots:
                     continue  # every absent member waits in another stuck collective (or entered): not here
@@ -639,12 +651,13 @@ class CollectiveState:
         """Step 5: True the first call a stuck row is seen with these members and these ranks in flight
         (windows may still be coming: a simulated run's last chunk at once, one rank's window after
         another's); False once both held still between two calls."""
-        key, now = (gid, seq), (frozenset(row), frozenset(elsewhere))
-        if self._seen_rows.get(key) == now:
-            return False
+        key, now, t = (gid, seq), (frozenset(row), frozenset(elsewhere)), self._clock()
+        seen = self._seen_rows.get(key)
+        if seen is not None and seen[0] == now:
+            return t - seen[1] < self.config.hang_settle_s
         if len(self._seen_rows) >= 1024:
             self._seen_rows.clear()
-        self._seen_rows[key] = now
+        self._seen_rows[key] = (now, t)
         return True
 
     def _snapshot(self, grp: _Group, seq: int) -> channel_states.Snapshot | None:

@@ -317,7 +317,7 @@ class Analyzer:
             self.ingest(signal, rec)   # kernel windows still waiting for names: ids labelled
         out = []
         for job in list(self._jobs.values()):
-            self._check_hang(job)   # a replay of a hung job: its collectives say who never entered
+            self._check_hang(job, final=True)   # a replay of a hung job: its collectives say who never entered
             keys = sorted(job.open)
             for i, key in enumerate(keys):
                 out.append(self._analyse(job, key, "finish", last=i == len(keys) - 1))
@@ -452,12 +452,13 @@ class Analyzer:
             self._publish([f.to_pb()], merge(job.job_id, window, [f], job.resources))
 
 
-    def _check_hang(self, job: _Job) -> None:
-        """Step 6: a collective some ranks wait in and others never entered (``collectives.py``)."""
+    def _check_hang(self, job: _Job, final: bool = False) -> None:
+        """Step 6: a collective some ranks wait in and others never entered (``collectives.py``); ``final``:
+        everything has been read (no window still on its way)."""
         if job.collectives is None:
             return
         window = records_pb2.Window(index=max(job.latest.values(), default=0))
-        found = job.collectives.hangs(job.job_id, window, job.ended)
+        found = job.collectives.hangs(job.job_id, window, job.ended, final=final)
         if found:
             job.stalled = True
             self.metrics.set_stalled(job.job_id, True)

@@ -52,7 +52,7 @@ def windows_of(batches, world=4):
 
 
 def state_of(batches, **cfg):
-    st = CollectiveState(CollectivesConfig(**cfg))
+    st = CollectiveState(CollectivesConfig(**{"hang_settle_s": 0.0, **cfg}))
     for r, w in windows_of(batches).items():
         st.absorb(r, w)
     return st
@@ -214,7 +214,7 @@ def test_members_whose_records_come_late_are_not_taken_for_the_root():
     NIC of rank 1."""
     batches, seq = link_hang_batches()
     ws = windows_of(batches)
-    st = CollectiveState(CollectivesConfig())
+    st = CollectiveState(CollectivesConfig(hang_settle_s=0.0))
     for r in (0, 3):
         st.absorb(r, ws[r])
     st.late_starts("j", W)
@@ -232,7 +232,7 @@ def test_members_whose_records_come_late_are_not_taken_for_the_root():
 def test_windows_that_arrive_while_a_row_settles_name_the_link_at_once():
     batches, seq = link_hang_batches()
     ws = windows_of(batches)
-    st = CollectiveState(CollectivesConfig())
+    st = CollectiveState(CollectivesConfig(hang_settle_s=0.0))
     for r in (0, 3):
         st.absorb(r, ws[r])
     assert st.hangs("j", W) == []
@@ -259,7 +259,7 @@ def test_a_rank_named_as_never_entered_that_turns_up_stuck_elsewhere_is_judged_a
     rank1 = batch([(1, 7, t_b)], [state(7, 0, 2, 2, 2, 2, group=1)])
     rank2 = batch([(1, 7, t_b)], [state(7, 0, 2, 0, 0, 3, group=1)])
     ws = windows_of({0: rank0, 1: rank1, 2: rank2})
-    st = CollectiveState(CollectivesConfig())
+    st = CollectiveState(CollectivesConfig(hang_settle_s=0.0))
     st.absorb(0, ws[0])
     assert st.hangs("j", W) == []
     (f,) = st.hangs("j", W)                          # rank 1 named: nothing says otherwise yet
@@ -270,3 +270,30 @@ def test_a_rank_named_as_never_entered_that_turns_up_stuck_elsewhere_is_judged_a
     (g_,) = st.hangs("j", W)
     assert g_.evidence["group"] == "B" and g_.suspects[0].rank == 3
     assert "not transmitted" in g_.evidence["channel_states"]
+
+
+def test_settling_waits_hang_settle_s_on_the_analyzer_clock():
+    batches = job_batches(steps=30, hang_rank=2, hang_at=12)
+    for c in (0, 1):
+        batches[1].states.append(state(13, c, 2, 0, 0, 2, at=batches[1].now_ns))
+    now = [100.0]
+    st = CollectiveState(CollectivesConfig(hang_settle_s=2.0), clock=lambda: now[0])
+    for r, w in windows_of(batches).items():
+        st.absorb(r, w)
+    assert st.hangs("j", W) == []
+    now[0] += 1.0
+    assert st.hangs("j", W) == []                  # held still 1 s of 2
+    now[0] += 1.5
+    (f,) = st.hangs("j", W)
+    assert f.suspects[0].rank == 2
+
+
+def test_the_end_of_a_replay_has_nothing_to_settle():
+    batches = job_batches(steps=30, hang_rank=2, hang_at=12)
+    for c in (0, 1):
+        batches[1].states.append(state(13, c, 2, 0, 0, 2, at=batches[1].now_ns))
+    st = CollectiveState(CollectivesConfig(hang_settle_s=2.0), clock=lambda: 5.0)
+    for r, w in windows_of(batches).items():
+        st.absorb(r, w)
+    (f,) = st.hangs("j", W, final=True)          # every record read: named at once
+    assert f.suspects[0].rank == 2

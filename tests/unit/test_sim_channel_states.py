@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from trainscope.analyzer import channel_states as cs
-from trainscope.analyzer.collectives import CollectiveState
+from trainscope.analyzer.collectives import CollectiveState, CollectivesConfig
 from trainscope.analyzer.model import CULPRIT, LINK
 from trainscope.collector.sim import SimConfig, parse_fault
 from trainscope.collector.sim.channel_states import CHANNELS, states_at
@@ -45,7 +45,7 @@ def _run(fault: str | None, iterations: int = 10, seed: int = 3):
             payload, _, _ = validate(b, RANKS, 2**62, m)
             cw.add(Resource(job_id="j", rank=r, world_size=RANKS), payload)
         cw.flush()
-    st = CollectiveState()
+    st = CollectiveState(CollectivesConfig(hang_settle_s=0.0))   # settling: two calls, no wall-clock wait
     for o in out:
         st.absorb(o.collectives.resource.rank, o.collectives)
     st.late_starts("j", records_pb2.Window(index=0))
