@@ -88,7 +88,14 @@ root cause; ARGUS §9.2 case 2), per analysed window, after steps 6-7:
    ``link`` for each of H's named ranks, all at that impact) names the host;
    the per-rank findings stay as evidence. A fault slow in every iteration
    (a degraded NIC) leaves no clean iterations to compare with and is
-   judged by steps 6-7 alone.
+   judged by steps 6-7 alone. In a large job every data-parallel ring crosses
+   the congested host, so the bursts also make steps 6-7 name a few links of
+   hosts downstream of it, in the same slow iterations: priced by those
+   iterations, every such host would cost the job the same. Of the hosts that
+   qualify, only those whose named links carry at least ``host_dominance``
+   of the strongest host's evidence (the sum of their findings' impacts)
+   are named (a 1,024-rank job with host 1 congested: 8 of its 8 ranks
+   named, against 2-4 on each of 20 other hosts).
 
 Hang (Mycroft §4.3 trigger "no completion for a timeout", then §5's "which rank
 has not started the op"), checked on every analyzer step, not per window:
@@ -185,6 +192,8 @@ class CollectivesConfig:
     """Step 6: flow steps held per job (40 bytes each); records beyond it keep no steps (counted)."""
     host_min_clean: int = 3
     """Step 8: iterations of the window without a slow link of the host, the baseline of its cost."""
+    host_dominance: float = 0.5
+    """Step 8: a host is named when its links' evidence is at least this share of the strongest host's."""
     stack_grid: stack_grid.StackGridConfig = dataclasses.field(default_factory=stack_grid.StackGridConfig)
     """The py-spy dumps of a triggering group, clustered and attached to stall and late-start findings."""
     state_stuck_s: float = 5.0
@@ -205,6 +214,8 @@ class CollectivesConfig:
             raise ConfigError("analyzer.collectives.hang_settle_s", self.hang_settle_s, "must be >= 0")
         if not 0 < self.min_share <= 1:
             raise ConfigError("analyzer.collectives.min_share", self.min_share, "must be in (0, 1]")
+        if not 0 < self.host_dominance <= 1:
+            raise ConfigError("analyzer.collectives.host_dominance", self.host_dominance, "must be in (0, 1]")
         for f in ("min_collectives", "max_seqs_per_group", "max_groups", "max_step_flows", "host_min_clean",
                   "max_states_per_group", "state_samples"):
             if not (isinstance(getattr(self, f), int) and getattr(self, f) >= 1):
@@ -751,10 +762,16 @@ def host_network(findings: list[Finding], hosts: Mapping[int, str], its: np.ndar
     out: list[Finding] = []
     if its.size == 0:
         return out
-    for host, fs in sorted(by_host.items()):
+    qualify = {h: fs for h, fs in by_host.items()
+               if len({s.rank for f in fs for s in f.suspects}) >= 2 and all(f.impact_ns < floor_ns for f in fs)}
+    # one rank, or a finding that stands on its own (steps 6-7 name it), does not qualify; of the
+    # rest, hosts downstream of the congested one are named in the same bursts with less evidence
+    strength = {h: sum(float(f.impact_ns) for f in fs) for h, fs in qualify.items()}
+    top = max(strength.values(), default=0.0)
+    for host, fs in sorted(qualify.items()):
+        if strength[host] < cfg.host_dominance * top:
+            continue
         ranks = sorted({s.rank for f in fs for s in f.suspects})
-        if len(ranks) < 2 or any(f.impact_ns >= floor_ns for f in fs):
-            continue     # one rank, or a finding that stands on its own (steps 6-7 name it)
         slow_its = {int(i) for f in fs for i in f.suspects[0].evidence["slow_iterations"]}
         slow = np.isin(its, list(slow_its))
         if not slow.any() or int((~slow).sum()) < cfg.host_min_clean:

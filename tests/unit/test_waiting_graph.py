@@ -231,6 +231,35 @@ def test_a_congested_host_is_priced_by_its_slow_iterations():
                         hosts, its, np.full(10, 3.0e9), floor) == []
 
 
+def test_hosts_downstream_of_the_congested_one_are_not_named():
+    """Step 8 in a large job: every DP ring crosses the congested host h1, so the bursts also name a
+    few links of other hosts in the same iterations; priced by those iterations they would all cost
+    the same. Only hosts with at least half the strongest host's evidence are named: h1 (all its
+    named ranks) and not h2 (two ranks at a quarter of the impact each); two hosts equally strong are
+    both named."""
+    import dataclasses as dc
+    from trainscope.analyzer.collectives import host_network
+    colls = _burst_job({12, 13})
+    hosts = _hosts(range(32))
+    found = slow_links("job", WINDOW, colls, hosts, {r: 10.0 for r in range(32)}, WaitingGraphConfig(min_slow=2))
+    h1 = sorted({s.rank for f in found for s in f.suspects})
+    assert len(h1) >= 2 and {hosts[r] for r in h1} == {"h1"}
+
+    def moved(f, rank, scale):
+        return dc.replace(f, suspects=tuple(dc.replace(x, rank=rank, impact_ns=x.impact_ns * scale)
+                                            for x in f.suspects[:1]))
+    h2 = [r for r in range(32) if hosts[r] == "h2"][:2]
+    downstream = [moved(found[0], h2[0], 0.25), moved(found[0], h2[1], 0.25)]
+    its, steps = np.arange(10, 20), np.full(10, 3.0e9)
+    steps[[2, 3]] = 3.45e9
+    floor = 1.01 * max(f.impact_ns for f in found)
+    named = host_network([*found, *downstream], hosts, its, steps, floor)
+    assert [f.evidence["host"] for f in named] == ["h1"]
+    twin = [moved(f, [r for r in range(32) if hosts[r] == "h2"][i], 1.0) for i, f in enumerate(found)]
+    both = host_network([*found, *twin], hosts, its, steps, floor)
+    assert sorted(f.evidence["host"] for f in both) == ["h1", "h2"]
+
+
 def test_a_host_slow_in_every_iteration_is_left_to_its_ranks():
     """Step 8 needs clean iterations to price against: a persistent fault (a degraded NIC) has none."""
     from trainscope.analyzer.collectives import host_network
