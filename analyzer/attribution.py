@@ -114,13 +114,14 @@ class Evidence:
     ratio: float
     impact_ns: float
     comparison: str = "peers"
+    link: bool = False       # a stall whose root is a NIC or link, not a rank (collectives step 5b)
 
     @property
     def role(self) -> str:
         if self.kind in ("missing_rank",):
             return MISSING
         if self.kind == "stall":
-            return CULPRIT
+            return LINK if self.link else CULPRIT
         if self.kind == "slow_link":      # the waiting graph named the link or the NIC/NVLink (waiting_graph.py)
             return LINK
         return WAITER if (self.communication and self.slower) else CULPRIT
@@ -153,7 +154,7 @@ def evidence_of(f: Finding, routing: RoutingConfig = _ROUTING) -> list[Evidence]
         slower = direction == "slower" if direction in ("slower", "faster") else ratio >= 1.0
         where = label or s.evidence.get("function") or f.kind
         out.append(Evidence(s.rank, f.level, f.kind, str(where), comm, slower, ratio,
-                            float(s.impact_ns), f.comparison))
+                            float(s.impact_ns), f.comparison, link=f.kind == "stall" and s.role == LINK))
     return out
 
 

@@ -311,8 +311,11 @@ def _hang_wait_ns(rv: RankVerdict) -> float:
 def _why(rv: RankVerdict, step_ns: float, host_fn: str | None) -> str:
     ms = rv.score_ns / 1e6
     if _hang_wait_ns(rv) > 0:
-        return (f"stopped: its peers waited {_hang_wait_ns(rv) / 1e9:.3g} s in "
-                f"{', '.join(w[:48] for w in rv.where[:3])} [{'+'.join(sorted(rv.levels))}]")
+        where = ", ".join(w[:48] for w in rv.where[:3])
+        if rv.role == LINK:     # every member entered; the channel states name the network (step 5b)
+            return (f"collective hang in the network (slow transfer, network side): {where}; its peers "
+                    f"waited {_hang_wait_ns(rv) / 1e9:.3g} s [{'+'.join(sorted(rv.levels))}]")
+        return f"stopped: its peers waited {_hang_wait_ns(rv) / 1e9:.3g} s in {where} [{'+'.join(sorted(rv.levels))}]"
     pct = f" ({100 * rv.score_ns / step_ns:.1f}% of the step)" if step_ns > 0 else ""
     where = ", ".join(w[:48] for w in rv.where[:3])
     lv = "+".join(sorted(rv.levels))

@@ -70,6 +70,12 @@ def test_a_link_hang_names_the_dead_nic_with_its_table4_state_and_the_seq():
     assert "not delivered" in s.evidence["why"] and "stuck 30 s" in s.evidence["why"]
     assert sorted(f.evidence["waiting_ranks"]) == [0, 2, 3]
     assert st.hangs("j", W) == []                  # reported once
+    # the verdict names the NIC as a link (network side), not its rank as a culprit that stopped
+    from trainscope.analyzer.merge import merge
+    res = {r: Resource(job_id="j", rank=r, world_size=4) for r in range(4)}
+    v = merge("j", W, [f], res)
+    assert v.state == "stalled" and [(x.rank, x.role) for x in v.ranks] == [(1, "link")]
+    assert "collective hang in the network" in v.ranks[0].why and "NIC of rank 1 not delivered" in v.ranks[0].why
 
 
 def test_a_link_hang_without_states_names_nobody():
