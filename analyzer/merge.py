@@ -12,7 +12,8 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
    the verdict once it was flagged in the same place in k of the last n
    windows; before that
    it is ``pending``. Stalls are named at once, and so is a culprit whose
-   own slow work (not a collective it arrived late to) costs at least
+   own slow work (not a collective it arrived late to) or measured late
+   start, or a link the collectives level named, costs at least
    ``URGENT_SHARE`` of the step in a job of ``URGENT_MIN_RANKS`` or more:
    noise that large is not what persistence guards against there, and
    waiting a window would only delay the page. A partial window (any
@@ -51,7 +52,7 @@ import re
 import time
 from typing import Mapping, Sequence
 
-from trainscope.analyzer.attribution import Evidence, RankVerdict, SyncPartners, attribute, evidence_of
+from trainscope.analyzer.attribution import LATE_START, Evidence, RankVerdict, SyncPartners, attribute, evidence_of
 from trainscope.analyzer.model import CULPRIT, LINK, MISSING, WAITER, Finding, JobWindow
 from trainscope.analyzer.significance import Persistence
 from trainscope.analyzer.topology import group_index
@@ -127,10 +128,8 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     jitter_held = JOB in confirmed
     pace_held = JOB_PACE in confirmed
     # overwhelming evidence needs no second window: a rank costing a large share of the step
-    urgent = {r for r, rv in flagged.items() if step_ns > 0 and rv.role == CULPRIT
-              and len(resources) >= URGENT_MIN_RANKS
-              and rv.score_ns >= URGENT_SHARE * step_ns
-              and any(e.own and e.level != "L1" for e in rv.evidence)}   # jitter is transient by nature
+    urgent = {r for r, rv in flagged.items() if step_ns > 0 and len(resources) >= URGENT_MIN_RANKS
+              and rv.score_ns >= URGENT_SHARE * step_ns and _urgent_evidence(rv)}
     confirmed = (confirmed & set(flagged)) | ((stalled_ranks | urgent) & set(flagged))
     if partial:
         # ranks missing: the ranks present were compared among a subset of their peers (a window
@@ -199,6 +198,17 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     v.confidence = _confidence(v.state, suspects, resources, host, persistence, comparisons, pending)
     v.summary = summarize(job_id, v, findings, resources)
     return v
+
+
+def _urgent_evidence(rv: RankVerdict) -> bool:
+    """Step 3: evidence that needs no second window when it costs a large share of the step: a culprit's
+    own slow work or the late start the collectives level measured (still its own after attribution;
+    L1 jitter is transient by nature), or a link the collectives level named from its records."""
+    if rv.role == CULPRIT:
+        return any((e.own or e.kind == LATE_START) and e.level != "L1" for e in rv.evidence)
+    if rv.role == LINK:
+        return any(e.role == LINK and e.level == "collectives" for e in rv.evidence)
+    return False
 
 
 def _host_evidence(active: Sequence[Finding], evidence: list[Evidence],

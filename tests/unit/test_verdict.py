@@ -342,6 +342,23 @@ def test_a_rank_costing_a_large_share_of_the_step_is_named_at_once():
     assert [s.rank for s in v.ranks] == [3] and v.state == "degraded"
 
 
+def test_a_measured_late_start_or_a_named_link_costing_a_large_share_is_named_at_once():
+    """Step 3: the collectives level's late start (still the rank's own after attribution) and a slow
+    link it named from its records need no second window at 20 % of the step; at 5 % they wait for
+    persistence like any finding."""
+    res = resources(16, tp=4)
+
+    def col(kind, rank, ms, role):
+        return Finding(level="collectives", kind=kind, job_id="j", window=WIN, scope=Scope(group="collective"),
+                       evidence={"communication": kind == "slow_link"},
+                       suspects=(SuspectRank(rank, 2.0, {"function": kind}, impact_ns=ms * MS, role=role),))
+    for kind, role, named_role in (("late_start", "culprit", "culprit"), ("slow_link", "link", "link")):
+        big = merge("j", WIN, [col(kind, 6, 20, role)], res, step_ns=100 * MS, persistence=Persistence(2, 3))
+        assert [(x.rank, x.role) for x in big.ranks] == [(6, named_role)], kind
+        small = merge("j", WIN, [col(kind, 6, 5, role)], res, step_ns=100 * MS, persistence=Persistence(2, 3))
+        assert not small.ranks and list(small.pending) == [6], kind
+
+
 def _late_replica_window(res, mlp_ms, late_ms, late=(4, 5)):
     """Every rank: 500 ms of own work ('mlp') and a DP all-reduce per iteration; the ranks in ``late``
     arrive late to it (their all-reduce is shorter by ``late_ms``); ``mlp_ms`` overrides own work."""
