@@ -64,6 +64,17 @@ typedef struct {
   uint8_t channel;
 } ev_t;
 
+/* v5 and v6 descriptors share these fields' names (their layouts differ: each version is filled in its own type) */
+#define FILL_DESCR_V5_PLUS(d, e) do {                                                                   \
+    memset(&(d), 0, sizeof(d));                                                                         \
+    (d).type = (e)->type; (d).parentObj = (e)->parent; (d).rank = RANK;                                 \
+    if ((e)->type == ncclProfileColl) (d).coll = (e)->coll;                                             \
+    if ((e)->type == ncclProfileProxyOp) (d).proxyOp = (e)->op;                                         \
+    if ((e)->type == ncclProfileProxyStep) (d).proxyStep.step = (e)->step;                              \
+    if ((e)->type == ncclProfileKernelCh) { (d).kernelCh.channelId = (e)->channel; (d).kernelCh.pTimer = 12345; } \
+    if ((e)->type == ncclProfileCollApi) { (d).collApi.func = "AllReduce"; (d).collApi.count = 1; }     \
+  } while (0)
+
 static void* start(const ev_t* e) {
   void* h = (void*)0x1;                /* the plugin must always set it */
   if (version == 4) {
@@ -77,23 +88,11 @@ static void* start(const ev_t* e) {
     p4->startEvent(ctx, &h, &d);
   } else if (version == 5) {
     ncclProfilerEventDescr_v5_t d;
-    memset(&d, 0, sizeof d);
-    d.type = e->type; d.parentObj = e->parent; d.rank = RANK;
-    if (e->type == ncclProfileColl) d.coll = e->coll;
-    if (e->type == ncclProfileProxyOp) d.proxyOp = e->op;
-    if (e->type == ncclProfileProxyStep) d.proxyStep.step = e->step;
-    if (e->type == ncclProfileKernelCh) { d.kernelCh.channelId = e->channel; d.kernelCh.pTimer = 12345; }
-    if (e->type == ncclProfileCollApi) { d.collApi.func = "AllReduce"; d.collApi.count = 1; }
+    FILL_DESCR_V5_PLUS(d, e);
     p5->startEvent(ctx, &h, &d);
   } else {
     ncclProfilerEventDescr_v6_t d;
-    memset(&d, 0, sizeof d);
-    d.type = e->type; d.parentObj = e->parent; d.rank = RANK;
-    if (e->type == ncclProfileColl) d.coll = e->coll;
-    if (e->type == ncclProfileProxyOp) d.proxyOp = e->op;
-    if (e->type == ncclProfileProxyStep) d.proxyStep.step = e->step;
-    if (e->type == ncclProfileKernelCh) { d.kernelCh.channelId = e->channel; d.kernelCh.pTimer = 12345; }
-    if (e->type == ncclProfileCollApi) { d.collApi.func = "AllReduce"; d.collApi.count = 1; }
+    FILL_DESCR_V5_PLUS(d, e);
     p6->startEvent(ctx, &h, &d);
   }
   return h;
