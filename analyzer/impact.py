@@ -21,7 +21,9 @@ against the window's step time.
    (under half its iterations: the end of a job), are *informational*: they stay as
    evidence, never name suspects, never alert (ARCHITECTURE.md, replay
    contract). Stalls and missing ranks are not scaled by impact: a hang's
-   cost is the whole step.
+   cost is the whole step. A finding above the floor names only its suspects
+   above it (the others stay in its evidence as ``below_floor``): with one
+   fault, a slow group's healthy member is not a culprit beside it.
 """
 from __future__ import annotations
 
@@ -129,5 +131,21 @@ def apply_floor(findings: list[Finding], scale: WindowScale, cfg: ImpactConfig) 
     for f in findings:
         at = unplaced if (f.level == "L1" and f.kind == "jitter" and not f.suspects) else floor
         small = f.kind not in UNSCALED_KINDS and f.level != "L5" and (f.impact_ns < at or scale.short)
-        out.append(dataclasses.replace(f, informational=f.informational or small, step_ns=scale.step_ns))
+        f = dataclasses.replace(f, informational=f.informational or small, step_ns=scale.step_ns)
+        out.append(f if small or f.kind in UNSCALED_KINDS or f.level in _ROLE_LEVELS else _members_above(f, at))
     return out
+
+
+#: Levels whose suspects below the floor carry a role of their own (waiters of a late start, a hang's
+#: members): their findings keep every suspect.
+_ROLE_LEVELS = frozenset({"L5", "collectives"})
+
+
+def _members_above(f: Finding, at: float) -> Finding:
+    """Step 3 per suspect: a finding above the floor names only its suspects above it (a slow group
+    whose one member costs 8 % and the other 0.5 %); the others stay as evidence (``below_floor``)."""
+    if len(f.suspects) < 2 or all(s.impact_ns >= at for s in f.suspects):
+        return f
+    keep = tuple(s for s in f.suspects if s.impact_ns >= at)
+    below = [{"rank": s.rank, "impact_s": s.impact_ns / 1e9} for s in f.suspects if s.impact_ns < at]
+    return dataclasses.replace(f, suspects=keep, evidence={**f.evidence, "below_floor": below})

@@ -34,7 +34,9 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
    behind one NVLink).
 5. State: ``stalled`` (a stall finding), ``degraded`` (a confirmed suspect,
    an L1 regression, or L1 jitter in k of the last n windows), ``unknown`` (no comparison could be
-   made: groups too small and no history yet), else ``healthy``.
+   made: groups too small and no history yet; or a partial window missing more ranks than it
+   holds, such as 2 of 128 ranks replayed), ``suspected`` (ranks flagged but not yet persistent:
+   listed in ``pending``, never "healthy"), else ``healthy``.
 6. Confidence in [0, 1]: 0.4 × the margin of the top suspect (or host) over
    the next (1 − next/top impact), + 0.3 × agreement (distinct levels with
    culprit evidence, 2 or more = full), + 0.3 × persistence (share of the
@@ -60,6 +62,8 @@ from trainscope.proto.model import NIC_ATTRIBUTE, SWITCH_ATTRIBUTE, Resource
 from trainscope.proto.v1 import records_pb2
 
 HEALTHY, DEGRADED, STALLED, UNKNOWN = "healthy", "degraded", "stalled", "unknown"
+#: Evidence points at a rank that has not reached the naming threshold yet (never "healthy").
+SUSPECTED = "suspected"
 #: Persistence key of job-level anomalies (L1 jitter), beside the ranks.
 JOB = -1
 #: ... and of the job slower than its own pace (``job_pace``) with no rank to blame.
@@ -125,6 +129,10 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
                                        observed=observed)
     else:
         confirmed = set(places)
+    if final and persistence is not None and persistence.windows < persistence.k:
+        # a capture shorter than k windows (one window: a short profiler capture, replay.capture_window)
+        # names what its windows flagged; an iteration-time spike there is one transient, not a rank
+        confirmed -= {r for r, rv in flagged.items() if all(e.level == "L1" for e in rv.evidence)}
     jitter_held = JOB in confirmed
     pace_held = JOB_PACE in confirmed
     # overwhelming evidence needs no second window: a rank costing a large share of the step
@@ -186,12 +194,15 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     v.findings.extend(f.to_pb() for f in _named_only(findings, confirmed | stalled_ranks, pace_held))
     # step 5: state; step 6: confidence
     made = None if comparisons is None else sum(comparisons.values())
+    present, missing = len(resources), _missing_ranks(findings)
     if any(f.kind == "stall" for f in active):
         v.state = STALLED
     elif suspects or any(f.kind == "regression" for f in l1) or jitter_held or pace_held:
         v.state = DEGRADED
-    elif made == 0 and not pending:
-        v.state = UNKNOWN
+    elif (made == 0 and not pending) or (partial and missing > present):
+        v.state = UNKNOWN           # no comparison, or most of the job absent (2 of 128 ranks)
+    elif pending:
+        v.state = SUSPECTED         # flagged, not yet persistent: reported with the ranks, never healthy
     else:
         v.state = HEALTHY
     v.comparison = _comparison(comparisons, suspects)
@@ -370,6 +381,8 @@ def _confidence(state: str, suspects: list[RankVerdict], resources, host: str,
         return 0.0
     if state == STALLED and not suspects:
         return 0.8       # no progress is a fact; who stopped first could not be told
+    if state == SUSPECTED:
+        return round(0.5 * (persistence.held(pending[0]) if persistence is not None and pending else 0.5), 2)
     if state in (HEALTHY,) or (state == DEGRADED and not suspects):
         levels = comparisons or {}
         share = (sum(1 for n in levels.values() if n > 0) / len(levels)) if levels else 1.0
@@ -399,6 +412,11 @@ def summarize(job_id: str, v: records_pb2.Verdict, findings: Sequence[Finding],
     head += f", compared with {v.comparison.replace('+', ' and ')})" if v.comparison and v.comparison != "peers" \
         else ")"
     if v.state == UNKNOWN:
+        missing = _missing_ranks(findings)
+        if v.partial and missing:
+            return head + (f" — {missing} of {missing + len(resources)} ranks missing: the ranks present"
+                           " cannot be judged against the job" if resources else
+                           f" — {missing} rank(s) missing: the ranks present cannot be judged against the job")
         return head + " — no comparison possible (groups too small, no history yet)"
     parts = [head]
     pace = next((d for d in v.findings if d.level == "pace" and not d.informational), None)
@@ -431,13 +449,18 @@ def summarize(job_id: str, v: records_pb2.Verdict, findings: Sequence[Finding],
         if len(v.ranks) > 1:
             parts.append("also " + ", ".join(f"{s.rank} ({s.role})" for s in v.ranks[1:6]))
     if v.pending:
-        parts.append(f"watching {len(v.pending)} rank(s) not yet persistent: "
-                     + ", ".join(map(str, list(v.pending)[:6])))
+        parts.append(f"suspected rank(s) {', '.join(map(str, list(v.pending)[:6]))}: flagged, not yet in enough"
+                     " windows to be named (more iterations will confirm or clear them)")
     if v.partial:
         missing = next((len(f.suspects) for f in findings if f.kind == "missing_rank"), 0)
         parts.append(f"partial window: {missing} rank(s) missing, nobody named from it" if missing
                      else "ranks missing in some windows (partial: nobody named from those)")
     return " — ".join(parts)
+
+
+def _missing_ranks(findings: Sequence[Finding]) -> int:
+    """How many expected ranks sent nothing for the window (its ``missing_rank`` finding)."""
+    return max((len(f.suspects) for f in findings if f.kind == "missing_rank"), default=0)
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -455,7 +478,7 @@ def _ranges(ranks: list[int]) -> str:
 #: What a level's comparisons compared a rank with (``WindowContext.comparisons`` keys).
 _COMPARED = {"L1": "iteration_history", "L2": "peers", "L3": "peers", "L4": "peers", "pace": "own_pace"}
 
-_STATE_ORDER = {STALLED: 3, DEGRADED: 2, UNKNOWN: 1, HEALTHY: 0}
+_STATE_ORDER = {STALLED: 4, DEGRADED: 3, SUSPECTED: 2, UNKNOWN: 1, HEALTHY: 0}
 #: the cost a window's ``_why`` wrote; the job's verdict restates it with the job's figures
 _COST = re.compile(r"\S+ ms/iteration(?: \([^)]*% of the step\))?")
 
@@ -463,9 +486,11 @@ _COST = re.compile(r"\S+ ms/iteration(?: \([^)]*% of the step\))?")
 def merge_windows(verdicts: Sequence[records_pb2.Verdict]) -> records_pb2.Verdict | None:
     """The job's verdict over its windows (the replay contract's ``verdict``; ``query verdict``).
 
-    1. State: the worst state any window had (stalled > degraded > unknown >
-       healthy), except that "unknown" needs every window to be unknown: one
-       window that could compare ranks makes the job judgeable.
+    1. State: the worst state any window had (stalled > degraded > suspected >
+       unknown > healthy), except that "unknown" needs every window to be unknown: one
+       window that could compare ranks makes the job judgeable; and "suspected" counts
+       only when the last judged window still had it (a suspicion a later window cleared
+       was noise), with that window's pending ranks.
     2. Suspects: every rank windows named (at least twice when another rank
        was named more often: one window's noise is not the job's answer),
        scored by the sum over windows of its impact (cost × duration),
@@ -488,7 +513,12 @@ def merge_windows(verdicts: Sequence[records_pb2.Verdict]) -> records_pb2.Verdic
     out.window.start_ns = min(v.window.start_ns for v in vs)
     states = [v.state or (DEGRADED if v.ranks else HEALTHY) for v in vs]
     judged = [s for s in states if s != UNKNOWN]
+    # a suspicion a later window cleared was noise; one still open when the job (capture) ended is not
+    ended_suspected = bool(judged) and judged[-1] == SUSPECTED
+    judged = [s for s in judged if s != SUSPECTED] + ([SUSPECTED] if ended_suspected else [])
     out.state = max(judged, key=_STATE_ORDER.get) if judged else UNKNOWN
+    if ended_suspected:
+        out.pending.extend(next(v for v in reversed(vs) if (v.state or HEALTHY) != UNKNOWN).pending)
     steps = [v.step_s for v in vs if v.step_s > 0]
     out.step_s = float(sorted(steps)[len(steps) // 2]) if steps else 0.0
     impact: dict[int, list[float]] = collections.defaultdict(list)

@@ -186,7 +186,7 @@ class AnalyzerMetrics:
                                "Merged impact of a suspect named by the latest verdict, seconds per iteration",
                                labels=["job", "rank", "role", "host"])
         for job, (state, conf, suspects) in verdicts:
-            for name in ("healthy", "degraded", "stalled", "unknown"):
+            for name in ("healthy", "suspected", "degraded", "stalled", "unknown"):
                 vs.add_metric([job, name], 1.0 if name == state else 0.0)
             vc.add_metric([job], conf)
             for rank, role, host, impact in suspects:

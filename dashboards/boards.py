@@ -133,7 +133,7 @@ def fleet() -> dashboard.Dashboard:
     d = d.with_panel(tbl(
         "Jobs and their verdict", "short",
         q(f"max by (job, state) ({S.VERDICT_STATE} == 1)", "{{job}} {{state}}", instant=True, table_fmt=True),
-        w=8, desc="The analyzer's latest verdict state per job (healthy, degraded, stalled, unknown)"))
+        w=8, desc="The analyzer's latest verdict state per job (healthy, suspected, degraded, stalled, unknown)"))
     d = d.with_panel(tbl(
         "Ranks per job", "short",
         q(f"count by (job) ({S.RANK_INFO})", "{{job}}", instant=True, table_fmt=True), w=4))

@@ -89,7 +89,8 @@ def build_parser(handlers: Handlers, description: str) -> argparse.ArgumentParse
     r.add_argument("--stats-out", help="write the kernel cluster stats here (JSON)")
     r.add_argument("--json", help="write the diagnoses here (JSON, the replay contract's format)")
     r.add_argument("--no-analyze", action="store_true", help="only summarise; run no detectors")
-    r.add_argument("--window-iterations", type=int, default=5, help="iterations per window")
+    r.add_argument("--window-iterations", type=int,
+                   help="iterations per window (default: 5; a capture of under 15 steps is judged as one window)")
     r.add_argument("--force", action="store_true",
                    help="replace HOME/store.sqlite when an earlier run left one, and --json/--stats-out files")
     _add_verdict_flags(r)

@@ -31,6 +31,32 @@ log = logging.getLogger(__name__)
 
 KIND_NAMES = {0: "kernel", 1: "memcpy", 2: "memset"}
 CHUNK = 32_768
+#: Iterations per window of a replay, unless told (``capture_window``).
+DEFAULT_WINDOW_ITERATIONS = 5
+#: A capture of fewer than this many default windows is judged as one window.
+SHORT_CAPTURE_WINDOWS = 3
+
+
+def capture_window(iterations, default: int = DEFAULT_WINDOW_ITERATIONS,
+                   short_windows: int = SHORT_CAPTURE_WINDOWS) -> int:
+    """Iterations per window for a capture holding these iteration numbers.
+
+    A long capture is cut into windows of ``default`` iterations, so a late onset is not averaged
+    away and the verdict can say since when. A short one (5-12 profiler steps: fewer than
+    ``short_windows`` windows) cut the same way leaves one or two windows and a stub (6 steps:
+    5 + 1), each too short to compare ranks on and too few for persistence: it is judged as one
+    sample, one window holding every step. Windows are cut at multiples of their length
+    (``iteration // W``), so W is the smallest length >= the step count that puts the first and
+    the last step in the same window.
+    """
+    its = sorted({int(i) for i in iterations})
+    if len(its) >= default * short_windows or not its:
+        return default
+    lo, hi = its[0], its[-1]
+    w = max(len(its), 1)
+    while lo // w != hi // w:
+        w += 1
+    return w
 
 
 @dataclasses.dataclass(slots=True)
@@ -44,6 +70,7 @@ class ReplayResult:
     store_path: str
     seconds: float
     verdicts: list = dataclasses.field(default_factory=list)
+    window_iterations: int = DEFAULT_WINDOW_ITERATIONS
 
 
 def feed_rank(trace, resource, target: str) -> tuple[int, int]:
@@ -87,7 +114,7 @@ def run_replay(
     directory: str,
     *,
     home: str | None = None,
-    window_iterations: int = 5,
+    window_iterations: int | None = None,
     kafka: Any = None,
     perfetto: Any = None,
     prometheus: Any = None,
@@ -99,12 +126,15 @@ def run_replay(
     """Replay every rank of ``directory`` and close all windows.
 
     Windows are cut by iterations (the traces' clocks are unrelated, so only
-    iteration numbers line ranks up); the default of 5 iterations gives a
-    30-step trace six windows, so a late onset is not averaged away and the
-    verdict can say since when. ``progress`` (a ``deploy.render.Progress``) is told the ranks fed.
+    iteration numbers line ranks up); ``window_iterations`` None picks them from
+    the capture (``capture_window``: 5, or the whole capture when it is short).
+    ``progress`` (a ``deploy.render.Progress``) is told the ranks fed.
     """
     t0 = time.perf_counter()
     job = scan_replay_dir(directory)
+    first = job.load(min(job.files)) if window_iterations is None else None
+    if window_iterations is None:
+        window_iterations = capture_window(m.iteration for m in first.iterations)
     home = home or tempfile.mkdtemp(prefix="trainscope-replay-")
     os.makedirs(home, exist_ok=True)
     cfg = embedded_processor_config(
@@ -123,7 +153,8 @@ def run_replay(
             for i, rank in enumerate(sorted(job.files)):
                 if progress is not None:
                     progress.update(i, note=f"rank {rank}")
-                trace = job.load(rank)
+                trace = first if first is not None and rank == min(job.files) else job.load(rank)
+                first = None      # the first rank's columns are not held past its feed
                 skipped[rank] = dict(trace.skipped)
                 sent[rank], drops[rank] = feed_rank(trace, resource_for(trace, job), proc.address)
             if progress is not None:
@@ -138,7 +169,7 @@ def run_replay(
     finally:
         remove_socket_dir(cfg)  # the private socket directory is this run's: leave nothing behind
     return ReplayResult(job.job_id, sorted(job.files), sent, skipped, drops, metrics,
-                        store_path, time.perf_counter() - t0, verdicts)
+                        store_path, time.perf_counter() - t0, verdicts, window_iterations)
 
 
 def kernel_stats_json(store_path: str, job_id: str | None = None) -> dict:

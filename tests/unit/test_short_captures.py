@@ -1,0 +1,101 @@
+"""Short captures and what a verdict says when it cannot name anyone yet (issue #22 item 3):
+the replay's window for a short capture (``deploy/replay.capture_window``), the state
+"suspected" for ranks flagged but not yet persistent, "unknown" when most ranks are absent, a
+one-window capture not naming an iteration-time spike, and a group finding naming only its
+members above the impact floor (analyzer/merge.py, analyzer/impact.py)."""
+from trainscope.analyzer.impact import ImpactConfig, WindowScale, apply_floor
+from trainscope.analyzer.merge import merge, merge_windows
+from trainscope.analyzer.model import Finding, Scope, SuspectRank
+from trainscope.analyzer.significance import Persistence
+from trainscope.deploy.replay import capture_window
+from trainscope.proto.model import Resource, coords_for_rank
+from trainscope.proto.v1 import records_pb2
+
+MS = 1e6
+
+
+def win(index):
+    return records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=index,
+                              first_iteration=10 * index, last_iteration=10 * index + 9)
+
+
+def resources(world=16, tp=4, per_host=4, ranks=None):
+    return {r: Resource(job_id="j", rank=r, world_size=world, host=f"h{r // per_host}",
+                        coords=coords_for_rank(r, world, tp=tp)) for r in (ranks if ranks is not None else range(world))}
+
+
+def finding(level, kind, where, suspects, index=0, informational=False):
+    return Finding(level=level, kind=kind, job_id="j", window=win(index), scope=Scope(phase=where),
+                   informational=informational,
+                   suspects=tuple(SuspectRank(r, 1.0, {"direction": "slower"}, impact_ns=i) for r, i in suspects))
+
+
+def test_a_short_capture_is_one_window_and_a_long_one_keeps_five_iteration_windows():
+    assert capture_window(range(6)) == 6                    # 5 + 1 would leave a stub window
+    assert capture_window(range(12)) == 12
+    w = capture_window(range(30, 38))                       # steps 30-37: one window holds them all
+    assert w >= 8 and 30 // w == 37 // w and w < 16
+    assert capture_window(range(15)) == 5 and capture_window(range(40)) == 5
+    assert capture_window([]) == 5 and capture_window(range(9), default=3) == 3
+
+
+def test_a_rank_flagged_but_not_yet_persistent_is_suspected_never_healthy():
+    p = Persistence(2, 3)
+    f = finding("L2", "straggler", "forward", [(3, 9 * MS)])
+    v = merge("j", win(0), [f], resources(), step_ns=100 * MS, persistence=p)
+    assert v.state == "suspected" and list(v.pending) == [3] and not v.ranks
+    assert "suspected rank(s) 3" in v.summary and "healthy" not in v.summary
+    clean = merge("j", win(0), [], resources(), step_ns=100 * MS, persistence=Persistence(2, 3))
+    assert clean.state == "healthy" and not clean.pending
+
+
+def test_the_job_is_suspected_only_while_the_suspicion_is_open_at_its_end():
+    res = resources()
+    p = Persistence(2, 3)
+    noise = merge("j", win(0), [finding("L2", "straggler", "forward", [(3, 9 * MS)])], res,
+                  step_ns=100 * MS, persistence=p)
+    quiet = [merge("j", win(i), [], res, step_ns=100 * MS, persistence=p) for i in (1, 2)]
+    assert noise.state == "suspected" and merge_windows([noise, *quiet]).state == "healthy"
+    late = merge("j", win(3), [finding("L2", "straggler", "forward", [(5, 9 * MS)], 3)], res,
+                 step_ns=100 * MS, persistence=p)
+    job = merge_windows([noise, *quiet, late])
+    assert job.state == "suspected" and list(job.pending) == [5] and not job.ranks
+
+
+def test_two_of_many_ranks_present_is_unknown_not_healthy():
+    present = resources(128, tp=8, per_host=8, ranks=[0, 1])
+    missing = Finding(level="L2", kind="missing_rank", job_id="j", window=win(0), scope=Scope(group="job"),
+                      suspects=tuple(SuspectRank(r, 1.0, {}, role="missing") for r in range(2, 128)))
+    v = merge("j", win(0), [missing], present, step_ns=100 * MS, persistence=Persistence(2, 3), partial=True,
+              comparisons={"L2": 0, "L3": 0})
+    assert v.state == "unknown" and not v.ranks and "126 of 128 ranks missing" in v.summary
+    assert merge_windows([v]).state == "unknown"
+    few = merge("j", win(0), [dataclasses_replace_suspects(missing, range(14, 16))], resources(),
+                step_ns=100 * MS, persistence=Persistence(2, 3), partial=True)
+    assert few.state == "healthy"                            # 2 of 16 missing: the rest was judged
+
+
+def dataclasses_replace_suspects(f, ranks):
+    import dataclasses
+    return dataclasses.replace(f, suspects=tuple(SuspectRank(r, 1.0, {}, role="missing") for r in ranks))
+
+
+def test_a_one_window_capture_names_what_it_flagged_but_not_an_iteration_spike():
+    res = resources()
+    slow = Finding(level="L3", kind="degraded_kernels", job_id="j", window=win(0), scope=Scope(kernel="[compute]"),
+                   suspects=(SuspectRank(5, 1.0, {"direction": "slower"}, impact_ns=12 * MS),))
+    jitter = Finding(level="L1", kind="jitter", job_id="j", window=win(0), scope=Scope(),
+                     suspects=(SuspectRank(9, 1.0, {}, impact_ns=6 * MS),))
+    v = merge("j", win(0), [slow, jitter], res, step_ns=100 * MS, persistence=Persistence(2, 3), final=True)
+    assert [s.rank for s in v.ranks] == [5], v.summary
+
+
+def test_a_group_finding_names_only_its_members_above_the_floor():
+    scale = WindowScale(100 * MS, {r: 10.0 for r in range(16)}, 10.0, 10.0, 10.0)
+    group = finding("L2", "slow_group", "[memory]", [(5, 8 * MS), (4, 0.5 * MS)])
+    (out,) = apply_floor([group], scale, ImpactConfig(floor_pct=1.0))
+    assert not out.informational and [s.rank for s in out.suspects] == [5]
+    assert out.evidence["below_floor"][0]["rank"] == 4
+    (small,) = apply_floor([finding("L2", "slow_group", "x", [(5, 0.5 * MS), (4, 0.4 * MS)])], scale,
+                           ImpactConfig(floor_pct=1.0))
+    assert small.informational and len(small.suspects) == 2   # all below: informational, evidence kept
