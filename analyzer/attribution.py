@@ -26,8 +26,14 @@ evidence and attributes the waiting to the member that made the others wait.
    too; so does that partner's pipeline neighbour: followed transitively):
    it is a waiter pointing at the partner, and the owner's score takes the
    lateness' impact.
-   Each waiter points at the partner with culprit evidence whose impact is
-   largest (``waited_for``). When no partner was flagged, the records of the
+   A waiter whose finding measured whom it waited for (the collectives
+   level's late start lists each waiter with the late member) points at
+   that rank, even when it is a waiter itself: a rank late to its DP
+   all-reduce because it waited in its TP one passes the wait on, and step
+   5 follows the chain to the culprit (issue #22: lateness followed across
+   groups; before, the DP peers of a slow GPU's TP partner were named as
+   slow links). Otherwise each waiter points at the partner with culprit
+   evidence whose impact is largest (``waited_for``). When no partner was flagged, the records of the
    window decide: in the waiter's tensor-parallel group (the most tightly
    synchronised), the member with the shortest time in the same collective
    arrived last; if it is shorter than the waiter by at least half the
@@ -115,6 +121,7 @@ class Evidence:
     impact_ns: float
     comparison: str = "peers"
     link: bool = False       # a stall whose root is a NIC or link, not a rank (collectives step 5b)
+    waited_for: int = -1     # the rank it waited for, where the finding measured it (a late start's waiters)
 
     @property
     def role(self) -> str:
@@ -154,7 +161,8 @@ def evidence_of(f: Finding, routing: RoutingConfig = _ROUTING) -> list[Evidence]
         slower = direction == "slower" if direction in ("slower", "faster") else ratio >= 1.0
         where = label or s.evidence.get("function") or f.kind
         out.append(Evidence(s.rank, f.level, f.kind, str(where), comm, slower, ratio,
-                            float(s.impact_ns), f.comparison, link=f.kind == "stall" and s.role == LINK))
+                            float(s.impact_ns), f.comparison, link=f.kind == "stall" and s.role == LINK,
+                            waited_for=int(s.waited_for) if s.role == WAITER else -1))
     return out
 
 
@@ -369,10 +377,16 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
                 root[rv.rank] = root[best]
                 rv.role, rv.waited_for = WAITER, best
                 changed = True
-    # step 3: waiters point at a culprit partner
+    # step 3: waiters point at the rank a finding measured them waiting for (the collectives level's
+    # late start: in a data-parallel all-reduce, the member that came late because it waited in its
+    # tensor-parallel one; step 5 follows that chain to the culprit), else at a culprit partner
     iterations = iterations or {}
     for rv in list(out.values()):
         if rv.role != WAITER or rv.waited_for >= 0:
+            continue
+        measured = [e for e in rv.evidence if e.role == WAITER and e.waited_for in out and e.waited_for != rv.rank]
+        if measured:
+            rv.waited_for = max(measured, key=lambda e: (e.impact_ns, -e.waited_for)).waited_for
             continue
         parts = partners.of(rv.rank)
         cands = [p for ps in parts.values() for p in ps if p in out and out[p].role == CULPRIT]

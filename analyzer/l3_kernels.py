@@ -34,7 +34,8 @@ every (kernel, stream) their duration distributions should agree. Per
    (rank, category) comparison of the window (Bonferroni: 300 kernels ×
    1,000 ranks keep the false-alarm rate of 10 × 16). A collective kernel
    significantly *shorter* than its peers' is flagged too: the late
-   arriver's collectives are its shortest (ARGUS §9.5). The W1 score (eq. 3)
+   arriver's collectives are its shortest (ARGUS §9.5); its kind is
+   ``late_arrival``, never ``degraded_kernel`` (it is not slower there). The W1 score (eq. 3)
    and the IQR fence (eq. 4) stay as evidence of how the distribution
    changed, not as the decision: W1 grows when the KDE splits modes
    differently on equal data, and it ranks a 3x spike of a 20 µs kernel
@@ -80,6 +81,9 @@ from trainscope.analyzer.topology import (
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import records_pb2
 
+
+#: L3 kind of a collective kernel significantly *shorter* than its peers': the rank arrived late.
+LATE_ARRIVAL = "late_arrival"
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class L3Config:
@@ -614,16 +618,23 @@ def kernel_findings(job_id: str, window: records_pb2.Window, t: KernelTable,
                 ev["role"] = "late_arriver"   # its peers waited for it (ARGUS §9.5)
             suspects.append(SuspectRank(int(o.ranks[k]), float(abs(o.z[k])), ev,
                                         impact_ns=abs(x - o.median_ns)))
-        out.append(Finding(
-            level="L3", kind="degraded_kernels" if o.key < 0 else "degraded_kernel",
-            job_id=job_id, window=window,
-            scope=Scope(kernel=kernel, stream=int(stream), group=dim, group_index=o.group),
-            suspects=tuple(suspects), severity=float(np.max(np.abs(o.z))),
-            evidence={"group_size": o.group_size, "group_median_ns": o.median_ns,
-                      "peer_spread_ns": o.scale_ns, "z_threshold": o.z_star,
-                      "comparisons": res.comparisons, "false_alarm": cfg.false_alarm,
-                      "communication": comm, **({"category": o.category} if o.category else {})},
-        ))
+        # a collective kernel shorter than its peers' is not degraded: the rank arrived late and the
+        # others waited in it (ARGUS §9.5); its own finding kind, never "degraded_kernel"
+        slow = tuple(x for x in suspects if x.evidence["direction"] == "slower")
+        late = tuple(x for x in suspects if x.evidence["direction"] == "faster")
+        for members, kind in ((slow, "degraded_kernels" if o.key < 0 else "degraded_kernel"),
+                              (late, LATE_ARRIVAL)):
+            if not members:
+                continue
+            out.append(Finding(
+                level="L3", kind=kind, job_id=job_id, window=window,
+                scope=Scope(kernel=kernel, stream=int(stream), group=dim, group_index=o.group),
+                suspects=members, severity=max(float(x.score) for x in members),
+                evidence={"group_size": o.group_size, "group_median_ns": o.median_ns,
+                          "peer_spread_ns": o.scale_ns, "z_threshold": o.z_star,
+                          "comparisons": res.comparisons, "false_alarm": cfg.false_alarm,
+                          "communication": comm, **({"category": o.category} if o.category else {})},
+            ))
     for m in res.missing:
         kernel, stream = t.keys[m.key]
         # absent from a sampled window is weak evidence (CPU-operator sampling, ARGUS §5.1):

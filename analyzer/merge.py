@@ -37,6 +37,9 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
    made: groups too small and no history yet; or a partial window missing more ranks than it
    holds, such as 2 of 128 ranks replayed), ``suspected`` (ranks flagged but not yet persistent:
    listed in ``pending``, never "healthy"), else ``healthy``.
+5b. Impact is what the job loses: where the pace level measured the job
+   slower than its own healthy pace, the culprits' and links' impacts are
+   scaled down together so that they never exceed that loss.
 6. Confidence in [0, 1]: 0.4 × the margin of the top suspect (or host) over
    the next (1 − next/top impact), + 0.3 × agreement (distinct levels with
    culprit evidence, 2 or more = full), + 0.3 × persistence (share of the
@@ -172,14 +175,15 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     if len({resources[rv.rank].host for rv in suspects if rv.rank in resources}) > 1:
         v.switch_name = _shared(suspects, resources, lambda res: res.attributes.get(SWITCH_ATTRIBUTE, ""))
     v.group = _shared_group(suspects, resources, active)
+    share = _loss_share(suspects, active)
     for rv in suspects:
         res = resources.get(rv.rank)
         # a hung rank costs the whole step (unknown: 0), not its peers' wait (that is in its why)
-        cost = step_ns if _hang_wait_ns(rv) > 0 else rv.score_ns
+        cost = step_ns if _hang_wait_ns(rv) > 0 else rv.score_ns * (share if rv.role in (CULPRIT, LINK) else 1.0)
         s = v.ranks.add(rank=rv.rank, score=rv.score_ns / 1e9, role=rv.role, impact_s=cost / 1e9,
                         impact_pct=100.0 * cost / step_ns if step_ns > 0 else 0.0,
                         host=res.host if res else "", waited_for=rv.waited_for,
-                        why=_why(rv, step_ns, host_fn.get(rv.rank))
+                        why=_why(rv, step_ns, host_fn.get(rv.rank), cost)
                         + (f"; stack grid: {grid[rv.rank]}" if rv.rank in grid else "")
                         + (f"; flight recorder: {fr[rv.rank]}" if rv.rank in fr else ""))
         s.evidence.update({"levels": sorted(rv.levels), "culprit_levels": sorted(rv.culprit_levels),
@@ -329,15 +333,25 @@ def _hang_wait_ns(rv: RankVerdict) -> float:
     return max((e.impact_ns for e in rv.evidence if e.kind == "stall" and e.level == "collectives"), default=0.0)
 
 
-def _why(rv: RankVerdict, step_ns: float, host_fn: str | None) -> str:
-    ms = rv.score_ns / 1e6
+def _loss_share(suspects: list[RankVerdict], active: Sequence[Finding]) -> float:
+    """Step 5b: the factor (≤ 1) that keeps the culprits' and links' impacts together within what the
+    job lost against its own healthy pace, where the pace level measured that loss (a rank the
+    others wait for is priced by their wait, which counts the same lost second once per waiter)."""
+    loss = max((f.job_impact_ns for f in active if f.level == "pace" and f.job_impact_ns > 0), default=0.0)
+    total = sum(rv.score_ns for rv in suspects if rv.role in (CULPRIT, LINK) and _hang_wait_ns(rv) <= 0)
+    return loss / total if loss > 0 and total > loss else 1.0
+
+
+def _why(rv: RankVerdict, step_ns: float, host_fn: str | None, cost_ns: float | None = None) -> str:
+    cost_ns = rv.score_ns if cost_ns is None else cost_ns
+    ms = cost_ns / 1e6
     if _hang_wait_ns(rv) > 0:
         where = ", ".join(w[:48] for w in rv.where[:3])
         if rv.role == LINK:     # every member entered; the channel states name the network (step 5b)
             return (f"collective hang in the network (slow transfer, network side): {where}; its peers "
                     f"waited {_hang_wait_ns(rv) / 1e9:.3g} s [{'+'.join(sorted(rv.levels))}]")
         return f"stopped: its peers waited {_hang_wait_ns(rv) / 1e9:.3g} s in {where} [{'+'.join(sorted(rv.levels))}]"
-    pct = f" ({100 * rv.score_ns / step_ns:.1f}% of the step)" if step_ns > 0 else ""
+    pct = f" ({100 * cost_ns / step_ns:.1f}% of the step)" if step_ns > 0 else ""
     where = ", ".join(w[:48] for w in rv.where[:3])
     lv = "+".join(sorted(rv.levels))
     if rv.role == WAITER:
@@ -359,7 +373,8 @@ def _places(suspects: list[RankVerdict], findings: list[Finding], what: str) -> 
         if not name or (what == "phase") != (f.level == "L2"):
             continue
         for s in f.suspects:
-            if s.rank in top:
+            # where the rank loses time: a collective it is faster in (it arrived late) is not one
+            if s.rank in top and s.evidence.get("direction") != "faster":
                 best[name] = max(best.get(name, 0.0), s.impact_ns)
     return sorted(best, key=lambda k: -best[k])[:10]
 

@@ -63,7 +63,7 @@ PARTIALS = "l3partials"
 PARTIAL_KIND = "group_partial"
 #: Ranks per partial record (ids and three sums: ~37 B each in base64 in the record).
 PART_RANKS = 8192
-_DEGRADED = ("degraded_kernel", "degraded_kernels")
+_DEGRADED = ("degraded_kernel", "degraded_kernels", "late_arrival")
 
 
 # ------------------------------------------------------------------ encoding

@@ -40,7 +40,7 @@ from trainscope.proto.v1 import records_pb2
 
 STRAGGLER_KINDS = ("straggler", "slow_communication", "imbalance", "slow_group", "late_arrivers",
                    "pair_straggler", "individual_slowdown", "consistent_slowdown")
-KERNEL_KINDS = ("degraded_kernel", "degraded_kernels", "missing_kernel")
+KERNEL_KINDS = ("degraded_kernel", "degraded_kernels", "missing_kernel", "late_arrival")
 #: ``kernels``: peers read for the comparison, evenly spaced over the rank's group (store.MAX_RANKS_FILTER bounds it).
 MAX_KERNEL_PEERS = 256
 
@@ -232,7 +232,10 @@ class Query:
         for d in diagnoses.diagnoses(job, since_ns=since_ns, kinds=KERNEL_KINDS):
             for s in d.suspects:
                 if s.rank == rank and d.scope.kernel:
-                    flagged.add(d.scope.kernel, s.impact_s, d.kind, window=d.window)
+                    # rows are ordered by the time the rank loses there: a late arrival's short
+                    # collective (the others waited) loses it nothing
+                    flagged.add(d.scope.kernel, 0.0 if d.kind == "late_arrival" else s.impact_s, d.kind,
+                                window=d.window)
         first = None
         if last:
             held = records.windows(Signal.KERNELS, job)
@@ -261,7 +264,8 @@ class Query:
                                   flagged_windows=len(f.windows) if f else 0, max_impact_s=f.score if f else None,
                                   calls=calls, rank_mean_s=mean, peer_mean_s=peer,
                                   ratio=mean / peer if mean and peer else None))
-        rows.sort(key=lambda x: (-(x.max_impact_s or 0.0), -x.flagged_windows, -(x.ratio or 0.0), x.kernel))
+        # by the time the rank loses there: flagged impact, then its excess over its peers' busy time
+        rows.sort(key=lambda x: (-(x.max_impact_s or 0.0), -x.flagged_windows, -_time_lost(x), x.kernel))
         return Rows(query="kernels", job=job, rows=tuple(rows[:top]),
                     params={"rank": rank, "since": _iso(since_ns) if since_ns else None, "source": "store",
                             "peers": len(busy.ranks - {rank}), **({"last": last} if last else {})})
@@ -417,6 +421,13 @@ class _Busy:
 
 def _kernel_busy(rows, names=None) -> _Busy:
     return _Busy(rows, names)
+
+
+def _time_lost(row: KernelRow) -> float:
+    """Seconds the rank spent in the kernel beyond its peers' per-call median (0 when faster)."""
+    if row.rank_mean_s is None or row.peer_mean_s is None:
+        return 0.0
+    return max(0.0, (row.rank_mean_s - row.peer_mean_s) * row.calls)
 
 
 class _Tally:

@@ -68,8 +68,8 @@ def cases(seed: int, quick: bool) -> list[tuple[str, JobSpec, set[int] | None]]:
 
 
 def cost_pct(job: pathlib.Path, spec: JobSpec, culprits: set[int]) -> float:
-    """What the fault costs: the culprit's mean step over a healthy rank's of the same pipeline stage
-    and tensor-parallel position (another host), in % (the fault's own rank, as recorded)."""
+    """What the fault costs: the culprit's mean step over the median of (up to three) healthy ranks'
+    of the same pipeline stage and tensor-parallel position, in %."""
     r = min(culprits)
     per_stage = spec.ranks // spec.pp
     peers = [p for p in range(r % spec.tp + (r // per_stage) * per_stage, (r // per_stage + 1) * per_stage, spec.tp)
@@ -80,7 +80,8 @@ def cost_pct(job: pathlib.Path, spec: JobSpec, culprits: set[int]) -> float:
     def mean_step(rank: int) -> float:
         marks = load_rank_trace(job / f"rank-{rank}.json.gz").iterations
         return sum(m.end_ns - m.start_ns for m in marks) / max(len(marks), 1)
-    return 100.0 * (mean_step(r) / mean_step(peers[len(peers) // 2]) - 1.0)
+    near = sorted(mean_step(p) for p in peers[:3])
+    return 100.0 * (mean_step(r) / near[len(near) // 2] - 1.0)
 
 
 def judge(v, culprits: set[int] | None) -> tuple[bool, str]:

@@ -412,3 +412,25 @@ def test_window_span_reads_as_iterations_or_a_utc_time_range():
     simulated = records_pb2.Window(kind=records_pb2.WINDOW_KIND_TIME, index=3, start_ns=30 * 10**9,
                                    end_ns=40 * 10**9)
     assert window_span(simulated) == "t=30-40 s"
+
+
+def test_kernels_order_by_the_time_the_rank_loses_not_by_a_late_arrivals_short_collective(tmp_path):
+    """Issue #22: the rank the others wait for is *faster* in the collective; that row is listed with
+    its kind (late_arrival) but ranks below the kernel it loses time in, however large its gap."""
+    path = str(tmp_path / "store.sqlite")
+    records, diagnoses = SqliteStore(path), DiagnosisStore(path)
+    res = _write_job(records, "train-c", 4, slow=2, windows=1)
+    late = Finding(level="L3", kind="late_arrival", job_id="train-c", window=_window(0),
+                   scope=Scope(kernel="nccl_allreduce", stream=9, group="tp", group_index=1),
+                   suspects=(SuspectRank(2, 9.0, {"direction": "faster", "role": "late_arriver"},
+                                         impact_ns=40 * MS),), severity=9.0)
+    slow = Finding(level="L3", kind="degraded_kernel", job_id="train-c", window=_window(0),
+                   scope=Scope(kernel="gemm", stream=7, group="tp", group_index=1),
+                   suspects=(SuspectRank(2, 7.5, {"direction": "slower"}, impact_ns=4 * MS),), severity=0.5)
+    _diagnose(diagnoses, "train-c", res, {0: [late, slow]})
+    records.close()
+    diagnoses.close()
+    with Query(QueryConfig(store_path=path), now=lambda: NOW) as q:
+        rows = q.kernels("train-c", rank=2).rows
+    assert [k.kernel for k in rows] == ["gemm", "nccl_allreduce"]
+    assert rows[1].kinds == ("late_arrival",) and rows[1].max_impact_s == 0.0

@@ -99,3 +99,22 @@ def test_a_group_finding_names_only_its_members_above_the_floor():
     (small,) = apply_floor([finding("L2", "slow_group", "x", [(5, 0.5 * MS), (4, 0.4 * MS)])], scale,
                            ImpactConfig(floor_pct=1.0))
     assert small.informational and len(small.suspects) == 2   # all below: informational, evidence kept
+
+
+def test_culprits_impacts_never_exceed_what_the_job_lost_against_its_own_pace():
+    """Issue #22 item 5: a rank the others wait for is priced by their wait; where the pace level
+    measured the job's loss (here 20 ms/iteration), the culprits together are scaled to it."""
+    res = resources()
+    slow = Finding(level="L3", kind="degraded_kernels", job_id="j", window=win(0), scope=Scope(kernel="[compute]"),
+                   suspects=(SuspectRank(5, 1.0, {"direction": "slower"}, impact_ns=60 * MS),
+                             SuspectRank(9, 1.0, {"direction": "slower"}, impact_ns=20 * MS)))
+    pace = Finding(level="pace", kind="job_slowdown", job_id="j", window=win(0), scope=Scope(group="job"),
+                   job_impact_ns=20 * MS, comparison="own_pace",
+                   evidence={"slowdown_pct": 20.0, "step_baseline_s": 0.1})
+    v = merge("j", win(0), [slow, pace], res, step_ns=120 * MS)
+    culprits = {s.rank: s.impact_s for s in v.ranks if s.role == "culprit"}
+    assert set(culprits) == {5, 9} and sum(culprits.values()) <= 0.020 + 1e-12
+    assert culprits[5] == 3 * culprits[9]                          # the ranking is kept
+    assert "15 ms/iteration" in v.ranks[0].why                      # the why says the scaled cost
+    alone = merge("j", win(0), [slow], res, step_ns=120 * MS)       # no measured loss: as measured
+    assert {s.rank: round(s.impact_s, 6) for s in alone.ranks} == {5: 0.06, 9: 0.02}
