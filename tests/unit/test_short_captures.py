@@ -118,3 +118,23 @@ def test_culprits_impacts_never_exceed_what_the_job_lost_against_its_own_pace():
     assert "15 ms/iteration" in v.ranks[0].why                      # the why says the scaled cost
     alone = merge("j", win(0), [slow], res, step_ns=120 * MS)       # no measured loss: as measured
     assert {s.rank: round(s.impact_s, 6) for s in alone.ranks} == {5: 0.06, 9: 0.02}
+
+
+def test_lateness_is_followed_across_groups_to_the_rank_that_made_others_wait():
+    """Issue #22 item 2: rank 5's slow GPU makes its TP partner 4 late; 4 is late to its DP all-reduce
+    with 0, 2, 6, which wait for 4. Those three are waiters (of 4, itself a waiter of 5), not slow
+    links, and 5 is the only culprit."""
+    res = {r: Resource(job_id="j", rank=r, world_size=16, host=f"h{r // 8}",
+                       coords=coords_for_rank(r, 16, tp=2, pp=2)) for r in range(16)}
+    gpu = Finding(level="L3", kind="degraded_kernels", job_id="j", window=win(0), scope=Scope(kernel="[compute]"),
+                  suspects=(SuspectRank(5, 1.0, {"direction": "slower"}, impact_ns=40 * MS),))
+
+    def waits(for_rank, ranks, ms):
+        return Finding(level="collectives", kind="collective_wait", job_id="j", window=win(0),
+                       scope=Scope(group="collective"), evidence={"communication": True},
+                       suspects=tuple(SuspectRank(r, 1.0, {"ratio": 2.0}, impact_ns=ms * MS, role="waiter",
+                                                  waited_for=for_rank) for r in ranks))
+    v = merge("j", win(0), [gpu, waits(5, [4], 40), waits(4, [0, 2, 6], 25)], res, step_ns=300 * MS)
+    roles = {s.rank: (s.role, s.waited_for) for s in v.ranks}
+    assert roles[5][0] == "culprit" and [r for r, (role, _) in roles.items() if role in ("culprit", "link")] == [5]
+    assert roles[4] == ("waiter", 5) and all(roles[r] == ("waiter", 4) for r in (0, 2, 6)), roles
