@@ -44,6 +44,15 @@ member, clock-free:
    pipeline stage is slow inherits exactly this pattern (a 64-rank job whose
    rank 29 stalled in its data loader named its TP partner and both of
    their next-stage ranks late to their DP all-reduce every step).
+3c. Intermittent: a rank stalled in a few iterations only (300 ms before its
+   backward one step in five: 2 of a 10-iteration window's collectives) is
+   under ``min_share``, yet those stalls are the job's loss. In groups of
+   three or more, where it synchronises only there (as 3b), a rank late in at
+   least two iterations by at least ``intermittent_min_step`` of the step each
+   (a host stall, far beyond scheduler noise), holding ``intermittent_share``
+   of the group's clear lateness, and costing ``intermittent_min_pct`` % of the
+   step per iteration, is a culprit too; its impact is those latenesses per
+   iteration (issue #22: the DDP stall named nobody).
 4. Slow transfer (network side): no rank late, but the group's transfer time of
    these collectives ``slow_factor`` times its own earlier median for the same
    (op, size class): reported as evidence (informational: gloo gives no
@@ -177,6 +186,12 @@ class CollectivesConfig:
     """Step 3: its mean lateness in transfer times (the last entrant's wait)."""
     min_late_ms: float = 2.0
     """Step 3: ... and in milliseconds (scheduler noise on a busy host is below it)."""
+    intermittent_min_step: float = 0.5
+    """Step 3c: a lateness counts toward an intermittent late start from this share of the step on ..."""
+    intermittent_share: float = 2 / 3
+    """... the rank holds at least this share of the group's clear lateness in the window ..."""
+    intermittent_min_pct: float = 5.0
+    """... and those latenesses cost the job at least this % of the step per iteration."""
     slow_factor: float = 3.0
     """Step 4: transfer time against the group's own earlier median, same op and size class."""
     max_seqs_per_group: int = 4096
@@ -486,6 +501,16 @@ class CollectiveState:
                                                "median_late_ms": round(typical / 1e6, 3)})
                     found = True
                     named.add(r)
+            if len(members) >= 3 and step_ns > 0 and late_of:
+                # step 3c: an intermittent late start (a stall one step in five)
+                for r, first, lates in self._intermittent(late_of, named, first_late, at_position, basis_its,
+                                                          iterations, step_ns, gid):
+                    out += self._late_finding(job_id, window, gid, grp, r, lates, len(basis), med_transfer,
+                                              first, waits_of, iterations,
+                                              {"intermittent": True, "late_iterations": len(lates),
+                                               "iterations": len(basis_its)})
+                    found = True
+                    named.add(r)
             if not found:
                 slow = self._slow_transfer(job_id, window, gid, grp, transfer)
                 if slow is not None:
@@ -534,6 +559,22 @@ class CollectiveState:
         if rank in self.stages:
             return False
         return all(g == gid for g, grp in self.groups.items() if len(grp.members) > 1 and rank in grp.members)
+
+    def _intermittent(self, late_of, named, first_late, at_position, basis_its, iterations, step_ns, gid):
+        """Step 3c: the rank whose clear latenesses are the group's story though under ``min_share`` (late
+        in a few iterations only): yields (rank, first late (seq, op), its latenesses)."""
+        cfg = self.config
+        total = {r: float(sum(v)) for r, v in late_of.items()}
+        everyone = sum(total.values())
+        for r, lates in late_of.items():
+            if r in named or not self._synchronises_only_in(r, gid):
+                continue
+            its_late = {e[0] for (rr, _), evs in at_position.items() if rr == r for e in evs}
+            it = max(float((iterations or {}).get(r, len(basis_its) or 1)), 1.0)
+            big = [x for x in lates if x >= cfg.intermittent_min_step * step_ns]
+            if (len(its_late) >= 2 and len(big) >= 2 and total[r] >= cfg.intermittent_share * everyone
+                    and sum(big) / it >= cfg.intermittent_min_pct / 100 * step_ns):
+                yield r, first_late[r], big
 
     def _late_finding(self, job_id, window, gid, grp, rank, lates, judged, transfer, first,
                       waits_of, iterations, extra: dict | None = None) -> list[Finding]:

@@ -247,7 +247,7 @@ class Collectives:
         if state is None:
             return []
         ctx.comparisons[self.level] = sum(len(g.members) for g in state.groups.values() if len(g.members) > 1)
-        out = state.late_starts(ctx.jw.job_id, ctx.jw.window, ctx.scale.iterations)
+        out = state.late_starts(ctx.jw.job_id, ctx.jw.window, ctx.scale.iterations, ctx.scale.step_ns)
         if any(f.kind == "slow_link" for f in out):     # step 8: a host's links together
             its, steps = job_pace.job_step_series(ctx.jw, {}, 0)
             out += collectives.host_network(out, state.hosts, its, steps, self.floor_pct / 100 * ctx.scale.step_ns,

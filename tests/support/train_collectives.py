@@ -14,6 +14,10 @@ optimizer step. Faults, on one rank, from one step on:
   before its gradient all-reduce (plain: before the call; DDP and FSDP: between
   forward and backward), i.e. it enters the collective late (a host-side delay),
   in a function of its own (``late_start``: a stack the other ranks never show);
+  ``--late-every K``: only every K-th step from N on (an intermittent stall);
+* ``--slow-rank R --slow-ms M``: rank R's forward does M ms of extra busy work
+  (``slow_forward``) from ``--fault-from`` on; ``--loader-rank R --loader-ms M``:
+  rank R waits M ms for each batch (``load_batch``);
 * ``--hang-rank R --hang-from N``: rank R stops between forward and backward of
   step N, so it never enters that step's gradient collectives (plain, DDP: the
   all-reduce; FSDP2: the first all-gather of its backward) and sleeps until
@@ -45,6 +49,19 @@ def late_start(seconds: float) -> None:
     time.sleep(seconds)
 
 
+def slow_forward(ms: float) -> None:
+    """The slow rank's extra work inside its forward (a slower GPU or a heavier shard): busy, not asleep."""
+    end = time.perf_counter() + ms / 1e3
+    a = torch.randn(64, 64)
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ a)
+
+
+def load_batch(ms: float) -> None:
+    """The slow rank's data loader (a slow worker or storage read) before its forward."""
+    time.sleep(ms / 1e3)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=("plain", "ddp", "fsdp"), default="plain")
@@ -52,6 +69,12 @@ def main() -> int:
     ap.add_argument("--late-rank", type=int, default=-1)
     ap.add_argument("--late-s", type=float, default=0.0)
     ap.add_argument("--late-from", type=int, default=0)
+    ap.add_argument("--late-every", type=int, default=1, help="late only every N-th step from --late-from")
+    ap.add_argument("--slow-rank", type=int, default=-1, help="this rank's forward does --slow-ms of extra work")
+    ap.add_argument("--slow-ms", type=float, default=0.0)
+    ap.add_argument("--loader-rank", type=int, default=-1, help="this rank waits --loader-ms for each batch")
+    ap.add_argument("--loader-ms", type=float, default=0.0)
+    ap.add_argument("--fault-from", type=int, default=10, help="first step of --slow-rank / --loader-rank")
     ap.add_argument("--hang-rank", type=int, default=-1)
     ap.add_argument("--hang-from", type=int, default=0)
     ap.add_argument("--hang-file", default="")
@@ -78,14 +101,19 @@ def main() -> int:
     loader = DataLoader(data, batch_size=32)
     for step, (x, y) in enumerate(loader):
         opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
+        if rank == a.loader_rank and step >= a.fault_from:
+            load_batch(a.loader_ms)
+        out = model(x)
+        if rank == a.slow_rank and step >= a.fault_from:
+            slow_forward(a.slow_ms)
+        loss = nn.functional.mse_loss(out, y)
         time.sleep(0.02)  # a steady step (~30 ms) on a shared 2-core host
         if rank == a.hang_rank and step >= a.hang_from:
             if a.hang_file:
                 with open(a.hang_file, "w") as f:
                     f.write(str(time.time()))
             time.sleep(3600)
-        if rank == a.late_rank and step >= a.late_from:
+        if rank == a.late_rank and step >= a.late_from and (step - a.late_from) % a.late_every == 0:
             late_start(a.late_s)
         loss.backward()
         if a.mode == "plain":

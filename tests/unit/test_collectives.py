@@ -18,7 +18,7 @@ W = records_pb2.Window(index=0)
 
 
 def job_batches(ranks=4, steps=20, late_rank=None, late_ms=0.0, late_from=0, hang_rank=None, hang_at=None,
-                seed=0, transfer_ms=1.0, step_ms=50.0):
+                seed=0, transfer_ms=1.0, step_ms=50.0, late_every=1):
     """Per rank: one CollectiveBatch of an all-reduce per step. Each rank enters after its own compute
     (50 ms +- noise); the collective ends transfer_ms after the last member entered, on every member.
     ``hang_rank`` never enters step ``hang_at``: the others stay in flight (state records)."""
@@ -28,7 +28,7 @@ def job_batches(ranks=4, steps=20, late_rank=None, late_ms=0.0, late_from=0, han
     now = {}
     for step in range(steps):
         enter = {r: t + int((step_ms + rng.normal(0, 0.5)) * MS) for r in range(ranks)}
-        if late_rank is not None and step >= late_from:
+        if late_rank is not None and step >= late_from and (step - late_from) % late_every == 0:
             enter[late_rank] += int(late_ms * MS)
         if hang_at is not None and step == hang_at:
             for r in range(ranks):
@@ -127,6 +127,27 @@ def test_a_healthy_group_names_nobody(seed):
     st = state_of(job_batches(seed=seed))
     assert [f for f in st.late_starts("j", W) if not f.informational] == []
     assert st.hangs("j", W) == []
+    st = state_of(job_batches(seed=seed))       # with the step known (step 3c): nobody either
+    assert [f for f in st.late_starts("j", W, {r: 20.0 for r in range(4)}, 51 * MS) if not f.informational] == []
+
+
+def test_an_intermittent_late_start_is_named_by_what_it_costs():
+    """Step 3c (issue #22): rank 1 stalls 300 ms before the all-reduce one step in five (4 of 20
+    collectives, under min_share): the stalls cost ~60 ms per 50 ms step, so it is the culprit, the
+    others its waiters; one stall alone is not named."""
+    st = state_of(job_batches(late_rank=1, late_ms=300, late_from=2, late_every=5))
+    assert [f for f in st.late_starts("j", W, {r: 20.0 for r in range(4)}) if f.kind == "late_start"] == []
+    st = state_of(job_batches(late_rank=1, late_ms=300, late_from=2, late_every=5))
+    found = st.late_starts("j", W, {r: 20.0 for r in range(4)}, 51 * MS)
+    (culprit,) = [f for f in found if f.kind == "late_start"]
+    (s,) = culprit.suspects
+    assert s.rank == 1 and s.evidence["intermittent"] and s.evidence["late_iterations"] == 4
+    assert s.evidence["seq"] == 3 and s.impact_ns == pytest.approx(4 * 300 * MS / 20, rel=0.1)
+    (waiters,) = [f for f in found if f.kind == "collective_wait"]
+    assert sorted(w.rank for w in waiters.suspects) == [0, 2, 3]
+    once = state_of(job_batches(late_rank=1, late_ms=300, late_from=12, late_every=100))
+    assert [f for f in once.late_starts("j", W, {r: 20.0 for r in range(4)}, 51 * MS)
+            if f.kind == "late_start"] == []
 
 
 def fsdp_batches(ranks=4, steps=12, per_step=9, late_rank=None, late_pos=3, late_ms=150.0, seed=0,

@@ -1,0 +1,107 @@
+"""Verdicts on real PyTorch jobs: plain all-reduce, DDP and FSDP2 on gloo, healthy and with one fault each.
+
+    python tests/benchmarks/bench_realjobs.py [--modes plain ddp fsdp] [--seeds 1] [--busy] [--only late]
+
+Each job is ``tests/support/train_collectives.py`` (4 ranks, CPU, gloo on
+127.0.0.1) under ``trainscope run`` against a real processor, with a live
+analyzer on its bus (``tests/support/livejob.py``; 10-iteration windows),
+``--steps`` steps. Faults on one rank from step 10 on:
+
+- ``slow forward``: ``--slow-ms`` of extra busy work inside the forward;
+- ``late start``: a sleep between forward and backward (plain: before the
+  all-reduce; DDP: before backward's bucket all-reduces; FSDP2: before its
+  backward's all-gathers);
+- ``intermittent stall``: a 300 ms sleep there one step in five;
+- ``data loader``: a sleep before each batch.
+
+``--busy`` runs a CPU-hungry process (``nice 10``, one busy core) beside every
+job, as on a shared host. The job's verdict (``merge_windows`` over every
+window's) is scored: a faulty job is *right* when its top suspect is the faulty
+rank and no other rank is a culprit or link; a healthy job is *clean* when
+nobody is named and it is not "degraded". Prints one row per job (seconds are
+wall time here) and the totals. No job is run twice.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from support.livejob import LiveJob  # noqa: E402
+
+from trainscope.analyzer.merge import merge_windows  # noqa: E402
+
+RANK = 2
+SCENARIOS = {
+    "healthy": [],
+    "slow forward": ["--slow-rank", str(RANK), "--slow-ms", "15"],
+    "late start": ["--late-rank", str(RANK), "--late-s", "0.03", "--late-from", "10"],
+    "intermittent stall": ["--late-rank", str(RANK), "--late-s", "0.3", "--late-from", "10", "--late-every", "5"],
+    "data loader": ["--loader-rank", str(RANK), "--loader-ms", "30"],
+}
+
+
+def run_job(tmp: pathlib.Path, mode: str, extra: list[str], steps: int):
+    job = LiveJob(tmp, f"bench-{mode}", "--mode", mode, "--steps", str(steps), *extra)
+    try:
+        out = job.finish(timeout_s=300)
+    finally:
+        job.close()
+    return job, out
+
+
+def judge(v, fault: bool) -> bool:
+    named = [(s.rank, s.role) for s in v.ranks] if v else []
+    if not fault:
+        return not named and (v is None or v.state != "degraded")
+    blamed = {r for r, role in named if role in ("culprit", "link")}
+    return bool(named) and named[0][0] == RANK and blamed == {RANK}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", nargs="+", default=["plain", "ddp", "fsdp"], choices=["plain", "ddp", "fsdp"])
+    ap.add_argument("--seeds", type=int, default=1, help="runs of each job (default 1)")
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--busy", action="store_true", help="a CPU-hungry process beside every job")
+    ap.add_argument("--only", default="", help="scenarios whose name contains this")
+    args = ap.parse_args(argv)
+    busy = None
+    if args.busy:
+        busy = subprocess.Popen(["nice", "-n", "10", sys.executable, "-c", "while True: pass"])
+    rows = []
+    try:
+        for seed in range(args.seeds):
+            for mode in args.modes:
+                for name, extra in SCENARIOS.items():
+                    if args.only and args.only not in name:
+                        continue
+                    t0 = time.perf_counter()
+                    with tempfile.TemporaryDirectory() as tmp:
+                        job, out = run_job(pathlib.Path(tmp), mode, extra, args.steps)
+                    v = merge_windows(job.seen())
+                    ok = judge(v, bool(extra))
+                    rows.append((mode, name, ok, job.job.returncode))
+                    named = ",".join(f"{s.rank}{s.role[0]}" for s in v.ranks[:6]) if v else ""
+                    print(f"{'ok' if ok else 'WRONG':>5}  {mode:<5} {name:<19} seed {seed}  "
+                          f"{(v.state if v else 'none'):<10} named [{named}]  exit {job.job.returncode}  "
+                          f"{time.perf_counter() - t0:5.1f} s", flush=True)
+                    if not ok and v is not None:
+                        print(f"       {v.summary[:240]}", flush=True)
+    finally:
+        if busy is not None:
+            busy.kill()
+    faulty = [ok for _, n, ok, _ in rows if n != "healthy"]
+    healthy = [ok for _, n, ok, _ in rows if n == "healthy"]
+    print(f"{'beside a busy process' if args.busy else 'idle machine'}: faulty right (top-1, nobody else "
+          f"blamed) {sum(faulty)}/{len(faulty)}, healthy clean {sum(healthy)}/{len(healthy)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
