@@ -272,9 +272,15 @@ def _named_only(findings: Sequence[Finding], named: set[int], pace_held: bool = 
     return out
 
 
+#: The collective a late start names carries its sequence number, new every window: not part of the place.
+_SEQ = re.compile(r", seq \d+\)")
+
+
 def _places_of(rv: RankVerdict) -> set[str]:
-    """Where a rank was flagged, for persistence: its places, and the waited-for rank of a waiter."""
-    places = {e.where for e in rv.evidence}
+    """Where a rank was flagged, for persistence: its places, and the waited-for rank of a waiter. A late
+    start's place is its group and op: "late start to allgather (group 0, seq 94)" one window and
+    "(group 0, seq 184)" the next are the same place (an FSDP2 rank late every step was never named)."""
+    places = {_SEQ.sub(")", e.where) for e in rv.evidence}
     if rv.waited_for >= 0:
         places.add(f"waited for {rv.waited_for}")
     return places

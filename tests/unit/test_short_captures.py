@@ -138,3 +138,19 @@ def test_lateness_is_followed_across_groups_to_the_rank_that_made_others_wait():
     roles = {s.rank: (s.role, s.waited_for) for s in v.ranks}
     assert roles[5][0] == "culprit" and [r for r, (role, _) in roles.items() if role in ("culprit", "link")] == [5]
     assert roles[4] == ("waiter", 5) and all(roles[r] == ("waiter", 4) for r in (0, 2, 6)), roles
+
+
+def test_a_late_start_persists_though_its_collective_sequence_number_changes_every_window():
+    """An FSDP2 rank late every step is found by the collectives level alone, each window at a new seq
+    ("late start to allgather (group 0, seq 94)", then seq 184): the place is the group and op."""
+    res = {r: Resource(job_id="j", rank=r, world_size=4, host="h0", coords=coords_for_rank(r, 4)) for r in range(4)}
+    p = Persistence(2, 3)
+    verdicts = []
+    for i in range(2):
+        late = Finding(level="collectives", kind="late_start", job_id="j", window=win(i), scope=Scope(group="collective"),
+                       evidence={"communication": False},
+                       suspects=(SuspectRank(2, 4.9, {"function": f"late start to allgather (group 0, seq {94 + 90 * i})"},
+                                             impact_ns=32 * MS, role="culprit"),))
+        verdicts.append(merge("j", win(i), [late], res, step_ns=140 * MS, persistence=p))
+    assert verdicts[0].state == "suspected" and [s.rank for s in verdicts[1].ranks] == [2]
+    assert "seq 184" in verdicts[1].ranks[0].why                   # the why keeps the collective to look up
