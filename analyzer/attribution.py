@@ -33,7 +33,11 @@ evidence and attributes the waiting to the member that made the others wait.
    5 follows the chain to the culprit (issue #22: lateness followed across
    groups; before, the DP peers of a slow GPU's TP partner were named as
    slow links). Otherwise each waiter points at the partner with culprit
-   evidence whose impact is largest (``waited_for``). When no partner was flagged, the records of the
+   evidence whose impact is largest (``waited_for``). The other way round
+   too: a rank whose only culprit evidence is lateness, measured waiting
+   for a culprit in another group by at least ``INHERIT_SHARE`` of that
+   lateness, passed the wait on (rank 3 waits for its DP peer 1 and then
+   starts its TP all-reduce late): it is a waiter of that culprit. When no partner was flagged, the records of the
    window decide: in the waiter's tensor-parallel group (the most tightly
    synchronised), the member with the shortest time in the same collective
    arrived last; if it is shorter than the waiter by at least half the
@@ -316,6 +320,13 @@ def _own_work_tiebreak(out: dict[int, "RankVerdict"], owners: set[int], resource
     return found
 
 
+def _late_start_only(rv: RankVerdict) -> bool:
+    """Every piece of the rank's culprit evidence is lateness to collectives (the collectives level's late
+    start, or a shortened collective), none of it work of its own."""
+    cul = [e for e in rv.evidence if e.role == CULPRIT]
+    return bool(cul) and all(e.kind == LATE_START or (e.communication and not e.slower) for e in cul)
+
+
 def _late_only(rv: RankVerdict) -> bool:
     """Step 3c's subject: every piece of culprit evidence is a shortened collective (a late arrival)."""
     cul = [e for e in rv.evidence if e.role == CULPRIT]
@@ -377,6 +388,19 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
                 root[rv.rank] = root[best]
                 rv.role, rv.waited_for = WAITER, best
                 changed = True
+    # step 3: a culprit only by lateness that was measured waiting for another culprit in another group
+    # passed that wait on (two kinds of groups: rank 3 waits for its DP peer 1, then starts its TP
+    # all-reduce late and makes its partner wait): a waiter of that rank, the smaller lateness first
+    for rv in sorted(out.values(), key=lambda v: (v.impact_ns, v.rank)):
+        if rv.role != CULPRIT or rv.rank in root or not _late_start_only(rv):
+            continue
+        late = max((e.impact_ns for e in rv.evidence if e.role == CULPRIT), default=0.0)
+        waited = [e for e in rv.evidence if e.role == WAITER and e.waited_for in out and e.waited_for != rv.rank
+                  and out[e.waited_for].role == CULPRIT and out[e.waited_for].waited_for != rv.rank
+                  and e.impact_ns >= INHERIT_SHARE * late]
+        if waited:
+            rv.role = WAITER
+            rv.waited_for = max(waited, key=lambda e: (e.impact_ns, -e.waited_for)).waited_for
     # step 3: waiters point at the rank a finding measured them waiting for (the collectives level's
     # late start: in a data-parallel all-reduce, the member that came late because it waited in its
     # tensor-parallel one; step 5 follows that chain to the culprit), else at a culprit partner

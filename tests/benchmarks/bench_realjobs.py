@@ -1,6 +1,6 @@
 """Verdicts on real PyTorch jobs: plain all-reduce, DDP and FSDP2 on gloo, healthy and with one fault each.
 
-    python tests/benchmarks/bench_realjobs.py [--modes plain ddp fsdp] [--seeds 1] [--busy] [--only late]
+    python tests/benchmarks/bench_realjobs.py [--modes plain ddp fsdp groups] [--seeds 1] [--busy] [--only late]
 
 Each job is ``tests/support/train_collectives.py`` (4 ranks, CPU, gloo on
 127.0.0.1) under ``trainscope run`` against a real processor, with a live
@@ -14,11 +14,17 @@ analyzer on its bus (``tests/support/livejob.py``; 10-iteration windows),
 - ``intermittent stall``: a 300 ms sleep there one step in five;
 - ``data loader``: a sleep before each batch.
 
+and the two-group job (``tests/support/train_groups.py``: tensor-parallel pairs
+all-reducing activations inside the forward, data-parallel pairs all-reducing
+gradients after backward), healthy, with a slow forward or a late start on rank 1.
+
 ``--busy`` runs a CPU-hungry process (``nice 10``, one busy core) beside every
 job, as on a shared host. The job's verdict (``merge_windows`` over every
 window's) is scored: a faulty job is *right* when its top suspect is the faulty
 rank and no other rank is a culprit or link; a healthy job is *clean* when
-nobody is named and it is not "degraded". Prints one row per job (seconds are
+nobody is named and it is not "degraded" (the totals also count the healthy
+jobs that named nobody: "degraded, not localized" is what a job slowed as a
+whole by its host reads). Prints one row per job (seconds are
 wall time here) and the totals. No job is run twice.
 """
 from __future__ import annotations
@@ -32,7 +38,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from support.livejob import LiveJob  # noqa: E402
+from support.livejob import LiveJob, torchrun  # noqa: E402
 
 from trainscope.analyzer.merge import merge_windows  # noqa: E402
 
@@ -46,8 +52,22 @@ SCENARIOS = {
 }
 
 
+#: The two-group job (``tests/support/train_groups.py``): TP pairs (0, 1), (2, 3) inside the forward,
+#: DP pairs (0, 2), (1, 3) after backward; its faults are on rank 1 (TP partner 0, DP peer 3).
+GROUPS = pathlib.Path(__file__).resolve().parents[1] / "support" / "train_groups.py"
+GROUP_RANK = 1
+GROUP_SCENARIOS = {
+    "healthy": [],
+    "slow forward": ["--slow-rank", str(GROUP_RANK), "--slow-ms", "15"],
+    "late start": ["--late-rank", str(GROUP_RANK), "--late-ms", "30"],
+}
+
+
 def run_job(tmp: pathlib.Path, mode: str, extra: list[str], steps: int):
-    job = LiveJob(tmp, f"bench-{mode}", "--mode", mode, "--steps", str(steps), *extra)
+    if mode == "groups":
+        job = LiveJob(tmp, "bench-groups", command=torchrun("--steps", str(steps), *extra, script=GROUPS))
+    else:
+        job = LiveJob(tmp, f"bench-{mode}", "--mode", mode, "--steps", str(steps), *extra)
     try:
         out = job.finish(timeout_s=300)
     finally:
@@ -55,17 +75,18 @@ def run_job(tmp: pathlib.Path, mode: str, extra: list[str], steps: int):
     return job, out
 
 
-def judge(v, fault: bool) -> bool:
+def judge(v, fault: bool, culprit: int) -> bool:
     named = [(s.rank, s.role) for s in v.ranks] if v else []
     if not fault:
         return not named and (v is None or v.state != "degraded")
     blamed = {r for r, role in named if role in ("culprit", "link")}
-    return bool(named) and named[0][0] == RANK and blamed == {RANK}
+    return bool(named) and named[0][0] == culprit and blamed == {culprit}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", nargs="+", default=["plain", "ddp", "fsdp"], choices=["plain", "ddp", "fsdp"])
+    ap.add_argument("--modes", nargs="+", default=["plain", "ddp", "fsdp", "groups"],
+                    choices=["plain", "ddp", "fsdp", "groups"])
     ap.add_argument("--seeds", type=int, default=1, help="runs of each job (default 1)")
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--busy", action="store_true", help="a CPU-hungry process beside every job")
@@ -78,15 +99,15 @@ def main(argv=None) -> int:
     try:
         for seed in range(args.seeds):
             for mode in args.modes:
-                for name, extra in SCENARIOS.items():
+                for name, extra in (GROUP_SCENARIOS if mode == "groups" else SCENARIOS).items():
                     if args.only and args.only not in name:
                         continue
                     t0 = time.perf_counter()
                     with tempfile.TemporaryDirectory() as tmp:
                         job, out = run_job(pathlib.Path(tmp), mode, extra, args.steps)
                     v = merge_windows(job.seen())
-                    ok = judge(v, bool(extra))
-                    rows.append((mode, name, ok, job.job.returncode))
+                    ok = judge(v, bool(extra), GROUP_RANK if mode == "groups" else RANK)
+                    rows.append((mode, name, ok, job.job.returncode, bool(v and v.ranks)))
                     named = ",".join(f"{s.rank}{s.role[0]}" for s in v.ranks[:6]) if v else ""
                     print(f"{'ok' if ok else 'WRONG':>5}  {mode:<5} {name:<19} seed {seed}  "
                           f"{(v.state if v else 'none'):<10} named [{named}]  exit {job.job.returncode}  "
@@ -96,10 +117,12 @@ def main(argv=None) -> int:
     finally:
         if busy is not None:
             busy.kill()
-    faulty = [ok for _, n, ok, _ in rows if n != "healthy"]
-    healthy = [ok for _, n, ok, _ in rows if n == "healthy"]
+    faulty = [ok for _, n, ok, _, _ in rows if n != "healthy"]
+    healthy = [ok for _, n, ok, _, _ in rows if n == "healthy"]
+    nobody = [not named for _, n, _, _, named in rows if n == "healthy"]
     print(f"{'beside a busy process' if args.busy else 'idle machine'}: faulty right (top-1, nobody else "
-          f"blamed) {sum(faulty)}/{len(faulty)}, healthy clean {sum(healthy)}/{len(healthy)}")
+          f"blamed) {sum(faulty)}/{len(faulty)}; healthy: named nobody {sum(nobody)}/{len(nobody)}, "
+          f"state healthy {sum(healthy)}/{len(healthy)}")
     return 0
 
 

@@ -37,6 +37,7 @@ class LiveJob:
     """A processor, a live analyzer on its bus, and one job under ``trainscope run``."""
 
     def __init__(self, tmp: Path, job_id: str, *args: str, analyzer: AnalyzerConfig | None = None, world: int = 4,
+                 command: list[str] | None = None,
                  **processor) -> None:
         self.proc = start_processor(window=WindowConfig(iterations=10, lateness_s=1), **processor)
         self.analyzer = Analyzer(analyzer or AnalyzerConfig(), BusSource(self.proc.bus), [])
@@ -47,7 +48,7 @@ class LiveJob:
         self._thread.start()
         cmd = [sys.executable, "-m", "trainscope.deploy.cli", "run", "--processor", self.proc.address,
                "--no-processor", "--no-stacks", "--run-dir", str(tmp / "run"), "--job-id", job_id,
-               "--", *torchrun(*args, world=world)]
+               "--", *(command or torchrun(*args, world=world))]
         self.tmp, self.job_id = tmp, job_id
         self.started = time.time()
         self.job = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

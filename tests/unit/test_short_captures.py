@@ -154,3 +154,28 @@ def test_a_late_start_persists_though_its_collective_sequence_number_changes_eve
         verdicts.append(merge("j", win(i), [late], res, step_ns=140 * MS, persistence=p))
     assert verdicts[0].state == "suspected" and [s.rank for s in verdicts[1].ranks] == [2]
     assert "seq 184" in verdicts[1].ranks[0].why                   # the why keeps the collective to look up
+
+
+def test_a_rank_late_only_because_it_waited_in_another_group_is_a_waiter():
+    """Two kinds of groups (TP pairs 0-1 and 2-3, DP pairs 0-2 and 1-3): rank 1 sleeps before its DP
+    all-reduce, so its DP peer 3 waits for it and then starts its TP all-reduce late, making 2 wait.
+    3's lateness is 1's wait passed on: 1 is the only culprit, 3 a waiter of 1, 2 a waiter of 3."""
+    res = {r: Resource(job_id="j", rank=r, world_size=4, host="h0", coords=coords_for_rank(r, 4, tp=2))
+           for r in range(4)}
+
+    def late(rank, group, ms):
+        return Finding(level="collectives", kind="late_start", job_id="j", window=win(0), scope=Scope(group="collective"),
+                       evidence={"communication": False},
+                       suspects=(SuspectRank(rank, 5.0, {"function": f"late start to allreduce (group {group}, seq 9)"},
+                                             impact_ns=ms * MS, role="culprit"),))
+
+    def wait(rank, for_rank, ms):
+        return Finding(level="collectives", kind="collective_wait", job_id="j", window=win(0),
+                       scope=Scope(group="collective"), evidence={"communication": True},
+                       suspects=(SuspectRank(rank, 1.0, {}, impact_ns=ms * MS, role="waiter", waited_for=for_rank),))
+    found = [late(1, "dp1", 28), wait(3, 1, 28), late(3, "tp1", 26), wait(2, 3, 26), late(1, "tp0", 18), wait(0, 1, 18)]
+    v = merge("j", win(0), found, res, step_ns=60 * MS)
+    roles = {s.rank: (s.role, s.waited_for) for s in v.ranks}
+    assert roles[1][0] == "culprit" and roles[3] == ("waiter", 1), roles
+    assert roles[2] == ("waiter", 3) and roles[0] == ("waiter", 1)
+    assert [r for r, (role, _) in roles.items() if role in ("culprit", "link")] == [1]
