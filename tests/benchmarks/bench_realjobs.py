@@ -12,7 +12,9 @@ analyzer on its bus (``tests/support/livejob.py``; 10-iteration windows),
   all-reduce; DDP: before backward's bucket all-reduces; FSDP2: before its
   backward's all-gathers);
 - ``intermittent stall``: a 300 ms sleep there one step in five;
-- ``data loader``: a sleep before each batch.
+- ``data loader``: a sleep before each batch;
+- ``between layers``: a sleep between the first and second layer's forward
+  (FSDP2: before the second layer's all-gather).
 
 and the two-group job (``tests/support/train_groups.py``: tensor-parallel pairs
 all-reducing activations inside the forward, data-parallel pairs all-reducing
@@ -49,6 +51,7 @@ SCENARIOS = {
     "late start": ["--late-rank", str(RANK), "--late-s", "0.03", "--late-from", "10"],
     "intermittent stall": ["--late-rank", str(RANK), "--late-s", "0.3", "--late-from", "10", "--late-every", "5"],
     "data loader": ["--loader-rank", str(RANK), "--loader-ms", "30"],
+    "between layers": ["--layer-delay-rank", str(RANK), "--layer-delay-ms", "20"],
 }
 
 

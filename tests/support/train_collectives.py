@@ -17,7 +17,10 @@ optimizer step. Faults, on one rank, from one step on:
   ``--late-every K``: only every K-th step from N on (an intermittent stall);
 * ``--slow-rank R --slow-ms M``: rank R's forward does M ms of extra busy work
   (``slow_forward``) from ``--fault-from`` on; ``--loader-rank R --loader-ms M``:
-  rank R waits M ms for each batch (``load_batch``);
+  rank R waits M ms for each batch (``load_batch``); ``--layer-delay-rank R
+  --layer-delay-ms M``: rank R sleeps M ms between its first and second
+  layer's forward (``between_layers``; FSDP2: before the second layer's
+  all-gather);
 * ``--hang-rank R --hang-from N``: rank R stops between forward and backward of
   step N, so it never enters that step's gradient collectives (plain, DDP: the
   all-reduce; FSDP2: the first all-gather of its backward) and sleeps until
@@ -57,6 +60,11 @@ def slow_forward(ms: float) -> None:
         a = torch.tanh(a @ a)
 
 
+def between_layers(ms: float) -> None:
+    """The delayed rank's host work between two layers (a slow hook, a synchronising log call)."""
+    time.sleep(ms / 1e3)
+
+
 def load_batch(ms: float) -> None:
     """The slow rank's data loader (a slow worker or storage read) before its forward."""
     time.sleep(ms / 1e3)
@@ -74,7 +82,11 @@ def main() -> int:
     ap.add_argument("--slow-ms", type=float, default=0.0)
     ap.add_argument("--loader-rank", type=int, default=-1, help="this rank waits --loader-ms for each batch")
     ap.add_argument("--loader-ms", type=float, default=0.0)
-    ap.add_argument("--fault-from", type=int, default=10, help="first step of --slow-rank / --loader-rank")
+    ap.add_argument("--layer-delay-rank", type=int, default=-1,
+                    help="this rank sleeps --layer-delay-ms between its first and second layer's forward")
+    ap.add_argument("--layer-delay-ms", type=float, default=0.0)
+    ap.add_argument("--fault-from", type=int, default=10,
+                    help="first step of --slow-rank / --loader-rank / --layer-delay-rank")
     ap.add_argument("--hang-rank", type=int, default=-1)
     ap.add_argument("--hang-from", type=int, default=0)
     ap.add_argument("--hang-file", default="")
@@ -95,6 +107,12 @@ def main() -> int:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
+    steps_done = [0]
+    if rank == a.layer_delay_rank:
+        # FSDP2: between the first layer's forward and the second's all-gather (its pre-forward hook)
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        linears[1].register_forward_pre_hook(
+            lambda *_: between_layers(a.layer_delay_ms) if steps_done[0] >= a.fault_from else None, prepend=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(100 + rank)
     data = TensorDataset(torch.randn(a.steps * 32, 64, generator=g), torch.randn(a.steps * 32, 8, generator=g))
@@ -126,6 +144,7 @@ def main() -> int:
                 t.copy_(flat[off:off + t.numel()].view_as(t))
                 off += t.numel()
         opt.step()
+        steps_done[0] += 1
     if a.out:
         h = hashlib.sha256()
         for p in model.parameters():
