@@ -15,7 +15,8 @@ and the job's verdict (``merge_windows``) is scored:
   culprit or link (waiters may be listed as waiters);
 - healthy: *clean* when nobody is named and the state is not "degraded".
 
-Prints one row per job (the fault's cost in % of the step, state, named ranks,
+Prints one row per job (the fault's cost in % of the step against the job's
+healthy twin, state, named ranks,
 seconds to build and replay) and the totals; faults costing under ``--min-cost``
 are shown as ``(n/s)`` and not scored.
 Figures are counts; the replay time is wall seconds on this machine.
@@ -23,6 +24,7 @@ Figures are counts; the replay time is wall seconds on this machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import sys
 import tempfile
@@ -67,21 +69,20 @@ def cases(seed: int, quick: bool) -> list[tuple[str, JobSpec, set[int] | None]]:
     return out
 
 
-def cost_pct(job: pathlib.Path, spec: JobSpec, culprits: set[int]) -> float:
-    """What the fault costs: the culprit's mean step over the median of (up to three) healthy ranks'
-    of the same pipeline stage and tensor-parallel position, in %."""
+def cost_pct(job: pathlib.Path, twin: pathlib.Path, culprits: set[int]) -> float:
+    """What the fault costs: a culprit's mean step against the same rank of the job's healthy twin (the
+    same spec and seed with the fault's factor 1 and delay 0, so the same noise draws), in %."""
     r = min(culprits)
-    per_stage = spec.ranks // spec.pp
-    peers = [p for p in range(r % spec.tp + (r // per_stage) * per_stage, (r // per_stage + 1) * per_stage, spec.tp)
-             if p not in culprits]
-    if not peers:
-        return float("nan")
 
-    def mean_step(rank: int) -> float:
-        marks = load_rank_trace(job / f"rank-{rank}.json.gz").iterations
+    def mean_step(d: pathlib.Path) -> float:
+        marks = load_rank_trace(d / f"rank-{r}.json.gz").iterations
         return sum(m.end_ns - m.start_ns for m in marks) / max(len(marks), 1)
-    near = sorted(mean_step(p) for p in peers[:3])
-    return 100.0 * (mean_step(r) / near[len(near) // 2] - 1.0)
+    return 100.0 * (mean_step(job) / mean_step(twin) - 1.0)
+
+
+def healthy_twin(spec: JobSpec) -> JobSpec:
+    return dataclasses.replace(spec, faults=tuple(dataclasses.replace(f, factor=1.0, delay_ms=0.0)
+                                                  for f in spec.faults))
 
 
 def judge(v, culprits: set[int] | None) -> tuple[bool, str]:
@@ -110,7 +111,10 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             with tempfile.TemporaryDirectory() as tmp:
                 build_job(pathlib.Path(tmp) / "job", spec)
-                cost = cost_pct(pathlib.Path(tmp) / "job", spec, culprits) if culprits else 0.0
+                cost = 0.0
+                if culprits:
+                    build_job(pathlib.Path(tmp) / "twin", healthy_twin(spec))
+                    cost = cost_pct(pathlib.Path(tmp) / "job", pathlib.Path(tmp) / "twin", culprits)
                 res = run_replay(str(pathlib.Path(tmp) / "job"), home=str(pathlib.Path(tmp) / "h"))
             v = merge_windows(res.verdicts)
             ok, state = judge(v, culprits)
