@@ -58,7 +58,14 @@ def test_the_job_is_suspected_only_while_the_suspicion_is_open_at_its_end():
     assert noise.state == "suspected" and merge_windows([noise, *quiet]).state == "healthy"
     late = merge("j", win(3), [finding("L2", "straggler", "forward", [(5, 9 * MS)], 3)], res,
                  step_ns=100 * MS, persistence=p)
-    job = merge_windows([noise, *quiet, late])
+    # a job of 4 windows that ends on one window's suspicion: noise, as any of its windows could have been
+    assert merge_windows([noise, *quiet, late]).state == "healthy"
+    # a capture too short to confirm anything (2 windows) that ends on it is suspected, with the rank
+    q = Persistence(2, 3)
+    short = [merge("j", win(0), [], res, step_ns=100 * MS, persistence=q),
+             merge("j", win(1), [finding("L2", "straggler", "forward", [(5, 9 * MS)], 1)], res,
+                   step_ns=100 * MS, persistence=q)]
+    job = merge_windows(short)
     assert job.state == "suspected" and list(job.pending) == [5] and not job.ranks
 
 
