@@ -37,9 +37,9 @@ evidence and attributes the waiting to the member that made the others wait.
    too: a rank whose only culprit evidence is lateness, measured waiting
    for a culprit in another group by at least ``INHERIT_SHARE`` of that
    lateness, passed the wait on (rank 3 waits for its DP peer 1 and then
-   starts its TP all-reduce late): it is a waiter of that culprit. When no partner was flagged, the records of the
-   window decide: in the waiter's tensor-parallel group (the most tightly
-   synchronised), the member with the shortest time in the same collective
+   starts its TP all-reduce late): it is a waiter of that culprit.
+   When no partner was flagged, the records of the window decide: in the
+   waiter's tensor-parallel group (the most tightly synchronised), the member with the shortest time in the same collective
    arrived last; if it is shorter than the waiter by at least half the
    waiter's excess, it is the culprit by dependency (evidence level
    ``DEP``), with the waiter's excess as its impact.
@@ -320,17 +320,26 @@ def _own_work_tiebreak(out: dict[int, "RankVerdict"], owners: set[int], resource
     return found
 
 
-def _late_start_only(rv: RankVerdict) -> bool:
-    """Every piece of the rank's culprit evidence is lateness to collectives (the collectives level's late
-    start, or a shortened collective), none of it work of its own."""
+def _culprit_only(rv: RankVerdict, kind) -> bool:
+    """The rank has culprit evidence and every piece of it is of ``kind`` (a predicate on Evidence)."""
     cul = [e for e in rv.evidence if e.role == CULPRIT]
-    return bool(cul) and all(e.kind == LATE_START or (e.communication and not e.slower) for e in cul)
+    return bool(cul) and all(kind(e) for e in cul)
 
 
 def _late_only(rv: RankVerdict) -> bool:
     """Step 3c's subject: every piece of culprit evidence is a shortened collective (a late arrival)."""
-    cul = [e for e in rv.evidence if e.role == CULPRIT]
-    return bool(cul) and all(e.communication and not e.slower for e in cul)
+    return _culprit_only(rv, lambda e: e.communication and not e.slower)
+
+
+def _late_start_only(rv: RankVerdict) -> bool:
+    """Every piece of the rank's culprit evidence is lateness to collectives (the collectives level's late
+    start, or a shortened collective), none of it work of its own."""
+    return _culprit_only(rv, lambda e: e.kind == LATE_START or (e.communication and not e.slower))
+
+
+def _most_waited_for(waits: list[Evidence]) -> int:
+    """The rank a waiter waited for longest among its measured waits (ties: the lower rank)."""
+    return max(waits, key=lambda e: (e.impact_ns, -e.waited_for)).waited_for
 
 
 def _group_size(partners: SyncPartners, rank: int) -> int:
@@ -399,8 +408,7 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
                   and out[e.waited_for].role == CULPRIT and out[e.waited_for].waited_for != rv.rank
                   and e.impact_ns >= INHERIT_SHARE * late]
         if waited:
-            rv.role = WAITER
-            rv.waited_for = max(waited, key=lambda e: (e.impact_ns, -e.waited_for)).waited_for
+            rv.role, rv.waited_for = WAITER, _most_waited_for(waited)
     # step 3: waiters point at the rank a finding measured them waiting for (the collectives level's
     # late start: in a data-parallel all-reduce, the member that came late because it waited in its
     # tensor-parallel one; step 5 follows that chain to the culprit), else at a culprit partner
@@ -410,7 +418,7 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
             continue
         measured = [e for e in rv.evidence if e.role == WAITER and e.waited_for in out and e.waited_for != rv.rank]
         if measured:
-            rv.waited_for = max(measured, key=lambda e: (e.impact_ns, -e.waited_for)).waited_for
+            rv.waited_for = _most_waited_for(measured)
             continue
         parts = partners.of(rv.rank)
         cands = [p for ps in parts.values() for p in ps if p in out and out[p].role == CULPRIT]

@@ -85,6 +85,7 @@ from trainscope.proto.v1 import records_pb2
 #: L3 kind of a collective kernel significantly *shorter* than its peers': the rank arrived late.
 LATE_ARRIVAL = "late_arrival"
 
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class L3Config:
     """Thresholds and numerics of L3 (ARGUS §6.2)."""

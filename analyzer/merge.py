@@ -348,8 +348,7 @@ def _loss_share(suspects: list[RankVerdict], active: Sequence[Finding]) -> float
     return loss / total if loss > 0 and total > loss else 1.0
 
 
-def _why(rv: RankVerdict, step_ns: float, host_fn: str | None, cost_ns: float | None = None) -> str:
-    cost_ns = rv.score_ns if cost_ns is None else cost_ns
+def _why(rv: RankVerdict, step_ns: float, host_fn: str | None, cost_ns: float) -> str:
     ms = cost_ns / 1e6
     if _hang_wait_ns(rv) > 0:
         where = ", ".join(w[:48] for w in rv.where[:3])
@@ -473,7 +472,7 @@ def summarize(job_id: str, v: records_pb2.Verdict, findings: Sequence[Finding],
         parts.append(f"suspected rank(s) {', '.join(map(str, list(v.pending)[:6]))}: flagged, not yet in enough"
                      " windows to be named (more iterations will confirm or clear them)")
     if v.partial:
-        missing = next((len(f.suspects) for f in findings if f.kind == "missing_rank"), 0)
+        missing = _missing_ranks(findings)
         parts.append(f"partial window: {missing} rank(s) missing, nobody named from it" if missing
                      else "ranks missing in some windows (partial: nobody named from those)")
     return " — ".join(parts)

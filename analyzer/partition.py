@@ -48,7 +48,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from trainscope.analyzer.impact import WindowScale, window_scale
-from trainscope.analyzer.l3_kernels import L3Config, flatten_kernels, kernel_findings
+from trainscope.analyzer.l3_kernels import LATE_ARRIVAL, L3Config, flatten_kernels, kernel_findings
 from trainscope.analyzer.levels import WindowContext
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
 from trainscope.analyzer.significance import small_group_threshold, z_threshold
@@ -63,7 +63,7 @@ PARTIALS = "l3partials"
 PARTIAL_KIND = "group_partial"
 #: Ranks per partial record (ids and three sums: ~37 B each in base64 in the record).
 PART_RANKS = 8192
-_DEGRADED = ("degraded_kernel", "degraded_kernels", "late_arrival")
+_DEGRADED = ("degraded_kernel", "degraded_kernels", LATE_ARRIVAL)
 
 
 # ------------------------------------------------------------------ encoding

@@ -25,18 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-
-def slow_forward(ms: float) -> None:
-    """Extra busy work inside the forward (a slower GPU)."""
-    end = time.perf_counter() + ms / 1e3
-    a = torch.randn(64, 64)
-    while time.perf_counter() < end:
-        a = torch.tanh(a @ a)
-
-
-def late_start(ms: float) -> None:
-    """A host-side delay before the data-parallel all-reduce."""
-    time.sleep(ms / 1e3)
+from train_collectives import late_start, slow_forward   # beside this script: torchrun puts its folder first
 
 
 class TPAllReduce(torch.autograd.Function):
@@ -85,7 +74,7 @@ def main() -> int:
         time.sleep(0.02)  # a steady step on a shared 2-core host
         loss.backward()
         if rank == a.late_rank and step >= a.fault_from:
-            late_start(a.late_ms)
+            late_start(a.late_ms / 1e3)
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         dist.all_reduce(flat, group=dp)
         flat /= 2
