@@ -21,6 +21,20 @@ def test_bad_configuration_exits_2_naming_the_setting(argv, setting, tmp_path, c
     assert setting in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_replay_refuses_a_bad_window_length_before_feeding_anything(value, tmp_path, capsys):
+    """``--window-iterations`` (default: picked from the capture) given wrong: one line naming it, exit 2."""
+    import pathlib
+    import shutil
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    shutil.copy(pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "kineto" / "job2-rank0-nccl.json.gz",
+                traces / "rank-0.json.gz")
+    assert main(["replay", str(traces), "--window-iterations", value, "--home", str(tmp_path / "h")]) == 2
+    err = capsys.readouterr().err
+    assert "window.iterations" in err and "Traceback" not in err
+
+
 def test_analyzer_without_broker_or_store_says_what_is_missing(tmp_path, capsys):
     assert main(["analyzer", "--home", str(tmp_path)]) == 2
     err = capsys.readouterr().err
