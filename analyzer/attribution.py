@@ -80,6 +80,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from trainscope.analyzer.model import CULPRIT, LINK, MISSING, WAITER, Finding, JobWindow
+from trainscope.analyzer.sequential import PEER_LEVELS
 from trainscope.analyzer.topology import RoutingConfig, group_of, has_coords
 from trainscope.proto.model import DIMS, Resource
 
@@ -126,6 +127,7 @@ class Evidence:
     comparison: str = "peers"
     link: bool = False       # a stall whose root is a NIC or link, not a rank (collectives step 5b)
     waited_for: int = -1     # the rank it waited for, where the finding measured it (a late start's waiters)
+    z: float = 0.0           # Gaussian-equivalent peer z of a window mean (sequential.py); 0: none
 
     @property
     def role(self) -> str:
@@ -166,8 +168,18 @@ def evidence_of(f: Finding, routing: RoutingConfig = _ROUTING) -> list[Evidence]
         where = label or s.evidence.get("function") or f.kind
         out.append(Evidence(s.rank, f.level, f.kind, str(where), comm, slower, ratio,
                             float(s.impact_ns), f.comparison, link=f.kind == "stall" and s.role == LINK,
-                            waited_for=int(s.waited_for) if s.role == WAITER else -1))
+                            waited_for=int(s.waited_for) if s.role == WAITER else -1, z=_peer_z(f, s)))
     return out
+
+
+def _peer_z(f: Finding, s) -> float:
+    """|z| of a rank's window mean against its peers, Gaussian-equivalent (``sequential.py`` step 3);
+    0 where the level has no such statistic."""
+    if f.level not in PEER_LEVELS or f.comparison not in ("peers", "sibling_groups"):
+        return 0.0
+    ev = s.evidence
+    z = ev.get("z_gauss", ev.get("significance_z", ev.get("z", 0.0)))
+    return abs(float(z)) if isinstance(z, (int, float)) and math.isfinite(z) else 0.0
 
 
 class SyncPartners:

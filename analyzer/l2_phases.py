@@ -52,7 +52,7 @@ import numpy as np
 
 from trainscope.analyzer.impact import WindowScale, window_scale
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
-from trainscope.analyzer.significance import robust_z, small_group_threshold, z_threshold
+from trainscope.analyzer.significance import gaussian_z, robust_z, small_group_threshold, z_threshold
 from trainscope.analyzer.topology import (
     RoutingConfig, check_number, group_of, rank_to_group, resources_with,
 )
@@ -268,6 +268,9 @@ def _evidence(ph: _Phase, i: int, z_star: float) -> dict:
             "time_per_iteration_ns": float(ph.per_iter[i]),
             "group_median_per_iteration_ns": float(ph.per_iter_median[i]),
             "significance_z": float(ph.sz[i]), "z_threshold": z_star,
+            # tested against a Student t quantile (host-timed, small group): the normal z of its tail
+            **({"z_gauss": gaussian_z(float(ph.sz[i]), int(ph.st["n"][i]))}
+               if float(ph.z_star[i]) > z_star + 1e-9 else {}),
             "direction": "slower" if ph.ratio[i] >= 1 else "faster"}
 
 

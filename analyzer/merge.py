@@ -58,6 +58,7 @@ import time
 from typing import Mapping, Sequence
 
 from trainscope.analyzer.attribution import LATE_START, Evidence, RankVerdict, SyncPartners, attribute, evidence_of
+from trainscope.analyzer import sequential
 from trainscope.analyzer.model import CULPRIT, LINK, MISSING, WAITER, Finding, JobWindow
 from trainscope.analyzer.significance import Persistence
 from trainscope.analyzer.topology import group_index
@@ -127,9 +128,11 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
                     observed[s.rank] = float(s.impact_ns)
         for r, rv in flagged.items():
             observed[r] = max(observed.get(r, 0.0), rv.score_ns)
+        sums, n_its = _window_sums(flagged, iterations or {})
+        h = sequential.threshold(len(resources) or len(flagged), step_ns / 1e9, persistence.sequential)
         confirmed = persistence.update(int(window.index), places,
                                        {r: rv.score_ns for r, rv in flagged.items()}, final=final,
-                                       observed=observed)
+                                       observed=observed, sums=sums, iterations=n_its, h=h)
     else:
         confirmed = set(places)
     if final and persistence is not None and persistence.windows < persistence.k:
@@ -274,6 +277,24 @@ def _named_only(findings: Sequence[Finding], named: set[int], pace_held: bool = 
 
 #: The collective a late start names carries its sequence number, new every window: not part of the place.
 _SEQ = re.compile(r", seq \d+\)")
+
+
+def _window_sums(flagged: Mapping[int, RankVerdict], iterations: Mapping[int, float]
+                 ) -> tuple[dict[tuple[int, str], float], float]:
+    """Step 3's sequential input: {(rank, place): Σ y_i} of each culprit's places flagged with a peer z
+    (``sequential.window_sum``, the largest where levels agree), and the window's iterations (median
+    over ranks)."""
+    sums: dict[tuple[int, str], float] = {}
+    for r, rv in flagged.items():
+        if rv.role != CULPRIT:
+            continue
+        n = float(iterations.get(r, 1.0))
+        for e in rv.evidence:
+            if e.z > 0 and e.rank == r:
+                key = (r, _SEQ.sub(")", e.where))
+                sums[key] = max(sums.get(key, 0.0), sequential.window_sum(e.z, n))
+    its = sorted(float(v) for v in iterations.values() if v > 0)
+    return sums, its[len(its) // 2] if its else 1.0
 
 
 def _places_of(rv: RankVerdict) -> set[str]:

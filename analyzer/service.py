@@ -53,6 +53,7 @@ from trainscope.analyzer.levels import (
 )
 from trainscope.analyzer.merge import merge
 from trainscope.analyzer.model import MISSING, Finding, JobWindow, Scope, SuspectRank
+from trainscope.analyzer.sequential import SequentialConfig
 from trainscope.analyzer.significance import Persistence
 from trainscope.analyzer.metrics import AnalyzerMetrics
 from trainscope.analyzer.sources import RecordSource
@@ -102,6 +103,8 @@ class AnalyzerConfig:
     """The job's step against its own recent pace (slower than itself, no rank to blame)."""
     levels: tuple[str, ...] = ("L1", "L2", "L3", "L5", "groups", "history", "consistent", "collectives", "pace")
     """Which levels run."""
+    sequential: SequentialConfig = dataclasses.field(default_factory=SequentialConfig)
+    """Evidence accumulated per iteration (CUSUM) that names a rank flagged against its peers."""
     persist_k: int = 2
     """A rank is named once flagged in persist_k ..."""
     persist_n: int = 3
@@ -153,7 +156,8 @@ class _Open:
 
 
 class _Job:
-    def __init__(self, job_id: str, history: int, persist_k: int = 2, persist_n: int = 3) -> None:
+    def __init__(self, job_id: str, history: int, persist_k: int = 2, persist_n: int = 3,
+                 sequential: SequentialConfig | None = None) -> None:
         self.job_id = job_id
         self.world_size = 0
         self.resources: dict[int, Resource] = {}
@@ -166,7 +170,7 @@ class _Job:
         self.newest_iteration_window = -1
         self.iteration_gaps: collections.deque = collections.deque(maxlen=32)
         self.reported_l1: set[tuple] = set()
-        self.persistence = Persistence(persist_k, persist_n)
+        self.persistence = Persistence(persist_k, persist_n, sequential=sequential)
         self.stalled = False
         self.last_seen = 0.0
         self.ended: set[int] = set()   # ranks whose process shut down normally (Window.final)
@@ -276,7 +280,7 @@ class Analyzer:
                 oldest = min(self._jobs.values(), key=lambda j: j.last_seen)
                 del self._jobs[oldest.job_id]
             job = self._jobs[job_id] = _Job(job_id, self.config.history_iterations,
-                                            self.config.persist_k, self.config.persist_n)
+                                            self.config.persist_k, self.config.persist_n, self.config.sequential)
         job.last_seen = now
         return job
 

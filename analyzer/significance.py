@@ -96,6 +96,19 @@ def small_group_threshold(alpha: float, comparisons: int, n) -> np.ndarray:
     return out
 
 
+def gaussian_z(z: float, n: int) -> float:
+    """The normal z of the same tail probability as ``z`` under Student t with n − 1 degrees of
+    freedom (the null of a group under ``SMALL_GROUP`` ranks, step 2); ``z`` itself from
+    ``SMALL_GROUP`` on. Evidence that accumulates over windows (``sequential.py``) reads this, so a
+    heavy-tailed scheduling spike does not count as overwhelming."""
+    from scipy.stats import t as student_t
+
+    if not np.isfinite(z) or n >= SMALL_GROUP or n < 2:
+        return float(z) if np.isfinite(z) else 0.0
+    p = max(float(student_t.sf(abs(z), n - 1)), 1e-300)
+    return float(np.copysign(-ndtri(p), z))
+
+
 def robust_z(x: np.ndarray, se: np.ndarray | None = None, rel_floor: float = 0.0,
              axis: int = -1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """z of every element against the median of its row (step 1).
@@ -154,8 +167,12 @@ class Persistence:
     reports).
     """
 
-    def __init__(self, k: int, n: int, history: int = 64) -> None:
+    def __init__(self, k: int, n: int, history: int = 64, sequential=None) -> None:
+        from trainscope.analyzer.sequential import Cusum, SequentialConfig
+
         self.k, self.n = k, n
+        self.sequential = sequential if sequential is not None else SequentialConfig()
+        self.cusum = Cusum(self.sequential.allowance)   # peer-z places (sequential.py)
         self._indices: collections.deque[int] = collections.deque(maxlen=history)
         self._observed: dict[int, dict[int, float]] = {}   # rank -> {window: impact ns} (step 4)
         self._recent: collections.deque[tuple[int, dict[int, frozenset[str]]]] = collections.deque(maxlen=n)
@@ -165,11 +182,15 @@ class Persistence:
         self.windows = 0
 
     def update(self, index: int, flagged, impact: dict[int, float] | None = None,
-               final: bool = False, observed: dict[int, float] | None = None) -> set[int]:
+               final: bool = False, observed: dict[int, float] | None = None,
+               sums: dict[tuple[int, str], float] | None = None, iterations: float = 1.0,
+               h: float = float("inf")) -> set[int]:
         """Record one window; return the confirmed ranks. ``flagged``: {rank: places} (or ranks,
         one place each). ``final``: the job ended (a replay's last windows): a job that had fewer
         than k windows in all confirms what every window flagged. ``observed``: every rank's
-        impact in this window, sub-threshold findings included (step 4)."""
+        impact in this window, sub-threshold findings included (step 4). ``sums``: {(rank, place):
+        Σ y_i} of the places flagged with a peer z (``sequential.py``): those places are confirmed
+        by their CUSUM crossing ``h`` over this window's ``iterations``, not by the count."""
         self._observe(index, observed or {})
         if not isinstance(flagged, dict):
             flagged = {r: ("*",) for r in flagged}
@@ -192,7 +213,11 @@ class Persistence:
             if r not in seen:
                 del self._impact[r]
         need = self.k if not (final and self.windows < self.k) else self.windows
-        self._held = {key for key, c in counts.items() if c >= need}
+        crossed = self.cusum.update(sums or {}, iterations, h)
+        tested = set(self.cusum.stat) | set(sums or ())
+        short = final and self.windows < self.k      # a capture too short to accumulate: what it flagged
+        self._held = {key for key, c in counts.items()
+                      if key in crossed or (c >= need and (short or key not in tested))}
         return {r for r, _ in self._held}
 
     def held(self, rank: int) -> float:

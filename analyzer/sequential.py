@@ -1,0 +1,132 @@
+"""Evidence that accumulates per iteration: a one-sided CUSUM per (rank, place) (issue #22 item 1).
+
+"Flagged in k of the last n windows" waits two windows whatever the evidence:
+a GPU 40 % slower, flagged at z = 30 in its first window, is named no sooner
+than a rank that crossed its threshold twice by a hair. A sequential test
+names the first after one window and still asks the second to repeat.
+
+1. The statistic (Page's CUSUM, Page 1954; Montgomery, *Statistical Quality
+   Control*, §9.1). For one rank and one place (a phase, a kernel, a kernel
+   category), y_i is the rank's excess over its comparison group in
+   iteration i in units of the per-iteration noise σ. The levels compare
+   window means: a window of n iterations has z = ȳ·√n (the robust z of
+   the rank's mean against its peers, ``significance.robust_z``), so the
+   window's sum is Σ y_i = √n·z. The update, per window:
+
+       S ← min(cap, max(0, S + √n·z − n·k))
+
+   which is the per-iteration recursion S ← max(0, S + y_i − k) summed over
+   the window (exact, except that a reset inside a window is seen at its
+   end). k is the allowance: half the per-iteration shift to detect
+   (``allowance`` 1.0: a rank 2σ off its peers in every iteration).
+2. Where a level found nothing at a place (z below its threshold), z = 0 is
+   used: the window adds −n·k, so the statistic falls back and resets when
+   the rank recovers (conservative: a z between 0 and the threshold would
+   have added more). ``cap`` (2·h) bounds how long a recovered fault keeps
+   the statistic high: about h/(n·k) windows.
+3. z is Gaussian-equivalent. Host-timed values of small groups are tested
+   against a Student t quantile (``significance.small_group_threshold``);
+   their z is mapped to the normal z of the same tail probability
+   (``significance.gaussian_z``) before it enters, so a heavy-tailed
+   scheduling spike does not count as overwhelming evidence.
+4. The threshold h from a target false-alarm rate. Siegmund's approximation
+   of the in-control average run length of a CUSUM of N(0, 1) steps with
+   allowance k (Siegmund 1985, §X.2; Montgomery eq. 9.3):
+
+       ARL0(h) ≈ (exp(2k·b) − 2k·b − 1) / (2k²),   b = h + 1.166
+
+   One false alarm per job in ``false_alarm_hours`` is an ARL0 of
+   (places compared) × (iterations in those hours) per stream, a union
+   bound over the job's (rank, place) streams: places = ranks ×
+   ``places_per_rank``, iterations = hours × 3600 s / step. h solves
+   ARL0(h) = that target (``threshold``). A 4-rank CPU job (0.2 s steps) gets
+   h ≈ 9.9, a 1,024-rank job (3 s steps) h ≈ 11.3: there one 10-iteration
+   window at z ≥ 6.7 crosses it, two at z ≥ 4.9, three at z ≥ 4.4. The bound is
+   conservative twice over: only windows where a level flagged the place
+   (z above its own Bonferroni threshold) add more than −n·k.
+
+Scope: evidence with a peer z (L2 phases, L3 kernels and categories, sibling
+groups). Evidence without a per-iteration statistic (a collective late start,
+a waiter's wait, own-history and L1 anomalies) keeps the k-of-n count
+(``significance.Persistence``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from trainscope.analyzer.topology import check_number
+
+#: Siegmund's correction for the overshoot of a Gaussian random walk at the boundary (ρ ≈ 0.583, ×2).
+_SIEGMUND = 1.166
+#: Levels whose z is a window mean against its peers (step 1's √n mapping holds for these).
+PEER_LEVELS = frozenset({"L2", "L3", "sibling_groups"})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SequentialConfig:
+    allowance: float = 1.0
+    """k, in per-iteration σ: half the shift the test is tuned to (2σ per iteration)."""
+    false_alarm_hours: float = 100.0
+    """At most one false alarm per job in this many hours of healthy training (step 4)."""
+    places_per_rank: int = 256
+    """Places compared per rank, for the union bound (kernels, categories and phases)."""
+
+    def __post_init__(self) -> None:
+        check_number("sequential.allowance", self.allowance, lambda v: 0 < v <= 10, "must be in (0, 10]")
+        check_number("sequential.false_alarm_hours", self.false_alarm_hours, lambda v: v > 0, "must be > 0")
+        check_number("sequential.places_per_rank", self.places_per_rank, lambda v: v >= 1,
+                     "must be an integer >= 1", int)
+
+
+def arl0(h: float, k: float) -> float:
+    """Step 4: Siegmund's in-control average run length, in iterations."""
+    b = 2.0 * k * (h + _SIEGMUND)
+    return (math.exp(b) - b - 1.0) / (2.0 * k * k)
+
+
+def threshold(ranks: int, step_s: float, cfg: SequentialConfig = SequentialConfig()) -> float:
+    """Step 4: h with ARL0(h) = ranks × places × iterations in ``false_alarm_hours``."""
+    step_s = step_s if math.isfinite(step_s) and step_s > 0 else 1.0
+    target = max(1, ranks) * cfg.places_per_rank * cfg.false_alarm_hours * 3600.0 / step_s
+    k = cfg.allowance
+    lo, hi = 0.0, 1.0
+    while arl0(hi, k) < target:
+        hi *= 2.0
+    for _ in range(60):                    # bisection: ARL0 is increasing in h
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if arl0(mid, k) < target else (lo, mid)
+    return hi
+
+
+def window_sum(z: float, iterations: float) -> float:
+    """Step 1: Σ y_i of a window whose mean has z over ``iterations`` iterations."""
+    return math.sqrt(max(iterations, 1.0)) * z
+
+
+class Cusum:
+    """Step 1-2 state of one job: S per (rank, place), bounded by the places that have evidence."""
+
+    def __init__(self, allowance: float = SequentialConfig.allowance) -> None:
+        self.k = allowance
+        self.stat: dict[tuple[int, str], float] = {}
+        self.h = math.inf
+
+    def update(self, sums: dict[tuple[int, str], float], iterations: float, h: float) -> set[tuple[int, str]]:
+        """One window: ``sums`` {(rank, place): Σ y_i} where a level flagged the place, ``iterations``
+        the window's n; returns the keys at or above ``h``. Keys without a sum this window fall back."""
+        self.h = h
+        n = max(float(iterations), 1.0)
+        drift = n * self.k
+        cap = 2.0 * h
+        for key in set(self.stat) | set(sums):
+            s = self.stat.get(key, 0.0) + sums.get(key, 0.0) - drift
+            if s <= 0.0:
+                self.stat.pop(key, None)
+            else:
+                self.stat[key] = min(s, cap)
+        return {key for key, s in self.stat.items() if s >= h}
+
+    def of(self, rank: int) -> float:
+        """The rank's largest statistic (0 when none), for evidence."""
+        return max((s for (r, _), s in self.stat.items() if r == rank), default=0.0)
