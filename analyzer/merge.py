@@ -8,10 +8,12 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
 2. The other findings become typed evidence and are attributed
    (``attribution.py``): culprits, waiters pointing at the rank they waited
    for, slow links, missing ranks; scores in seconds per iteration.
-3. Persistence (``significance.Persistence``): a rank becomes a suspect of
-   the verdict once it was flagged in the same place in k of the last n
-   windows; before that
-   it is ``pending``. Stalls are named at once, and so is a culprit whose
+3. Persistence (``significance.Persistence``): a culprit flagged against
+   its peers (a peer z: L2, L3, sibling groups) becomes a suspect of the
+   verdict once the CUSUM of its per-iteration excess at that place crosses
+   h (``sequential.py``: one window of overwhelming evidence, several of
+   weak); other evidence (late starts, waits, own history) once flagged in
+   the same place in k of the last n windows; before that it is ``pending``. Stalls are named at once, and so is a culprit whose
    own slow work (not a collective it arrived late to) or measured late
    start, or a link the collectives level named, costs at least
    ``URGENT_SHARE`` of the step in a job of ``URGENT_MIN_RANKS`` or more:

@@ -61,11 +61,13 @@ from trainscope.analyzer.topology import check_number
 _SIEGMUND = 1.166
 #: Levels whose z is a window mean against its peers (step 1's √n mapping holds for these).
 PEER_LEVELS = frozenset({"L2", "L3", "sibling_groups"})
+#: k: half the per-iteration shift the test is tuned to (2σ per iteration).
+ALLOWANCE = 1.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SequentialConfig:
-    allowance: float = 1.0
+    allowance: float = ALLOWANCE
     """k, in per-iteration σ: half the shift the test is tuned to (2σ per iteration)."""
     false_alarm_hours: float = 100.0
     """At most one false alarm per job in this many hours of healthy training (step 4)."""
@@ -107,7 +109,7 @@ def window_sum(z: float, iterations: float) -> float:
 class Cusum:
     """Step 1-2 state of one job: S per (rank, place), bounded by the places that have evidence."""
 
-    def __init__(self, allowance: float = SequentialConfig.allowance) -> None:
+    def __init__(self, allowance: float = ALLOWANCE) -> None:
         self.k = allowance
         self.stat: dict[tuple[int, str], float] = {}
         self.h = math.inf
