@@ -173,12 +173,12 @@ def evidence_of(f: Finding, routing: RoutingConfig = _ROUTING) -> list[Evidence]
 
 
 def _peer_z(f: Finding, s) -> float:
-    """|z| of a rank's window mean against its peers, Gaussian-equivalent (``sequential.py`` step 3);
-    0 where the level has no such statistic."""
-    if f.level not in PEER_LEVELS or f.comparison not in ("peers", "sibling_groups"):
-        return 0.0
+    """|z| of a rank's window mean against its peers (``sequential.py`` step 3); 0 where the level has
+    no such statistic, or where the value is host-timed (its iterations are not independent)."""
     ev = s.evidence
-    z = ev.get("z_gauss", ev.get("significance_z", ev.get("z", 0.0)))
+    if f.level not in PEER_LEVELS or f.comparison != "peers" or ev.get("host_timed"):
+        return 0.0
+    z = ev.get("significance_z", ev.get("z", 0.0))
     return abs(float(z)) if isinstance(z, (int, float)) and math.isfinite(z) else 0.0
 
 

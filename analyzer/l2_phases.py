@@ -52,7 +52,7 @@ import numpy as np
 
 from trainscope.analyzer.impact import WindowScale, window_scale
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
-from trainscope.analyzer.significance import gaussian_z, robust_z, small_group_threshold, z_threshold
+from trainscope.analyzer.significance import robust_z, small_group_threshold, z_threshold
 from trainscope.analyzer.topology import (
     RoutingConfig, check_number, group_of, rank_to_group, resources_with,
 )
@@ -187,6 +187,7 @@ class _Phase:
     sz: np.ndarray = None           # calibrated z of per_iter against the group (step 3)
     per_iter_median: np.ndarray = None
     z_star: np.ndarray = None       # per row: the significance threshold of its group's size
+    host_timed: bool = False        # timed on the host's clock (CPU phases), not the device's
 
 
 def _phase(name, dim, comm, col, label_of_row, cfg, per_iter_col=None) -> _Phase | None:
@@ -238,7 +239,8 @@ def analyze_phases(jw: JobWindow, cfg: L2Config = L2Config(), scale: WindowScale
     for ph in phases:
         # host-clock phases of ranks sharing CPUs carry scheduling noise a handful of peers cannot
         # estimate: Student t below SMALL_GROUP ranks; device-timed phases keep the normal threshold
-        ph.z_star = (small_group_threshold(cfg.false_alarm, m_cmp, ph.st["n"]) if ph.name in host
+        ph.host_timed = ph.name in host
+        ph.z_star = (small_group_threshold(cfg.false_alarm, m_cmp, ph.st["n"]) if ph.host_timed
                      else np.full(ph.rows.size, z_star))
     # ratio of every rank to its own group median, per compute phase (for the cross-check)
     compute_ratio = {ph.name: dict(zip(ph.rows.tolist(), ph.ratio.tolist()))
@@ -268,9 +270,8 @@ def _evidence(ph: _Phase, i: int, z_star: float) -> dict:
             "time_per_iteration_ns": float(ph.per_iter[i]),
             "group_median_per_iteration_ns": float(ph.per_iter_median[i]),
             "significance_z": float(ph.sz[i]), "z_threshold": z_star,
-            # tested against a Student t quantile (host-timed, small group): the normal z of its tail
-            **({"z_gauss": gaussian_z(float(ph.sz[i]), int(ph.st["n"][i]))}
-               if float(ph.z_star[i]) > z_star + 1e-9 else {}),
+            # host clock: scheduler bursts span whole windows (sequential.py keeps it on k of n)
+            **({"host_timed": True} if ph.host_timed else {}),
             "direction": "slower" if ph.ratio[i] >= 1 else "faster"}
 
 

@@ -74,7 +74,7 @@ from trainscope.analyzer.cdf import (
 from trainscope.analyzer.impact import WindowScale, window_scale
 from trainscope.analyzer.kernel_columns import WireError, kernel_columns
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
-from trainscope.analyzer.significance import SMALL_GROUP, gaussian_z, robust_z, small_group_threshold, z_threshold
+from trainscope.analyzer.significance import robust_z, small_group_threshold, z_threshold
 from trainscope.analyzer.topology import (
     CATEGORIES, RoutingConfig, check_number, group_of, rank_to_group, resources_with,
 )
@@ -609,8 +609,8 @@ def kernel_findings(job_id: str, window: records_pb2.Window, t: KernelTable,
                   "ratio": x / o.median_ns if o.median_ns > 0 else 0.0,
                   "z": float(o.z[k]), "z_threshold": o.z_star,
                   "direction": "slower" if slower else "faster"}
-            if host_timed and o.group_size < SMALL_GROUP:   # tested against Student t: its normal z
-                ev["z_gauss"] = gaussian_z(float(o.z[k]), o.group_size)
+            if host_timed:   # CPU operators: scheduler bursts span whole windows (sequential.py: k of n)
+                ev["host_timed"] = True
             if d >= 0:
                 ev |= {"w1_ns": float(o.w1[k]), "w1_fence_ns": o.w1_fence,
                        "p50_ns": float(t.dist_p50_ns[d]), "p99_ns": float(t.dist_p99_ns[d]),

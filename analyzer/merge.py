@@ -292,7 +292,7 @@ def _window_sums(flagged: Mapping[int, RankVerdict], iterations: Mapping[int, fl
             continue
         n = float(iterations.get(r, 1.0))
         for e in rv.evidence:
-            if e.z > 0 and e.rank == r:
+            if e.z > 0 and e.rank == r and e.role == CULPRIT:   # its own slow work, not a wait
                 key = (r, _SEQ.sub(")", e.where))
                 sums[key] = max(sums.get(key, 0.0), sequential.window_sum(e.z, n))
     its = sorted(float(v) for v in iterations.values() if v > 0)

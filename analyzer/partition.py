@@ -51,7 +51,7 @@ from trainscope.analyzer.impact import WindowScale, window_scale
 from trainscope.analyzer.l3_kernels import LATE_ARRIVAL, L3Config, flatten_kernels, kernel_findings
 from trainscope.analyzer.levels import WindowContext
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
-from trainscope.analyzer.significance import SMALL_GROUP, gaussian_z, small_group_threshold, z_threshold
+from trainscope.analyzer.significance import small_group_threshold, z_threshold
 from trainscope.analyzer.topology import CATEGORIES, group_index, group_of, has_coords, rank_to_group
 from trainscope.processor.kernel_names import fill_names
 from trainscope.proto.model import Resource
@@ -217,8 +217,8 @@ def _retest(f: Finding, m_total: int, cfg: L3Config, host_timed: bool, assumed: 
         if abs(z) < z_star:
             continue
         ev = dict(s.evidence, z_threshold=z_star)
-        if host_timed and n < SMALL_GROUP:   # tested against Student t: its normal z (sequential.py)
-            ev["z_gauss"] = gaussian_z(z, n)
+        if host_timed:   # CPU operators: scheduler bursts span whole windows (sequential.py: k of n)
+            ev["host_timed"] = True
         impact = s.impact_ns
         if scale is not None and assumed > 0:
             k = assumed / scale.of(s.rank)

@@ -24,11 +24,14 @@ names the first after one window and still asks the second to repeat.
    the rank recovers (conservative: a z between 0 and the threshold would
    have added more). ``cap`` (2·h) bounds how long a recovered fault keeps
    the statistic high: about h/(n·k) windows.
-3. z is Gaussian-equivalent. Host-timed values of small groups are tested
-   against a Student t quantile (``significance.small_group_threshold``);
-   their z is mapped to the normal z of the same tail probability
-   (``significance.gaussian_z``) before it enters, so a heavy-tailed
-   scheduling spike does not count as overwhelming evidence.
+3. Device-timed values only. Step 1 treats a window's iterations as
+   independent. Host-timed values (CPU phases and operators of ranks that
+   share a host's cores) are not: a scheduler burst slows one rank for a
+   whole window (measured: a healthy 4-rank gloo job beside a busy process
+   had one rank's optimizer phase 18 % slower for one window, z far above
+   its threshold), so √n·z would call one burst overwhelming. Such
+   evidence (marked ``host_timed`` by L2, L3 and the partitioned L3) keeps
+   k of n, as the urgent rule keeps jobs under 16 ranks on it.
 4. The threshold h from a target false-alarm rate. Siegmund's approximation
    of the in-control average run length of a CUSUM of N(0, 1) steps with
    allowance k (Siegmund 1985, §X.2; Montgomery eq. 9.3):
@@ -45,10 +48,10 @@ names the first after one window and still asks the second to repeat.
    conservative twice over: only windows where a level flagged the place
    (z above its own Bonferroni threshold) add more than −n·k.
 
-Scope: evidence with a peer z (L2 phases, L3 kernels and categories, sibling
-groups). Evidence without a per-iteration statistic (a collective late start,
-a waiter's wait, own-history and L1 anomalies) keeps the k-of-n count
-(``significance.Persistence``).
+Scope: culprit evidence with a device-timed peer z (L2 phases, L3 kernels
+and categories). Evidence without a per-iteration statistic (a collective
+late start, a waiter's wait, sibling groups, own-history and L1 anomalies)
+and host-timed evidence keep the k-of-n count (``significance.Persistence``).
 """
 from __future__ import annotations
 
@@ -60,7 +63,7 @@ from trainscope.analyzer.topology import check_number
 #: Siegmund's correction for the overshoot of a Gaussian random walk at the boundary (ρ ≈ 0.583, ×2).
 _SIEGMUND = 1.166
 #: Levels whose z is a window mean against its peers (step 1's √n mapping holds for these).
-PEER_LEVELS = frozenset({"L2", "L3", "sibling_groups"})
+PEER_LEVELS = frozenset({"L2", "L3"})
 #: k: half the per-iteration shift the test is tuned to (2σ per iteration).
 ALLOWANCE = 1.0
 

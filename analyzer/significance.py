@@ -96,19 +96,6 @@ def small_group_threshold(alpha: float, comparisons: int, n) -> np.ndarray:
     return out
 
 
-def gaussian_z(z: float, n: int) -> float:
-    """The normal z of the same tail probability as ``z`` under Student t with n − 1 degrees of
-    freedom (the null of a group under ``SMALL_GROUP`` ranks, step 2); ``z`` itself from
-    ``SMALL_GROUP`` on. Evidence that accumulates over windows (``sequential.py``) reads this, so a
-    heavy-tailed scheduling spike does not count as overwhelming."""
-    from scipy.stats import t as student_t
-
-    if not np.isfinite(z) or n >= SMALL_GROUP or n < 2:
-        return float(z) if np.isfinite(z) else 0.0
-    p = max(float(student_t.sf(abs(z), n - 1)), 1e-300)
-    return float(np.copysign(-ndtri(p), z))
-
-
 def robust_z(x: np.ndarray, se: np.ndarray | None = None, rel_floor: float = 0.0,
              axis: int = -1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """z of every element against the median of its row (step 1).

@@ -5,8 +5,37 @@
   Kafka-protocol broker or ``KAFKA_BOOTSTRAP``, Prometheus); each fixture
   starts what it needs and always stops it.
 * ``tests/benchmarks``: scripts that print figures; not collected by default.
+
+Every collected test carries one tier marker, set here from where it lives
+(issue #23): ``unit`` (tests/unit), ``fuzz`` (tests/unit/test_fuzz.py),
+``integration`` (tests/integration) and ``realjob`` (the integration files in
+``REALJOB_FILES``, which run real multi-process PyTorch jobs). The README's
+test command runs them all; ``-m "not realjob"`` is the fast local run.
 """
+from pathlib import Path
+
+import pytest
+
 pytest_plugins = [
     "support.kafka_broker",
     "support.prometheus_server",
 ]
+
+#: Integration files that start real torchrun / multi-process gloo jobs (the suite's slowest tier).
+REALJOB_FILES = frozenset({
+    "test_collective_rca.py", "test_collective_sources.py", "test_cpu_source_fork.py", "test_deep_dive.py",
+    "test_deep_dive_faults.py", "test_deep_dive_objects.py", "test_deep_dive_trigger.py",
+    "test_readme_commands.py", "test_torch_job.py", "test_torch_job_launch.py",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(str(item.fspath))
+        tier = path.parent.name
+        if tier == "unit":
+            item.add_marker(pytest.mark.fuzz if path.name == "test_fuzz.py" else pytest.mark.unit)
+        elif tier == "integration":
+            item.add_marker(pytest.mark.integration)
+            if path.name in REALJOB_FILES:
+                item.add_marker(pytest.mark.realjob)
