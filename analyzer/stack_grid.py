@@ -216,10 +216,14 @@ class GridBook:
 
     def attach(self, f: Finding, group: str, seq: int = 0, members: Iterable[int] = ()) -> Finding:
         """Step 5: ``f`` with its grid's evidence (finding and suspects); a stall finding without a
-        complete grid waits for ``updates``."""
+        complete grid waits for ``updates``, and so does a late start judged before any grid of its
+        group is in (the straggler trigger's dumps can arrive after the window that named the rank:
+        the finding is issued again with them rather than never carrying one)."""
         g = self.find(group, seq)
         out = f if g is None else with_grid(f, evidence(g, members, self.config), flight_recorder(g, members))
-        if seq and f.kind == "stall" and (g is None or not g.complete):
+        waits = (seq and f.kind == "stall" and (g is None or not g.complete)) or (
+            not seq and f.kind == "late_start" and g is None and f.suspects)
+        if waits:
             self._waiting[f"{group}|{seq}"] = (f, frozenset(members))
             while len(self._waiting) > self.config.max_grids:
                 self._waiting.popitem(last=False)

@@ -31,7 +31,6 @@ from pathlib import Path
 import pytest
 
 from support.pipeline import start_processor
-from support.torch_jobs import TORCH_EXIT_ABORT
 from trainscope.processor.control import ControlConfig
 from trainscope.processor.windows import WindowConfig
 from trainscope.proto import env
@@ -84,6 +83,10 @@ def main():
 
 
 main()
+# torch 2.13's gloo can abort in interpreter teardown (tests/support/clean_exit.py): exit after the
+# at-exit hooks (the collector's flush), without teardown
+import atexit, os, sys  # noqa: E401
+atexit.register(lambda: (sys.stdout.flush(), sys.stderr.flush(), os._exit(0)))
 """
 
 
@@ -136,8 +139,6 @@ def run_once(tmp: Path):
 def dive(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("deep_dive")
     got = run_once(tmp / "a1")
-    if got[0] != 0 and TORCH_EXIT_ABORT in got[1]:  # torch 2.13's gloo exit abort (tests/support/torch_jobs.py)
-        got = run_once(tmp / "a2")
     return got
 
 

@@ -160,4 +160,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from clean_exit import skip_teardown   # beside this script (torchrun puts its folder first)
+
+    raise SystemExit(skip_teardown(main()))

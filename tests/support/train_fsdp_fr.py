@@ -112,4 +112,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from clean_exit import skip_teardown   # beside this script (torchrun puts its folder first)
+
+    sys.exit(skip_teardown(main()))

@@ -286,6 +286,21 @@ def test_a_late_start_carries_the_groups_newest_grid_and_none_without_one():
     assert late.suspects[0].rank == 2 and late.suspects[0].evidence["stack_grid"].startswith("in `main")
 
 
+def test_a_late_start_named_before_its_grid_arrived_is_issued_again_with_it():
+    """The straggler trigger's dumps can reach the analyzer after the window that named the late rank
+    (a real plain job once ended with no late start carrying its grid): the finding waits for them."""
+    st = state_of(job_batches(late_rank=2, late_ms=30, late_from=5))
+    (late,) = [f for f in st.late_starts("j", W, {r: 20.0 for r in range(4)}) if f.kind == "late_start"]
+    assert "stack_grid" not in late.evidence
+    assert [f for f in st.hangs("j", W) if f.kind == "late_start"] == []      # nothing in yet
+    for r, s in ((0, WAIT), (1, WAIT), (2, SLEEP), (3, WAIT)):
+        st.grids.absorb(r, [dump(s, grid="0-straggler-1", trigger="straggler")])
+    (again,) = [f for f in st.hangs("j", W) if f.kind == "late_start"]
+    assert again.id == late.id and again.evidence["stack_grid"]["odd_ranks"] == [2]
+    assert again.suspects[0].rank == 2 and again.suspects[0].evidence["stack_grid"].startswith("in `main")
+    assert [f for f in st.hangs("j", W) if f.kind == "late_start"] == []      # once
+
+
 def test_grid_config_names_bad_settings():
     for kw in (dict(frames=0), dict(wait_s=0), dict(max_grids=0)):
         with pytest.raises(ConfigError, match="stack_grid"):
