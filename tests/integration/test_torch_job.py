@@ -32,7 +32,8 @@ TRAIN = Path(__file__).resolve().parents[1] / "support" / "train_small.py"
 #: train_small.py, one job at a time on the shared 2-core host, 2026-11-24):
 #: * torch 2.13's gloo sometimes aborts a rank at exit ("terminate called without an active
 #:   exception", std::terminate, SIGABRT, no Python frame) in plain torchrun too: 2 of 23 plain
-#:   runs. A job that died of exactly that is run once more (TORCH_EXIT_ABORT).
+#:   runs. It happens in interpreter teardown, after the training: train_small.py ends with
+#:   os._exit after the at-exit hooks (tests/support/clean_exit.py), and no job is run twice.
 #: * No SIGSEGV and no heap corruption in those 23 plain runs. The SIGSEGV and the SIGABRT
 #:   "malloc(): unsorted double linked list corrupted" once seen here were the collector's: its
 #:   CPU-operator sampler started and stopped Kineto (profile_all_threads) from a daemon thread
