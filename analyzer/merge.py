@@ -389,7 +389,45 @@ def _why(rv: RankVerdict, step_ns: float, host_fn: str | None, cost_ns: float) -
         return f"collective {where} slower by {ms:.3g} ms/iteration{pct} with no late member: slow link [{lv}]"
     extra = f"; host busy in {host_fn}" if host_fn else ""
     made = f"; made ranks {', '.join(map(str, rv.waiters[:6]))} wait" if rv.waiters else ""
-    return f"costs {ms:.3g} ms/iteration{pct} in {where} [{lv}]{made}{extra}"
+    cause = _cause(rv, host_fn)
+    return f"{cause + ' — ' if cause else ''}costs {ms:.3g} ms/iteration{pct} in {where} [{lv}]{made}{extra}"
+
+
+_LOADER = re.compile(r"data.?load|dataloader|next_data|fetch", re.IGNORECASE)
+_CPU_OP = re.compile(r"^(aten|autograd|c10d|gloo|torch|Optimizer)[:.]|^<built-in", re.IGNORECASE)
+
+
+def _cause(rv: RankVerdict, host_fn: str | None) -> str:
+    """The class of evidence that explains a culprit's cost, in plain words, first (issue #22 item 6):
+    "GPU compute 1.4x its peers': gemm, flash_bwd", "host: data loader", "Python: train.py:63 hot_loop",
+    "late start: reached allreduce (group 0) after its peers". From its own evidence of the largest
+    impact; "" when it has none (an L1 spike, inherited lateness)."""
+    mine = [e for e in rv.evidence if e.rank == rv.rank and e.role == CULPRIT and e.level not in ("L1", "DEP")]
+    # a collective it is faster in is where the others waited for it, not its own work
+    own = [e for e in mine if not e.communication or e.level == "collectives"]
+    if not own:
+        if host_fn:
+            return f"Python: {host_fn}"
+        return "late arrival: its collectives are the shortest (its peers waited)" if mine else ""
+    # its own work first (kernels, phases, its stacks): a late start is lateness, whose cause that work is
+    work = [e for e in own if e.level != "collectives"]
+    top = max(work or own, key=lambda e: e.impact_ns)
+    ratio = f" {top.ratio:.2g}x its {'own recent pace' if top.comparison == 'own_history' else 'peers'}" if (
+        top.ratio > 1.0 and top.level != "collectives") else ""
+    if top.level == "L5":
+        return f"Python: {top.where}"
+    if _LOADER.search(top.where):
+        return f"host: data loader ({top.where}){ratio}"
+    if top.level == "collectives":
+        lead = f"late start: reached {_SEQ.sub(')', top.where).removeprefix('late start to ')} after its peers"
+        return lead + (f" (host busy in {host_fn})" if host_fn else "")
+    if top.level == "L3":
+        names = list(dict.fromkeys(e.where for e in sorted(own, key=lambda e: -e.impact_ns) if e.level == "L3"))[:2]
+        cpu = all(_CPU_OP.search(n) for n in names)
+        memory = "[memory]" in names[0] or "memcpy" in names[0].lower() or "memset" in names[0].lower()
+        kind = "memory copies" if memory else ("CPU operators" if cpu else "GPU compute")
+        return f"{kind}{ratio}: {', '.join(n[:40] for n in names)}"
+    return f"phase {top.where}{ratio}"
 
 
 def _places(suspects: list[RankVerdict], findings: list[Finding], what: str) -> list[str]:

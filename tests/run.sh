@@ -44,4 +44,11 @@ if ! command -v chromium >/dev/null 2>&1; then
   fi
 fi
 
-exec "$PY" -m pytest -q -p no:cacheprovider "$@"
+# The summary CI prints last: the suite's wall time, after pytest's ten slowest tests (issue #23).
+start=$(date +%s)
+set +e
+"$PY" -m pytest -q -p no:cacheprovider --durations=10 "$@"
+rc=$?
+set -e
+echo "trainscope suite: exit ${rc}, wall time $(( $(date +%s) - start )) s (the ten slowest tests are listed above)"
+exit "$rc"
