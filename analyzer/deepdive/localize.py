@@ -56,7 +56,13 @@ Steps:
    it is taken off the collective's outlier (named in its evidence); it is
    neither a cause nor, by a shorter collective, a late arrival. A
    4-rank gloo job whose rank 2 ran a hot loop had healthy rank 0 named for
-   ``c10d::allreduce_`` on a loaded host.
+   ``c10d::allreduce_`` on a loaded host. A blocking wait of the host
+   (``time.sleep``, ``select``/``poll``, an ``Event``/``Condition`` wait, a
+   queue's ``get``: ``WAITING``) is waiting too: a rank longer in it woke up
+   late (the scheduler) or waited for something else; it is taken off the
+   same way and never counts as the other ranks' cause (issue #22: a 6-rank
+   dive of a hot loop on rank 1 also named healthy rank 2 for
+   ``<built-in function sleep>``, 2.5 ms per iteration).
 Assumption: ranks of one role run the same code, so a function's pattern
 differs between them only when something is wrong (§3 of the paper).
 """
@@ -64,6 +70,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -295,17 +302,27 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
     return out
 
 
+#: Step 7: host functions that block (the thread sleeps or waits for something else, it does no work).
+WAITING = re.compile(r"built-in function sleep|\btime\.sleep\b|\bselect\b|\bpoll\b|\bepoll|"
+                     r"\b(Event|Condition|Semaphore|Barrier)\.wait\b|threading\.py(\(\d+\))?: wait\b|"
+                     r"queue\.py.*\bget\b|\bQueue\.get\b", re.IGNORECASE)
+
+
+def _is_wait(o) -> bool:
+    return o.kind == "communication" or (o.kind in ("python", "cpu") and bool(WAITING.search(o.function)))
+
+
 def _waiting_is_not_a_cause(out: list) -> list:
-    """Step 7: on communication outliers, the ranks slower in nothing else, when some rank is slower
-    in a function of its own, waited: they are taken off the outlier (named in its evidence), and an
-    outlier left with no rank is dropped."""
-    causes = {r for o in out if o.kind != "communication" and not o.common
+    """Step 7: on communication and blocking-wait outliers, the ranks slower in nothing else, when some
+    rank is slower in a function of its own, waited: they are taken off the outlier (named in its
+    evidence), and an outlier left with no rank is dropped."""
+    causes = {r for o in out if not _is_wait(o) and not o.common
               for r, slow in zip(o.ranks, o.slower) if slow}
     if not causes:
         return out
     fixed = []
     for o in out:
-        waits = [r for r, s in zip(o.ranks, o.slower) if s and r not in causes] if o.kind == "communication" else []
+        waits = [r for r, s in zip(o.ranks, o.slower) if s and r not in causes] if _is_wait(o) else []
         if waits:
             keep = [i for i, r in enumerate(o.ranks) if r not in waits]
             if not keep:

@@ -151,3 +151,24 @@ def test_a_collective_longer_on_a_rank_waiting_for_a_slower_rank_is_not_a_cause(
     assert _waiting_is_not_a_cause([hot, o("c10d::allreduce_", "communication", [0], [True])]) == [hot]
     # no rank slower in anything else: the collective itself is the finding
     assert _waiting_is_not_a_cause([wait]) == [wait]
+
+
+def test_a_rank_longer_in_sleep_woke_up_late_and_is_not_named_beside_the_hot_loop():
+    """localize step 7 for blocking host waits: a 6-rank dive of a hot loop on rank 1 also named healthy
+    rank 2 for ``<built-in function sleep>`` (2.5 ms per iteration, the scheduler's late wake-up on a loaded
+    host). A sleep never makes its rank a cause of another's wait either; alone it is still reported."""
+    from trainscope.analyzer.deepdive.localize import Outlier, _waiting_is_not_a_cause
+
+    def o(func, kind, ranks):
+        n = len(ranks)
+        return Outlier(function=func, kind=kind, role="0", ranks=tuple(ranks), d=(0.1,) * n, delta=(0.5,) * n,
+                       beta=(0.2,) * n, mu=(0.01,) * n, sigma=(0.0,) * n, impact_s=(0.01,) * n,
+                       slower=(True,) * n, expected=(0.1, 0.01, 0.0), delta_threshold=0.2, common=False)
+
+    hot = o("train_slowdown.py(8): hot_loop", "python", [1])
+    sleep = o("<built-in function sleep>", "python", [2])
+    allreduce = o("c10d::allreduce_", "communication", [0])
+    out = _waiting_is_not_a_cause([hot, sleep, allreduce])
+    assert out == [hot]
+    # without a rank slower in work of its own, the sleep is what there is to report
+    assert _waiting_is_not_a_cause([sleep, allreduce]) == [sleep, allreduce]
