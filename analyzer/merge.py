@@ -130,7 +130,8 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
                     observed[s.rank] = float(s.impact_ns)
         for r, rv in flagged.items():
             observed[r] = max(observed.get(r, 0.0), rv.score_ns)
-        sums, n_its = _window_sums(flagged, iterations or {})
+        noise = sequential.step_noise_ns(jw, step_ns, persistence.sequential)
+        sums, n_its = _window_sums(flagged, iterations or {}, noise)
         h = sequential.threshold(len(resources) or len(flagged), step_ns / 1e9, persistence.sequential)
         confirmed = persistence.update(int(window.index), places,
                                        {r: rv.score_ns for r, rv in flagged.items()}, final=final,
@@ -281,11 +282,11 @@ def _named_only(findings: Sequence[Finding], named: set[int], pace_held: bool = 
 _SEQ = re.compile(r", seq \d+\)")
 
 
-def _window_sums(flagged: Mapping[int, RankVerdict], iterations: Mapping[int, float]
+def _window_sums(flagged: Mapping[int, RankVerdict], iterations: Mapping[int, float], noise_ns: float = 0.0
                  ) -> tuple[dict[tuple[int, str], float], float]:
     """Step 3's sequential input: {(rank, place): Σ y_i} of each culprit's places flagged with a peer z
-    (``sequential.window_sum``, the largest where levels agree), and the window's iterations (median
-    over ranks)."""
+    (``sequential.window_sum``: against its peers and against the step's noise, the largest where levels
+    agree), and the window's iterations (median over ranks)."""
     sums: dict[tuple[int, str], float] = {}
     for r, rv in flagged.items():
         if rv.role != CULPRIT:
@@ -294,7 +295,7 @@ def _window_sums(flagged: Mapping[int, RankVerdict], iterations: Mapping[int, fl
         for e in rv.evidence:
             if e.z > 0 and e.rank == r and e.role == CULPRIT:   # its own slow work, not a wait
                 key = (r, _SEQ.sub(")", e.where))
-                sums[key] = max(sums.get(key, 0.0), sequential.window_sum(e.z, n))
+                sums[key] = max(sums.get(key, 0.0), sequential.window_sum(e.z, n, e.impact_ns, noise_ns))
     its = sorted(float(v) for v in iterations.values() if v > 0)
     return sums, its[len(its) // 2] if its else 1.0
 

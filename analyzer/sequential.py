@@ -19,6 +19,15 @@ names the first after one window and still asks the second to repeat.
    the window (exact, except that a reset inside a window is seen at its
    end). k is the allowance: half the per-iteration shift to detect
    (``allowance`` 1.0: a rank 2σ off its peers in every iteration).
+1b. What it costs, not only how unusual it is. A kernel 2.5x its peers'
+   for one window of a real trace's noise has a peer z in the hundreds
+   while it costs 1 % of the step. So y_i is also bounded by the excess per
+   iteration (the finding's impact) in units of the step's own
+   per-iteration noise (1.4826·MAD of the window's iteration durations, at
+   least ``min_noise_pct`` = 1 % of the step, the impact floor):
+   Σ y_i = min(√n·z, n·excess/noise). A rank costing 5 % of a steady step
+   adds 5 per iteration and is named within a window; one costing 1 %
+   adds no more than the allowance takes away.
 2. Where a level found nothing at a place (z below its threshold), z = 0 is
    used: the window adds −n·k, so the statistic falls back and resets when
    the rank recovers (conservative: a z between 0 and the threshold would
@@ -58,6 +67,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from trainscope.analyzer.topology import check_number
 
 #: Siegmund's correction for the overshoot of a Gaussian random walk at the boundary (ρ ≈ 0.583, ×2).
@@ -76,12 +87,15 @@ class SequentialConfig:
     """At most one false alarm per job in this many hours of healthy training (step 4)."""
     places_per_rank: int = 256
     """Places compared per rank, for the union bound (kernels, categories and phases)."""
+    min_noise_pct: float = 1.0
+    """Step 1b: the step's per-iteration noise is taken as at least this % of the step."""
 
     def __post_init__(self) -> None:
         check_number("sequential.allowance", self.allowance, lambda v: 0 < v <= 10, "must be in (0, 10]")
         check_number("sequential.false_alarm_hours", self.false_alarm_hours, lambda v: v > 0, "must be > 0")
         check_number("sequential.places_per_rank", self.places_per_rank, lambda v: v >= 1,
                      "must be an integer >= 1", int)
+        check_number("sequential.min_noise_pct", self.min_noise_pct, lambda v: 0 <= v < 100, "must be in [0, 100)")
 
 
 def arl0(h: float, k: float) -> float:
@@ -104,9 +118,25 @@ def threshold(ranks: int, step_s: float, cfg: SequentialConfig = SequentialConfi
     return hi
 
 
-def window_sum(z: float, iterations: float) -> float:
-    """Step 1: Σ y_i of a window whose mean has z over ``iterations`` iterations."""
-    return math.sqrt(max(iterations, 1.0)) * z
+def window_sum(z: float, iterations: float, excess_ns: float = 0.0, noise_ns: float = 0.0) -> float:
+    """Step 1: Σ y_i of a window whose mean has z over ``iterations`` iterations; with ``noise_ns``
+    (step 1b) y_i is at most the excess per iteration in units of the step's noise."""
+    n = max(iterations, 1.0)
+    peers = math.sqrt(n) * z
+    return min(peers, n * excess_ns / noise_ns) if noise_ns > 0 else peers
+
+
+def step_noise_ns(jw, step_ns: float, cfg: SequentialConfig) -> float:
+    """Step 1b: the per-iteration noise of the job's step: 1.4826·MAD of the window's iteration
+    durations (pooled over ranks), at least ``min_noise_pct`` of the step; 0 without a step."""
+    floor = cfg.min_noise_pct / 100.0 * step_ns if step_ns > 0 else 0.0
+    if jw is None or not jw.iterations:
+        return floor
+    d = np.array([m.end_ns - m.start_ns for rec in jw.iterations.values() for m in rec.marks
+                  if m.end_ns > m.start_ns], dtype=np.float64)
+    if d.size < 3:
+        return floor
+    return max(floor, 1.4826 * float(np.median(np.abs(d - np.median(d)))))
 
 
 class Cusum:

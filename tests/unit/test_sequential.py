@@ -127,3 +127,38 @@ def test_config_is_checked():
         SequentialConfig(allowance=0)
     with pytest.raises(ConfigError, match="sequential.places_per_rank"):
         SequentialConfig(places_per_rank=0)
+
+
+def test_a_huge_z_that_costs_one_percent_of_the_step_does_not_name_at_once():
+    """Step 1b: a real trace's kernel 2.5x its peers for one window (peer z in the hundreds) costing 1 %
+    of the step: bounded by its cost against the step's noise, one window names nobody; the same z at
+    10 % of the step names the rank."""
+    res = resources()
+    its = {r: 10.0 for r in res}
+    cheap = kernel_finding(0, 2, 300.0, 0.8 * MS, kernel="elementwise_kernel")
+    v = merge("j", win(0), [cheap], res, step_ns=80 * MS, iterations=its, persistence=Persistence(2, 3))
+    assert not v.ranks and list(v.pending) == [2]
+    costly = kernel_finding(0, 2, 300.0, 8 * MS, kernel="elementwise_kernel")
+    v = merge("j", win(0), [costly], res, step_ns=80 * MS, iterations=its, persistence=Persistence(2, 3))
+    assert [s.rank for s in v.ranks] == [2]
+
+
+def test_step_noise_is_the_iteration_times_spread_with_a_floor():
+    from trainscope.analyzer.model import JobWindow
+    from trainscope.analyzer.sequential import step_noise_ns
+    cfg = SequentialConfig()
+    jw = JobWindow(job_id="j", window=win(0))
+    rng = np.random.default_rng(0)
+    for r in range(8):
+        iw = records_pb2.IterationWindow()
+        t = 0
+        for i in range(10):
+            d = int((100 + rng.normal(0, 5)) * MS)
+            iw.marks.add(iteration=i, start_ns=t, end_ns=t + d)
+            t += d
+        jw.iterations[r] = iw
+    noise = step_noise_ns(jw, 100 * MS, cfg)
+    assert 3.5 * MS < noise < 6.5 * MS                     # about the 5 ms it was drawn with
+    assert step_noise_ns(None, 100 * MS, cfg) == pytest.approx(1 * MS)     # no marks: the 1 % floor
+    assert window_sum(10.0, 10, excess_ns=2 * MS, noise_ns=1 * MS) == pytest.approx(20.0)
+    assert window_sum(1.0, 10, excess_ns=2 * MS, noise_ns=1 * MS) == pytest.approx(math.sqrt(10))
