@@ -288,16 +288,19 @@ def _window_sums(flagged: Mapping[int, RankVerdict], iterations: Mapping[int, fl
     (``sequential.window_sum``: against its peers and against the step's noise, the largest where levels
     agree), and the window's iterations (median over ranks)."""
     sums: dict[tuple[int, str], float] = {}
+    its = sorted(float(v) for v in iterations.values() if v > 0)
+    typical = its[len(its) // 2] if its else 1.0
     for r, rv in flagged.items():
-        if rv.role != CULPRIT:
-            continue
         n = float(iterations.get(r, 1.0))
+        if rv.role != CULPRIT or n < typical:
+            # fewer iteration marks than its peers (records lost or late on a loaded host): its values per
+            # iteration may divide totals by too few iterations; such a window counts toward k of n only
+            continue
         for e in rv.evidence:
             if e.z > 0 and e.rank == r and e.role == CULPRIT:   # its own slow work, not a wait
                 key = (r, _SEQ.sub(")", e.where))
                 sums[key] = max(sums.get(key, 0.0), sequential.window_sum(e.z, n, e.impact_ns, noise_ns))
-    its = sorted(float(v) for v in iterations.values() if v > 0)
-    return sums, its[len(its) // 2] if its else 1.0
+    return sums, typical
 
 
 def _places_of(rv: RankVerdict) -> set[str]:

@@ -228,7 +228,9 @@ def _healthy_job(job: tuple, iterations: int) -> tuple[int, int, float, str]:
     line = (f"  healthy {ranks:>5} ranks tp={tp} pp={pp} seed={seed}"
             f"{' noisy ranks' if noise is not None else ''}: {len(verdicts)} windows, "
             f"{len(bad)} with a suspect or 'degraded', {res.sim_seconds / 60:.0f} simulated min"
-            + (f"  <- {bad[0].summary[:90]}" if bad else ""))
+            + (f", {res.dropped} records dropped or rejected" if res.dropped else "")
+            + (f"  <- {bad[0].summary[:90]}" if bad else "")
+            + "".join(f"\n      window {v.window.index}: {s.rank} {s.role} {s.why[:160]}" for v in bad for s in v.ranks[:2]))
     return len(verdicts), len(bad), res.sim_seconds, line
 
 

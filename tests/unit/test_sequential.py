@@ -162,3 +162,14 @@ def test_step_noise_is_the_iteration_times_spread_with_a_floor():
     assert step_noise_ns(None, 100 * MS, cfg) == pytest.approx(1 * MS)     # no marks: the 1 % floor
     assert window_sum(10.0, 10, excess_ns=2 * MS, noise_ns=1 * MS) == pytest.approx(20.0)
     assert window_sum(1.0, 10, excess_ns=2 * MS, noise_ns=1 * MS) == pytest.approx(math.sqrt(10))
+
+
+def test_a_rank_with_fewer_iterations_than_its_peers_waits_for_k_of_n():
+    """Records lost or late on a loaded host leave a rank fewer iteration marks than its peers: its
+    values per iteration may be totals over too few iterations, so that window does not accumulate."""
+    res = resources()
+    its = {r: 10.0 for r in res}
+    its[5] = 6.0
+    v = merge("j", win(0), [kernel_finding(0, 5, 30.0, 40 * MS)], res, step_ns=400 * MS, iterations=its,
+              persistence=Persistence(2, 3))
+    assert not v.ranks and list(v.pending) == [5]
