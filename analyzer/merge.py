@@ -11,9 +11,9 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
 3. Persistence (``significance.Persistence``): a culprit flagged against
    its peers (a peer z: L2, L3, sibling groups) becomes a suspect of the
    verdict once the CUSUM of its per-iteration excess at that place crosses
-   h (``sequential.py``: one window of overwhelming evidence, several of
-   weak); other evidence (late starts, waits, own history) once flagged in
-   the same place in k of the last n windows; before that it is ``pending``. Stalls are named at once, and so is a culprit whose
+   h (``sequential.py``: one window of overwhelming evidence); every rank,
+   these included, once flagged in the same place in k of the last n
+   windows; before that it is ``pending``. Stalls are named at once, and so is a culprit whose
    own slow work (not a collective it arrived late to) or measured late
    start, or a link the collectives level named, costs at least
    ``URGENT_SHARE`` of the step in a job of ``URGENT_MIN_RANKS`` or more:

@@ -58,9 +58,13 @@ names the first after one window and still asks the second to repeat.
    (z above its own Bonferroni threshold) add more than −n·k.
 
 Scope: culprit evidence with a device-timed peer z (L2 phases, L3 kernels
-and categories). Evidence without a per-iteration statistic (a collective
-late start, a waiter's wait, sibling groups, own-history and L1 anomalies)
-and host-timed evidence keep the k-of-n count (``significance.Persistence``).
+and categories). It names such a place *sooner* where the evidence is
+strong; the k-of-n count (``significance.Persistence``) still names every
+place, these included: with the CUSUM alone a real-stream rank flagged near
+its threshold in two windows (``test_realjob_verdicts``, late onset) waited
+for a third and its short job ended first. Evidence without a per-iteration
+statistic (a collective late start, a waiter's wait, sibling groups,
+own-history and L1 anomalies) and host-timed evidence never enter it.
 """
 from __future__ import annotations
 
