@@ -127,7 +127,7 @@ class Evidence:
     comparison: str = "peers"
     link: bool = False       # a stall whose root is a NIC or link, not a rank (collectives step 5b)
     waited_for: int = -1     # the rank it waited for, where the finding measured it (a late start's waiters)
-    z: float = 0.0           # Gaussian-equivalent peer z of a window mean (sequential.py); 0: none
+    z: float = 0.0           # device-timed peer z of a window mean (sequential.py); 0: none
 
     @property
     def role(self) -> str:

@@ -9,7 +9,7 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
    (``attribution.py``): culprits, waiters pointing at the rank they waited
    for, slow links, missing ranks; scores in seconds per iteration.
 3. Persistence (``significance.Persistence``): a culprit flagged against
-   its peers (a peer z: L2, L3, sibling groups) becomes a suspect of the
+   its peers in device-timed work (a peer z: L2, L3) becomes a suspect of the
    verdict once the CUSUM of its per-iteration excess at that place crosses
    h (``sequential.py``: one window of overwhelming evidence); every rank,
    these included, once flagged in the same place in k of the last n

@@ -73,6 +73,7 @@ import math
 
 import numpy as np
 
+from trainscope.analyzer.significance import MAD_SIGMA
 from trainscope.analyzer.topology import check_number
 
 #: Siegmund's correction for the overshoot of a Gaussian random walk at the boundary (ρ ≈ 0.583, ×2).
@@ -140,7 +141,7 @@ def step_noise_ns(jw, step_ns: float, cfg: SequentialConfig) -> float:
                   if m.end_ns > m.start_ns], dtype=np.float64)
     if d.size < 3:
         return floor
-    return max(floor, 1.4826 * float(np.median(np.abs(d - np.median(d)))))
+    return max(floor, MAD_SIGMA * float(np.median(np.abs(d - np.median(d)))))
 
 
 class Cusum:
@@ -149,12 +150,10 @@ class Cusum:
     def __init__(self, allowance: float = ALLOWANCE) -> None:
         self.k = allowance
         self.stat: dict[tuple[int, str], float] = {}
-        self.h = math.inf
 
     def update(self, sums: dict[tuple[int, str], float], iterations: float, h: float) -> set[tuple[int, str]]:
         """One window: ``sums`` {(rank, place): Σ y_i} where a level flagged the place, ``iterations``
         the window's n; returns the keys at or above ``h``. Keys without a sum this window fall back."""
-        self.h = h
         n = max(float(iterations), 1.0)
         drift = n * self.k
         cap = 2.0 * h
@@ -165,7 +164,3 @@ class Cusum:
             else:
                 self.stat[key] = min(s, cap)
         return {key for key, s in self.stat.items() if s >= h}
-
-    def of(self, rank: int) -> float:
-        """The rank's largest statistic (0 when none), for evidence."""
-        return max((s for (r, _), s in self.stat.items() if r == rank), default=0.0)

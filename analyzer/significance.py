@@ -31,7 +31,9 @@ window stays ≤ α whatever M is).
    (phase, kernel, category) in ``k`` of the last ``n`` windows before the
    verdict names it (stalls and hangs excepted);
    with per-window false-alarm probability p the job-level rate falls to
-   about C(n,k)·p^k.
+   about C(n,k)·p^k. A place flagged with a device-timed peer z is also
+   confirmed sooner, once the CUSUM of its per-iteration excess crosses its
+   threshold (``sequential.py``).
 4. Onset (``Persistence.onset``): each rank's impact per window, sub-threshold
    (informational) findings included, over the last ``history`` windows; the
    single mean-shift change point of that series (the split maximising
@@ -155,7 +157,7 @@ class Persistence:
     """
 
     def __init__(self, k: int, n: int, history: int = 64, sequential=None) -> None:
-        from trainscope.analyzer.sequential import Cusum, SequentialConfig
+        from trainscope.analyzer.sequential import Cusum, SequentialConfig   # here: it imports MAD_SIGMA
 
         self.k, self.n = k, n
         self.sequential = sequential if sequential is not None else SequentialConfig()
@@ -177,7 +179,7 @@ class Persistence:
         than k windows in all confirms what every window flagged. ``observed``: every rank's
         impact in this window, sub-threshold findings included (step 4). ``sums``: {(rank, place):
         Σ y_i} of the places flagged with a peer z (``sequential.py``): those places are confirmed
-        by their CUSUM crossing ``h`` over this window's ``iterations``, not by the count."""
+        as soon as their CUSUM crosses ``h`` over this window's ``iterations``, else by the count."""
         self._observe(index, observed or {})
         if not isinstance(flagged, dict):
             flagged = {r: ("*",) for r in flagged}
