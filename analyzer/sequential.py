@@ -72,8 +72,8 @@ import dataclasses
 import math
 
 import numpy as np
+from scipy.stats import median_abs_deviation
 
-from trainscope.analyzer.significance import MAD_SIGMA
 from trainscope.analyzer.topology import check_number
 
 #: Siegmund's correction for the overshoot of a Gaussian random walk at the boundary (ρ ≈ 0.583, ×2).
@@ -141,7 +141,7 @@ def step_noise_ns(jw, step_ns: float, cfg: SequentialConfig) -> float:
                   if m.end_ns > m.start_ns], dtype=np.float64)
     if d.size < 3:
         return floor
-    return max(floor, MAD_SIGMA * float(np.median(np.abs(d - np.median(d)))))
+    return max(floor, float(median_abs_deviation(d, scale="normal")))   # 1.4826·MAD
 
 
 class Cusum:

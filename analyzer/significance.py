@@ -46,11 +46,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Iterable
 
 import numpy as np
 from scipy.special import ndtri
 
+from trainscope.analyzer.sequential import Cusum, SequentialConfig
 from trainscope.analyzer.topology import check_number
 
 MAD_SIGMA = 1.4826
@@ -157,8 +157,6 @@ class Persistence:
     """
 
     def __init__(self, k: int, n: int, history: int = 64, sequential=None) -> None:
-        from trainscope.analyzer.sequential import Cusum, SequentialConfig   # here: it imports MAD_SIGMA
-
         self.k, self.n = k, n
         self.sequential = sequential if sequential is not None else SequentialConfig()
         self.cusum = Cusum(self.sequential.allowance)   # peer-z places (sequential.py)
