@@ -26,7 +26,9 @@ analysed window (NVRx's "individual" score, for the whole job):
    side has at least ``min_iterations`` steps.
 4. The finding (level ``pace``, kind ``job_slowdown``) names no rank: its
    impact is d per iteration (``job_impact_ns``), with the shift in % and
-   the baseline it was measured against. ``merge`` makes the job
+   the baseline it was measured against (and its last window: a rank
+   already slow then is inside the baseline, so this loss does not price
+   it). ``merge`` makes the job
    ``degraded`` ("not localized") once it holds in k of the last n windows,
    and only when no rank explains it.
 
@@ -79,6 +81,11 @@ class Baseline:
 
     def __init__(self, n: int) -> None:
         self.windows: collections.deque[np.ndarray] = collections.deque(maxlen=n)
+        self.indices: collections.deque[int] = collections.deque(maxlen=n)   # their window indices
+
+    def add(self, index: int, steps: np.ndarray) -> None:
+        self.windows.append(steps)
+        self.indices.append(index)
 
     def steps(self) -> np.ndarray:
         return np.concatenate(list(self.windows)) if self.windows else np.empty(0)
@@ -116,7 +123,7 @@ def analyze_pace(jw: JobWindow, scale: WindowScale, baseline: Baseline, steps: n
         return [], 0
     base = baseline.steps()
     if base.size < cfg.min_iterations:
-        baseline.windows.append(steps)
+        baseline.add(jw.window.index, steps)
         return [], 0
     b, now = float(np.median(base)), float(np.median(steps))
     spread = max(MAD_SIGMA * float(np.median(np.abs(base - b))), cfg.rel_floor * b)
@@ -126,7 +133,7 @@ def analyze_pace(jw: JobWindow, scale: WindowScale, baseline: Baseline, steps: n
     z_star = z_threshold(cfg.false_alarm, 1)
     if not (z >= z_star and d >= cfg.min_shift * b):
         if not (z >= SUSPECT_Z and d >= cfg.min_shift / 2 * b):
-            baseline.windows.append(steps)   # a window already half-way slower stays out of the baseline
+            baseline.add(jw.window.index, steps)   # a window already half-way slower stays out of the baseline
         return [], 1
     return [Finding(level=LEVEL, kind=KIND, job_id=jw.job_id, window=jw.window, scope=Scope(group="job"),
                     severity=float(z), comparison="own_pace", job_impact_ns=d,
@@ -135,4 +142,5 @@ def analyze_pace(jw: JobWindow, scale: WindowScale, baseline: Baseline, steps: n
                               "z": round(float(z), 2), "z_threshold": round(z_star, 2),
                               "iterations_now": int(steps.size), "iterations_baseline": int(base.size),
                               "baseline_windows": len(baseline.windows),
+                              "baseline_last_window": int(baseline.indices[-1]),
                               "ranks": len(jw.iterations)})], 1

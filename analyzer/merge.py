@@ -181,7 +181,8 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     if len({resources[rv.rank].host for rv in suspects if rv.rank in resources}) > 1:
         v.switch_name = _shared(suspects, resources, lambda res: res.attributes.get(SWITCH_ATTRIBUTE, ""))
     v.group = _shared_group(suspects, resources, active)
-    share = _loss_share(suspects, active)
+    first = {rv.rank: persistence.since(rv.rank) for rv in suspects} if persistence is not None else {}
+    share = _loss_share(suspects, active, first)
     for rv in suspects:
         res = resources.get(rv.rank)
         # a hung rank costs the whole step (unknown: 0), not its peers' wait (that is in its why)
@@ -366,13 +367,25 @@ def _hang_wait_ns(rv: RankVerdict) -> float:
     return max((e.impact_ns for e in rv.evidence if e.kind == "stall" and e.level == "collectives"), default=0.0)
 
 
-def _loss_share(suspects: list[RankVerdict], active: Sequence[Finding]) -> float:
+def _loss_share(suspects: list[RankVerdict], active: Sequence[Finding],
+                first: dict[int, int | None] | None = None) -> float:
     """Step 5b: the factor (≤ 1) that keeps the culprits' and links' impacts together within what the
     job lost against its own healthy pace, where the pace level measured that loss (a rank the
-    others wait for is priced by their wait, which counts the same lost second once per waiter)."""
-    loss = max((f.job_impact_ns for f in active if f.level == "pace" and f.job_impact_ns > 0), default=0.0)
-    total = sum(rv.score_ns for rv in suspects if rv.role in (CULPRIT, LINK) and _hang_wait_ns(rv) <= 0)
-    return loss / total if loss > 0 and total > loss else 1.0
+    others wait for is priced by their wait, which counts the same lost second once per waiter).
+    A suspect already flagged in the pace baseline's last window (``first``: its first flagged
+    window) was slow inside that baseline: the pace loss is a later change, not its price, and
+    the cap does not apply (a loaded host slowed a job whose data loader had cost 30 ms since
+    its first window by 7 ms more)."""
+    pace = [f for f in active if f.level == "pace" and f.job_impact_ns > 0]
+    if not pace:
+        return 1.0
+    loss = max(f.job_impact_ns for f in pace)
+    last = min(int(f.evidence.get("baseline_last_window", -1)) for f in pace)
+    priced = [rv for rv in suspects if rv.role in (CULPRIT, LINK) and _hang_wait_ns(rv) <= 0]
+    if any((first or {}).get(rv.rank) is not None and first[rv.rank] <= last for rv in priced):
+        return 1.0
+    total = sum(rv.score_ns for rv in priced)
+    return loss / total if total > loss else 1.0
 
 
 def _why(rv: RankVerdict, step_ns: float, host_fn: str | None, cost_ns: float) -> str:

@@ -127,6 +127,30 @@ def test_culprits_impacts_never_exceed_what_the_job_lost_against_its_own_pace():
     assert {s.rank: round(s.impact_s, 6) for s in alone.ranks} == {5: 0.06, 9: 0.02}
 
 
+def test_a_rank_already_slow_inside_the_pace_baseline_keeps_its_own_price():
+    """A data loader that cost rank 5 60 ms/iteration from window 0 was inside the job's pace
+    baseline (window 1); a busy host then slowed the job 7 ms more (window 2). That 7 ms is a
+    later change, not rank 5's price: its impact stays 60 ms. A rank first flagged after the
+    baseline is still scaled to the loss."""
+    res, p = resources(), Persistence(1, 1)
+
+    def slow(index):
+        return Finding(level="L2", kind="straggler", job_id="j", window=win(index), scope=Scope(phase="dataloader"),
+                       suspects=(SuspectRank(5, 1.0, {"direction": "slower"}, impact_ns=60 * MS),))
+
+    def pace(index, last):
+        return Finding(level="pace", kind="job_slowdown", job_id="j", window=win(index), scope=Scope(group="job"),
+                       job_impact_ns=7 * MS, comparison="own_pace",
+                       evidence={"slowdown_pct": 4.0, "step_baseline_s": 0.16, "baseline_last_window": last})
+    for i in range(2):
+        merge("j", win(i), [slow(i)], res, step_ns=160 * MS, persistence=p)
+    v = merge("j", win(2), [slow(2), pace(2, 1)], res, step_ns=167 * MS, persistence=p)
+    assert [(s.rank, round(s.impact_s, 6)) for s in v.ranks] == [(5, 0.06)]
+    fresh = Persistence(1, 1)                                # first flagged after the baseline: scaled
+    w = merge("j", win(2), [slow(2), pace(2, 1)], res, step_ns=167 * MS, persistence=fresh)
+    assert [(s.rank, round(s.impact_s, 6)) for s in w.ranks] == [(5, 0.007)]
+
+
 def test_lateness_is_followed_across_groups_to_the_rank_that_made_others_wait():
     """Issue #22 item 2: rank 5's slow GPU makes its TP partner 4 late; 4 is late to its DP all-reduce
     with 0, 2, 6, which wait for 4. Those three are waiters (of 4, itself a waiter of 5), not slow
