@@ -587,12 +587,19 @@ def _flag(t, seg_key, seg_group, dists, w1, x, se, comm, z_star, cfg, *, ranks=N
 def kernel_findings(job_id: str, window: records_pb2.Window, t: KernelTable,
                     groups: Mapping[int, Sequence[int]], cfg: L3Config = L3Config(),
                     dim: str | None = None, scale: WindowScale | None = None,
-                    host_timed: bool = False) -> list[Finding]:
-    """L3 findings from a flat table and comparison groups ({group index: ranks})."""
+                    host_timed: bool = False, covered: Mapping[int, int] | None = None) -> list[Finding]:
+    """L3 findings from a flat table and comparison groups ({group index: ranks}). ``covered``:
+    {rank: iterations its kernel events fell in} (``KernelWindow.iterations``; 0 or absent: all):
+    a duty-cycled source's busy time is per covered iteration, not per iteration of the window
+    (the CPU-operator sampler saw 1 step in 10, and a data loader 30 ms/iteration slower priced
+    at 3 ms)."""
     dim = dim or cfg.routing.kernel_group_dim
     rg = rank_to_group(groups)
     rank_group = np.array([rg.get(r, -1) for r in t.ranks.tolist()], dtype=np.int64)
     iters = scale.iterations_array(t.ranks.tolist()) if scale is not None else None
+    if iters is not None and covered:
+        seen = np.array([covered.get(r, 0) for r in t.ranks.tolist()], dtype=np.float64)
+        iters = np.where(seen > 0, np.minimum(iters, seen), iters)
     res = score_kernels(t, rank_group, cfg, iters, host_timed)
     out = []
     for o in res.outliers:
@@ -663,4 +670,10 @@ def analyze_kernels(jw: JobWindow, cfg: L3Config = L3Config(), scale: WindowScal
     # CPU-operator "kernels" (the CPU fallback) are host-timed: ranks sharing cores are scheduled
     host_timed = bool(jw.resources) and all(r.device in ("cpu", "") for r in jw.resources.values())
     return kernel_findings(jw.job_id, jw.window, flatten_kernels(jw.kernels), groups, cfg, dim,
-                           scale if scale is not None else window_scale(jw), host_timed)
+                           scale if scale is not None else window_scale(jw), host_timed,
+                           covered_iterations(jw.kernels))
+
+
+def covered_iterations(kernels: Mapping[int, records_pb2.KernelWindow]) -> dict[int, int]:
+    """{rank: iterations its kernel events fell in}, where the processor said (``kernel_findings``)."""
+    return {r: int(kw.iterations) for r, kw in kernels.items() if kw.iterations}

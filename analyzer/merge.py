@@ -309,6 +309,11 @@ def _places_of(rv: RankVerdict) -> set[str]:
     start's place is its group and op: "late start to allgather (group 0, seq 94)" one window and
     "(group 0, seq 184)" the next are the same place (an FSDP2 rank late every step was never named)."""
     places = {_SEQ.sub(")", e.where) for e in rv.evidence}
+    # one cause seen by two levels is one place: the data loader as the L2 phase one window and as
+    # the sampled L3 CPU operator (enumerate(DataLoader)#..._next__) the next (a real 4-rank job's
+    # 30 ms loader, each level short of its threshold in turn, was "healthy")
+    if any(e.rank == rv.rank and e.role == CULPRIT and _LOADER.search(e.where) for e in rv.evidence):
+        places.add("cause: data loader")
     if rv.waited_for >= 0:
         places.add(f"waited for {rv.waited_for}")
     return places

@@ -48,7 +48,9 @@ import numpy as np
 from google.protobuf import json_format
 
 from trainscope.analyzer.impact import WindowScale, window_scale
-from trainscope.analyzer.l3_kernels import LATE_ARRIVAL, L3Config, flatten_kernels, kernel_findings
+from trainscope.analyzer.l3_kernels import (
+    LATE_ARRIVAL, L3Config, covered_iterations, flatten_kernels, kernel_findings,
+)
 from trainscope.analyzer.levels import WindowContext
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
 from trainscope.analyzer.significance import small_group_threshold, z_threshold
@@ -139,7 +141,7 @@ def analyse_groups(job_id: str, window: records_pb2.Window, kernels: Mapping[int
     groups = group_of(resources, dim)
     host_timed = bool(resources) and all(r.device in ("cpu", "") for r in resources.values())
     t = flatten_kernels(kernels)
-    found = kernel_findings(job_id, window, t, groups, cfg, dim, scale, host_timed)
+    found = kernel_findings(job_id, window, t, groups, cfg, dim, scale, host_timed, covered_iterations(kernels))
     rg = rank_to_group(groups)
     rank_group = np.array([rg.get(r, -1) for r in t.ranks.tolist()], dtype=np.int64)
     m_of = group_comparisons(t, rank_group, cfg)

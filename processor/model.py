@@ -30,6 +30,8 @@ class ClosedWindow:
     phases: tuple[telemetry_pb2.PhaseTiming, ...] = ()
     iterations: tuple[telemetry_pb2.IterationMark, ...] = ()
     stacks: tuple[telemetry_pb2.StackSnapshot, ...] = ()
+    kernel_iterations: int = 0
+    """Iterations the kernel events fell in (iterations windows; 0: not known)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -103,7 +103,8 @@ class Summarizer:
         kinds = k.kind[first]
         # rows are grouped by key: offsets of each key's first cluster row
         offsets = np.searchsorted(table.key, np.arange(len(uniq) + 1))
-        out = records_pb2.KernelWindow(resource=res, window=cw.window, events=n)
+        out = records_pb2.KernelWindow(resource=res, window=cw.window, events=n,
+                                       iterations=cw.kernel_iterations)
         cnt, p50, p99, lo, hi = (table.count.tolist(), table.p50.tolist(), table.p99.tolist(),
                                  table.min.tolist(), table.max.tolist())
         shape = cluster_shape.pack(table.min, table.max, table.quantiles).tolist()

@@ -146,6 +146,7 @@ class _Open:
     phases: list = dataclasses.field(default_factory=list)
     iterations: list = dataclasses.field(default_factory=list)
     stacks: list = dataclasses.field(default_factory=list)
+    kernel_iters: set = dataclasses.field(default_factory=set)   # iterations its kernel events fell in
     lo: int = 2**63  # earliest start seen (rank clock)
     hi: int = 0      # latest end seen
 
@@ -300,8 +301,10 @@ class Windower:
         w.lo = min(w.lo, lo)
         w.hi = max(w.hi, hi)
 
-    def _route(self, st: _RankState, widx: np.ndarray, start, dur, gid, stream, kind) -> None:
-        """Append records to their windows; one slice per distinct window index."""
+    def _route(self, st: _RankState, widx: np.ndarray, start, dur, gid, stream, kind,
+               iters: np.ndarray | None = None) -> None:
+        """Append records to their windows; one slice per distinct window index. ``iters``
+        (iterations mode): each record's iteration, kept per window as the iterations it covers."""
         if widx.shape[0] == 0:
             return
         first, last = int(widx[0]), int(widx[-1])
@@ -321,6 +324,8 @@ class Windower:
                 continue
             s = start[sel]
             w.kernels.append(s, dur[sel], gid[sel], stream[sel], kind[sel])
+            if iters is not None:
+                w.kernel_iters.update(np.unique(iters[sel]).tolist())
             w.lo = min(w.lo, int(s.min()))
             w.hi = max(w.hi, int((s + dur[sel]).max()))
 
@@ -348,7 +353,7 @@ class Windower:
         iters = np.asarray(st.mark_iters, dtype=np.int64)[pos[ready]]
         widx = iters // self.config.iterations
         r = cols.take(ready)
-        self._route(st, widx, r.start_ns, r.duration_ns, r.name_id, r.stream, r.kind)
+        self._route(st, widx, r.start_ns, r.duration_ns, r.name_id, r.stream, r.kind, iters)
         st.pending = _KernelChunks()
         if not ready.all():
             rest = cols.take(~ready)
@@ -516,6 +521,7 @@ class Windower:
             resource=st.resource, window=window,
             kernels=w.kernels.columns(tuple(st.names), st.device),
             phases=tuple(w.phases), iterations=tuple(w.iterations), stacks=tuple(w.stacks),
+            kernel_iterations=len(w.kernel_iters),
         )
         self.metrics.inc("windows_closed", 1, trigger=trigger)
         self._emit(cw)

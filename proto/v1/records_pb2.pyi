@@ -90,16 +90,18 @@ class KernelNames(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., names: _Optional[_Iterable[_Union[KernelName, _Mapping]]] = ..., scheme: _Optional[int] = ..., processor: _Optional[str] = ...) -> None: ...
 
 class KernelWindow(_message.Message):
-    __slots__ = ("resource", "window", "kernels", "events")
+    __slots__ = ("resource", "window", "kernels", "events", "iterations")
     RESOURCE_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     KERNELS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     resource: _common_pb2.Resource
     window: Window
     kernels: _containers.RepeatedCompositeFieldContainer[KernelStats]
     events: int
-    def __init__(self, resource: _Optional[_Union[_common_pb2.Resource, _Mapping]] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., kernels: _Optional[_Iterable[_Union[KernelStats, _Mapping]]] = ..., events: _Optional[int] = ...) -> None: ...
+    iterations: int
+    def __init__(self, resource: _Optional[_Union[_common_pb2.Resource, _Mapping]] = ..., window: _Optional[_Union[Window, _Mapping]] = ..., kernels: _Optional[_Iterable[_Union[KernelStats, _Mapping]]] = ..., events: _Optional[int] = ..., iterations: _Optional[int] = ...) -> None: ...
 
 class PhaseStats(_message.Message):
     __slots__ = ("phase", "count", "mean_ns", "p50_ns", "p99_ns", "max_ns", "total_ns", "clock")

@@ -120,6 +120,23 @@ def test_shifted_distribution_names_the_rank_and_kernel():
     assert f.to_pb().suspects[0].rank == 13
 
 
+def test_a_sampled_kernel_source_is_priced_per_iteration_it_covered():
+    """The same shift seen by a source that recorded 2 of the window's 10 iterations (the
+    CPU-operator sampler; ``KernelWindow.iterations`` = 2 on every rank): its busy time is over 2
+    iterations, so the rank's impact is 5x what dividing by 10 gives, the cost it really has."""
+    def slow(r, k, cl):
+        return [(c, p50 * 1.3, p99 * 1.3) for c, p50, p99 in cl] if (r, k) == (13, 0) else cl
+    full = analyze_kernels(job(32, edit=slow))
+    sampled = job(32, edit=slow)
+    for kw in sampled.kernels.values():
+        kw.iterations = 2
+    part = analyze_kernels(sampled)
+    assert _flagged(part) == _flagged(full) == [(GEMM, 0, [13])]
+    [a] = [f.suspects[0].impact_ns for f in full if f.kind == "degraded_kernel"]
+    [b] = [f.suspects[0].impact_ns for f in part if f.kind == "degraded_kernel"]
+    assert b == pytest.approx(5 * a, rel=1e-6)
+
+
 def test_tail_only_inflation_is_found_ecc_like():
     # same median, 2 % of the calls ten times slower: intermittent retries (ARGUS Table 6, ECC)
     def tail(r, k, cl):

@@ -151,6 +151,32 @@ def test_a_rank_already_slow_inside_the_pace_baseline_keeps_its_own_price():
     assert [(s.rank, round(s.impact_s, 6)) for s in w.ranks] == [(5, 0.007)]
 
 
+def test_the_data_loader_seen_by_two_levels_in_turn_is_one_place():
+    """A 4-rank CPU job's slow data loader was flagged as the L2 phase ``dataloader`` in one window
+    and as the sampled CPU operator ``enumerate(DataLoader)#..__next__`` in the next: one cause,
+    so 2 of 3 windows name it. Two unrelated places in turn (a forward, then an optimizer) do not."""
+    res = resources(world=4, tp=1)
+
+    def phase(index, where, rank=2):
+        return Finding(level="L2", kind="straggler", job_id="j", window=win(index), scope=Scope(phase=where),
+                       suspects=(SuspectRank(rank, 1.0, {"direction": "slower"}, impact_ns=30 * MS),))
+
+    def op(index, where, rank=2):
+        return Finding(level="L3", kind="degraded_kernel", job_id="j", window=win(index),
+                       scope=Scope(kernel=where),
+                       suspects=(SuspectRank(rank, 1.0, {"direction": "slower"}, impact_ns=30 * MS),))
+    p = Persistence(2, 3)
+    first = merge("j", win(0), [phase(0, "dataloader")], res, step_ns=60 * MS, persistence=p)
+    assert first.state == "suspected"
+    second = merge("j", win(1), [op(1, "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__")], res,
+                   step_ns=60 * MS, persistence=p)
+    assert [s.rank for s in second.ranks] == [2] and second.ranks[0].why.startswith("host: data loader")
+    q = Persistence(2, 3)
+    merge("j", win(0), [phase(0, "forward")], res, step_ns=60 * MS, persistence=q)
+    other = merge("j", win(1), [phase(1, "optimizer")], res, step_ns=60 * MS, persistence=q)
+    assert not other.ranks and other.state == "suspected"
+
+
 def test_lateness_is_followed_across_groups_to_the_rank_that_made_others_wait():
     """Issue #22 item 2: rank 5's slow GPU makes its TP partner 4 late; 4 is late to its DP all-reduce
     with 0, 2, 6, which wait for 4. Those three are waiters (of 4, itself a waiter of 5), not slow

@@ -113,6 +113,27 @@ def test_iteration_windows_assign_kernels_by_marks():
     assert len(c0.iterations) == 2
 
 
+def test_an_iteration_window_says_how_many_of_its_iterations_its_kernels_fell_in():
+    """A duty-cycled kernel source (the CPU-operator sampler records whole steps now and then)
+    covers some of a window's iterations: the window says which count (``kernel_iterations``,
+    ``KernelWindow.iterations``), so a per-iteration cost is over those. Time windows: 0."""
+    w, closed, _, _ = make(mode="iterations", iterations=10, lateness_s=0)
+    p = 100 * S // 1000
+    w.add_kernels(RES, kernels([3 * p + 5, 3 * p + 50, 7 * p + 5]))     # sampled steps 3 and 7
+    w.add_kernels(RES, kernels([12 * p + 5]))                           # window 1: step 12
+    w.add_iterations(RES, marks(range(20)))
+    w.flush()
+    got = {c.window.index: (len(c.kernels), c.kernel_iterations) for c in closed}
+    assert got == {0: (3, 2), 1: (1, 1)}
+    from trainscope.processor.summarize import Summarizer
+    kw = Summarizer().kernels([c for c in closed if c.window.index == 0][0], RES.to_pb())
+    assert kw.iterations == 2 and kw.events == 3
+    t, tclosed, _, _ = make(length_s=10, lateness_s=0)
+    t.add_kernels(RES, kernels([1 * S]))
+    t.flush()
+    assert tclosed[0].kernel_iterations == 0
+
+
 def test_iteration_window_waits_for_the_next_window_to_start():
     w, closed, _, _ = make(mode="iterations", iterations=2, lateness_s=0)
     p = 100 * S // 1000
