@@ -13,7 +13,10 @@ ARGUS Table 3):
    robust z of the rank's phase time per iteration against its group, with
    the personality floor, must reach z* = Φ⁻¹(1 − α/M) over the M (rank,
    phase) comparisons of the window, and the rank must be at least
-   ``min_excess`` slower than the median. The impact of a suspect is its
+   ``min_excess`` slower than the median (3b, ``_specific_phases``: a host
+   phase of a small group far more out of line than the rank's other host
+   phases is judged against its spread pooled over the job's recent
+   windows). The impact of a suspect is its
    extra phase time per iteration (for a late arriver: the time its peers
    waited). Why not z alone: With n ranks
    max |z| ≤ (n−1)/√n (1.15 for 3 ranks, 1.5 for 4), and k equal outliers
@@ -45,6 +48,7 @@ ARGUS Table 3):
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 
@@ -52,7 +56,7 @@ import numpy as np
 
 from trainscope.analyzer.impact import WindowScale, window_scale
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
-from trainscope.analyzer.significance import robust_z, small_group_threshold, z_threshold
+from trainscope.analyzer.significance import SMALL_GROUP, robust_z, small_group_threshold, z_threshold
 from trainscope.analyzer.topology import (
     RoutingConfig, check_number, group_of, rank_to_group, resources_with,
 )
@@ -82,9 +86,18 @@ class L2Config:
     min_group_size: int = 3
     """Fewest ranks with the phase for a group to be compared."""
     imbalance: str = r"moe|expert"
+    """Regular expression of compute phases whose outliers are load ``imbalance`` (ARGUS Table 6)."""
     pure_compute: str = r"attention|mla|mlp|moe|expert|ffn|gemm|matmul"
     """Regular expression of compute-only phases (no collective inside) for the late-arriver cross-check."""
-    """Regular expression of compute phases whose outliers are load ``imbalance`` (ARGUS Table 6)."""
+    holds_collectives: str = r"forward|backward|fwd|bwd"
+    """Regular expression of host phases that can hold a wait inside (a TP all-reduce in the forward,
+    DDP's bucket all-reduces and FSDP2's gathers in the backward): never judged by step 3b."""
+    specific_factor: float = 5.0
+    """Step 3b's effect size: a host phase this many times its peers' median and this many times
+    further out of line than the rank's other host phases (a real 4-rank job's healthy data
+    loaders spread 0.3-3.6 ms, up to ~4x their median, in one window)."""
+    spread_windows: int = 8
+    """Step 3b: windows over which a host phase's peer spread is pooled."""
     max_victims: int = 64
     """Longest victim list in a late-arriver finding's evidence (the count is always given)."""
     routing: RoutingConfig = RoutingConfig()
@@ -102,7 +115,9 @@ class L2Config:
                      "must be an integer >= 3", int)
         check_number("l2.max_victims", self.max_victims, lambda v: v >= 0,
                      "must be an integer >= 0", int)
-        for name in ("imbalance", "pure_compute"):
+        check_number("l2.specific_factor", self.specific_factor, lambda v: v > 1, "must be > 1")
+        check_number("l2.spread_windows", self.spread_windows, lambda v: v >= 1, "must be an integer >= 1", int)
+        for name in ("imbalance", "pure_compute", "holds_collectives"):
             try:
                 re.compile(getattr(self, name))
             except (re.error, TypeError) as e:
@@ -213,8 +228,27 @@ def _phase(name, dim, comm, col, label_of_row, cfg, per_iter_col=None) -> _Phase
     return _Phase(name, dim, comm, rows, label, x, st, z, rz, ratio, cv, eligible, pi, sz, pmed)
 
 
-def analyze_phases(jw: JobWindow, cfg: L2Config = L2Config(), scale: WindowScale | None = None) -> list[Finding]:
-    """L2 findings for one window of one job (module steps 1-5)."""
+class PhaseSpread:
+    """Step 3b's memory: per host-timed phase, the peers' relative spread (1.4826·MAD / median) of
+    each small group in the job's last ``windows`` windows, with its degrees of freedom (n − 1)."""
+
+    def __init__(self, windows: int) -> None:
+        self._seen: dict[str, collections.deque] = {}
+        self.windows = windows
+
+    def pooled(self, name: str, rel: np.ndarray, df: np.ndarray) -> tuple[float, float]:
+        """Record this window's (rel, df) of ``name``'s groups; return the pooled relative spread
+        sqrt(Σ df·rel² / Σ df) and Σ df over the remembered windows, this one included."""
+        q = self._seen.setdefault(name, collections.deque(maxlen=self.windows))
+        q.append((float(np.sum(df * rel ** 2)), float(np.sum(df))))
+        ss, n = sum(a for a, _ in q), sum(b for _, b in q)
+        return (float(np.sqrt(ss / n)) if n > 0 else 0.0), n
+
+
+def analyze_phases(jw: JobWindow, cfg: L2Config = L2Config(), scale: WindowScale | None = None,
+                   spread: PhaseSpread | None = None) -> list[Finding]:
+    """L2 findings for one window of one job (module steps 1-5). ``spread``: the job's step-3b
+    memory (none: a host phase's peers are judged in this window alone)."""
     ranks, names, m, tot = phase_matrix(jw, totals=True)
     if not names:
         return []
@@ -245,9 +279,12 @@ def analyze_phases(jw: JobWindow, cfg: L2Config = L2Config(), scale: WindowScale
     # ratio of every rank to its own group median, per compute phase (for the cross-check)
     compute_ratio = {ph.name: dict(zip(ph.rows.tolist(), ph.ratio.tolist()))
                      for ph in phases if not ph.comm}
+    specific = _specific_phases(phases, compute_ratio, cfg, m_cmp, spread) if spread is not None else {}
     out: list[Finding] = []
     for ph in phases:
         high = ph.eligible & (ph.ratio >= 1 + cfg.min_excess) & (ph.sz >= ph.z_star)
+        if ph.name in specific:
+            high |= specific[ph.name]
         if not ph.comm:
             kind = "imbalance" if imbalance.search(ph.name) else "straggler"
             if kind == "imbalance":
@@ -260,6 +297,50 @@ def analyze_phases(jw: JobWindow, cfg: L2Config = L2Config(), scale: WindowScale
             out += _late_findings(jw, ph, late, cfg, ranks, compute_ratio, pure, z_star)
         else:
             out += _findings(jw, ph, high, "slow_communication", cfg, ranks, z_star)
+    return out
+
+
+def _specific_phases(phases: list[_Phase], compute_ratio: dict, cfg: L2Config, m_cmp: int,
+                     spread: PhaseSpread) -> dict[str, np.ndarray]:
+    """Step 3b: a host phase's own fault, judged with its peers' spread pooled over windows.
+
+    A host-timed phase of a group under ``SMALL_GROUP`` ranks takes the Student-t threshold of
+    n − 1 degrees of freedom (its spread comes from a handful of peers): 22-28 for 4 ranks, which
+    a real 4-rank job's data loader 20x its peers (half the step) missed in one window of two
+    (z 13-21). Pooling the phase's relative spread over the job's last ``spread_windows`` windows
+    gives the threshold Σ(n − 1) degrees of freedom (≈ 5 after 8 windows of 4 ranks). Pooling
+    would also lower the bar for a rank whose whole host is slower (a busy core: the healthy
+    control of issue #22 must name nobody), so it applies only where the slowness is the phase's
+    own: ratio ≥ ``specific_factor`` × the rank's host factor (the median of its ratios in its
+    other host compute phases; 1 without any), and never to a phase that can hold a wait inside
+    (``holds_collectives``). Returns {phase: rows flagged}."""
+    from scipy.stats import t as student_t
+
+    holds = re.compile(cfg.holds_collectives, re.IGNORECASE)
+    host = [ph for ph in phases if ph.host_timed and not ph.comm]
+    out = {}
+    for ph in host:
+        small = ph.st["n"] < SMALL_GROUP
+        if holds.search(ph.name) or not (small & ph.eligible).any():
+            continue
+        # 1. this window's relative spread of each small group, pooled with the phase's history
+        first = np.unique(ph.label[small & ph.eligible], return_index=True)[1]
+        rows = np.flatnonzero(small & ph.eligible)[first]
+        med = ph.st["median"][rows]
+        rel = np.maximum(MAD_SIGMA * ph.st["mad"][rows] / np.maximum(med, 1e-9), cfg.rel_floor)
+        rel_pool, df = spread.pooled(ph.name, rel, ph.st["n"][rows] - 1.0)
+        if df <= 0 or rel_pool <= 0:
+            continue
+        # 2. z against the pooled spread, Student t of the pooled degrees of freedom
+        t_star = float(student_t.isf(cfg.false_alarm / max(m_cmp, 1), df))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            zp = np.where(ph.st["median"] > 0, (ph.x - ph.st["median"]) / (rel_pool * ph.st["median"]), 0.0)
+        # 3. the rank's host factor: its other host compute phases against their groups
+        others = [compute_ratio[q.name] for q in host if q.name != ph.name]
+        factor = np.array([max(1.0, float(np.median([o[r] for o in others if r in o])))
+                           if any(r in o for o in others) else 1.0 for r in ph.rows.tolist()])
+        out[ph.name] = (small & ph.eligible & (ph.ratio >= 1 + cfg.min_excess) & (zp >= t_star)
+                        & (ph.ratio >= cfg.specific_factor * factor))
     return out
 
 

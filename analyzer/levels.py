@@ -63,7 +63,13 @@ class L2Phases:
         if jw.phases:
             ctx.comparisons[self.level] = _groups_compared(
                 resources_with(jw.resources, jw.phases), self.cfg.routing.kernel_group_dim, self.cfg.min_group_size)
-        return l2_phases.analyze_phases(jw, self.cfg, ctx.scale)
+        state = ctx.job_state
+        spread = getattr(state, "l2_spread", None)
+        if spread is None:
+            spread = l2_phases.PhaseSpread(self.cfg.spread_windows)
+            if state is not None:
+                state.l2_spread = spread      # the job's host phases' spread, pooled (step 3b)
+        return l2_phases.analyze_phases(jw, self.cfg, ctx.scale, spread)
 
 
 class L3Kernels:

@@ -182,6 +182,7 @@ class _Job:
         self.first_iteration: dict[int, int] = {}  # rank -> first iteration it reported
         self.collectives = None                   # collectives.CollectiveState: records joined by (group, seq)
         self.pace_baseline = None                 # job_pace.Baseline, kept by the JobPace level
+        self.l2_spread = None                     # l2_phases.PhaseSpread, kept by the L2 level
 
 
 class Analyzer:

@@ -8,7 +8,7 @@ from trainscope.analyzer.l2_phases import L2Config, analyze_phases, group_stats,
 from trainscope.analyzer.model import JobWindow
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import Resource, coords_for_rank
-from trainscope.proto.v1 import records_pb2
+from trainscope.proto.v1 import records_pb2, telemetry_pb2
 
 MS = 1e6
 PHASES = {"forward": 40 * MS, "backward": 80 * MS, "self_attention": 12 * MS, "mlp": 9 * MS,
@@ -146,3 +146,54 @@ def test_repeated_phase_names_merge_and_config_is_validated():
         with pytest.raises(ConfigError) as e:
             L2Config(**{field: bad})
         assert e.value.setting == f"l2.{field}"
+
+
+# ------------------------------------------------------------ step 3b: a host phase's own fault
+CPU_PHASES = {"dataloader": 1.5 * MS, "forward": 4 * MS, "backward": 5 * MS, "optimizer": 4 * MS}
+
+
+def cpu_job(scale, noise=0.5, seed=3):
+    """A 4-rank CPU job: every phase on the host's clock, each rank's window mean as spread as a
+    real gloo job's (its data loader 0.3-3.6 ms, optimizer 1.9-11 ms: ~50 % log-normal)."""
+    jw = job(4, phases=CPU_PHASES, scale=scale, noise=noise, seed=seed)
+    for pw in jw.phases.values():
+        for p in pw.phases:
+            p.clock = telemetry_pb2.PHASE_CLOCK_CPU
+    return jw
+
+
+def run_windows(scale, seeds, spread=True):
+    from trainscope.analyzer.l2_phases import PhaseSpread
+    memory = PhaseSpread(8) if spread else None
+    return [analyze_phases(cpu_job(scale, seed=s), L2Config(), None, memory) for s in seeds]
+
+
+def test_a_host_phase_far_out_of_line_is_judged_against_its_spread_over_windows():
+    """Step 3b. After 4 healthy windows, a data loader 30x its peers on rank 2 (its other phases as
+    theirs) is named in every window; judged in each window alone (the Student t of 3 degrees of
+    freedom) it is missed in some. (A real 4-rank job's slow loader was 13-71x.) A rank whose whole host is 2.5x slower, a healthy job, and a
+    forward (it can hold a wait) are never named by step 3b."""
+    def loader(r, c, p):
+        return 30.0 if (r, p) == (2, "dataloader") else 1.0
+    seeds = range(40)
+    healthy = run_windows(lambda r, c, p: 1.0, seeds)
+    assert not any(healthy), [summary(f) for f in healthy if f]
+    from trainscope.analyzer.l2_phases import PhaseSpread
+    memory, named, alone = PhaseSpread(8), 0, 0
+    for s in seeds:
+        scale = (lambda r, c, p: 1.0) if s < 4 else loader
+        got = analyze_phases(cpu_job(scale, seed=s), L2Config(), None, memory)
+        single = analyze_phases(cpu_job(scale, seed=s))
+        if s >= 4:
+            assert [(f.scope.phase, [x.rank for x in f.suspects]) for f in got] == [("dataloader", [2])], s
+            named += 1
+            alone += bool(single)
+    assert named == 36 and alone < named
+    busy = run_windows(lambda r, c, p: 2.5 if r == 2 else 1.0, seeds)
+    alone = run_windows(lambda r, c, p: 2.5 if r == 2 else 1.0, seeds, spread=False)
+    assert [summary(f) for f in busy] == [summary(f) for f in alone]
+    fwd = run_windows(lambda r, c, p: 3.0 if (r, p) == (2, "forward") else 1.0, seeds)
+    same = run_windows(lambda r, c, p: 3.0 if (r, p) == (2, "forward") else 1.0, seeds, spread=False)
+    assert [summary(f) for f in fwd] == [summary(f) for f in same]
+    with pytest.raises(ConfigError, match="specific_factor"):
+        L2Config(specific_factor=1.0)
