@@ -47,7 +47,9 @@ fi
 # The summary CI prints last: the suite's wall time, after pytest's ten slowest tests (issue #23).
 start=$(date +%s)
 set +e
-"$PY" -m pytest -q -p no:cacheprovider --durations=10 "$@"
+# Two workers (pytest-xdist): the real-job files run one at a time on one of them (tests/conftest.py),
+# everything else is shared; TRAINSCOPE_TEST_WORKERS=0 runs in one process.
+"$PY" -m pytest -q -p no:cacheprovider --durations=10 -n "${TRAINSCOPE_TEST_WORKERS:-2}" --dist loadgroup "$@"
 rc=$?
 set -e
 echo "trainscope suite: exit ${rc}, wall time $(( $(date +%s) - start )) s (the ten slowest tests are listed above)"
