@@ -386,26 +386,30 @@ class ControlHub:
         while True:
             dive_id, rank, trace = self._summaries.get()
             try:
-                if os.path.getsize(trace) > self.config.max_bytes:
-                    self.stats["summaries_refused"] += 1
-                    continue
-                out = os.path.join(os.path.dirname(trace), f"rank-{rank}.summary.json")
-                write_private(out, json.dumps(summarize_trace(trace)))
-            except Exception as e:  # a trace we cannot parse: said in its report, never fatal
-                self.stats["summary_errors"] += 1
-                log.warning("deep dive %s rank %d: no summary of %s: %s", dive_id, rank, trace, e)
-                continue
-            finally:
+                self._summarize_one(dive_id, rank, trace)
+            finally:   # after the manifest names the summary: wait_summaries means "written and said"
                 self._summaries.task_done()
-            with self._lock:
-                d = self._dives.get(dive_id)
-                for r in (d.record.reports if d is not None else ()):
-                    if r.resource.rank == rank and r.trace_path == trace:
-                        r.summary_path = out
-            self.stats["summaries"] += 1
-            if self.uploader is not None and d is not None:
-                self.uploader.upload(d.record.job_id, dive_id, rank, out, "summary", d.directory)
-            self._write_manifest(dive_id)
+
+    def _summarize_one(self, dive_id: str, rank: int, trace: str) -> None:
+        try:
+            if os.path.getsize(trace) > self.config.max_bytes:
+                self.stats["summaries_refused"] += 1
+                return
+            out = os.path.join(os.path.dirname(trace), f"rank-{rank}.summary.json")
+            write_private(out, json.dumps(summarize_trace(trace)))
+        except Exception as e:  # a trace we cannot parse: said in its report, never fatal
+            self.stats["summary_errors"] += 1
+            log.warning("deep dive %s rank %d: no summary of %s: %s", dive_id, rank, trace, e)
+            return
+        with self._lock:
+            d = self._dives.get(dive_id)
+            for r in (d.record.reports if d is not None else ()):
+                if r.resource.rank == rank and r.trace_path == trace:
+                    r.summary_path = out
+        self.stats["summaries"] += 1
+        if self.uploader is not None and d is not None:
+            self.uploader.upload(d.record.job_id, dive_id, rank, out, "summary", d.directory)
+        self._write_manifest(dive_id)
 
     def wait_summaries(self, timeout_s: float = 10.0) -> bool:
         """Tests and shutdown: wait until the queued summaries are written (bounded)."""
