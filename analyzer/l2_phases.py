@@ -56,15 +56,15 @@ import numpy as np
 
 from trainscope.analyzer.impact import WindowScale, window_scale
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
-from trainscope.analyzer.significance import SMALL_GROUP, robust_z, small_group_threshold, z_threshold
+from trainscope.analyzer.significance import (
+    MAD_SIGMA, SMALL_GROUP, robust_z, small_group_threshold, z_threshold,
+)
 from trainscope.analyzer.topology import (
     RoutingConfig, check_number, group_of, rank_to_group, resources_with,
 )
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import telemetry_pb2
 
-#: 1.4826 · MAD estimates σ for normal data.
-MAD_SIGMA = 1.4826
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -387,7 +387,8 @@ def _loss_share(suspects: list[RankVerdict], active: Sequence[Finding],
     loss = max(f.job_impact_ns for f in pace)
     last = min(int(f.evidence.get("baseline_last_window", -1)) for f in pace)
     priced = [rv for rv in suspects if rv.role in (CULPRIT, LINK) and _hang_wait_ns(rv) <= 0]
-    if any((first or {}).get(rv.rank) is not None and first[rv.rank] <= last for rv in priced):
+    since = [(first or {}).get(rv.rank) for rv in priced]
+    if any(i is not None and i <= last for i in since):
         return 1.0
     total = sum(rv.score_ns for rv in priced)
     return loss / total if total > loss else 1.0
