@@ -197,3 +197,7 @@ def test_a_host_phase_far_out_of_line_is_judged_against_its_spread_over_windows(
     assert [summary(f) for f in fwd] == [summary(f) for f in same]
     with pytest.raises(ConfigError, match="specific_factor"):
         L2Config(specific_factor=1.0)
+    with pytest.raises(ConfigError, match="spread_windows"):
+        L2Config(spread_windows=0)
+    with pytest.raises(ConfigError, match="holds_collectives"):
+        L2Config(holds_collectives="(forward")
