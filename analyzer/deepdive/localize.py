@@ -41,11 +41,14 @@ Steps:
    Without it, at 1,000+ ranks the ranks in the joint tails of healthy noise
    differ from enough sampled peers (Δ ≈ 0.1 against M = 0, MAD = 0) to be
    called outliers while costing well under 1 % of the window.
-   Steadiness (``steady``, an addition): the function's β in its median
-   iteration (``patterns`` step 4) must also be that far from the role's
-   median: a 4-rank gloo job on a shared 2-core host had a healthy rank
-   named for ``aten::select`` or ``stack`` costing 4 ms per iteration, all of
-   it one preempted iteration; a hot loop costs in every iteration.
+   Steadiness (``steady``, an addition): the function's β in its
+   lower-quartile iteration (``patterns`` step 4: out of line in about three
+   iterations of four) must also be that far from the role's median: a
+   4-rank gloo job on a shared 2-core host had a healthy rank named for
+   ``aten::select`` or ``stack`` costing 4 ms per iteration, all of it one
+   preempted iteration, and a 6-rank one beside a busy process named healthy
+   ranks for ``aten::cat``/``aten::copy_`` preempted in two iterations of
+   four; a hot loop costs in every iteration.
 6. Impact, s per iteration: (β_w − median β) × the rank's mean iteration
    time (the extra critical-path time the function costs the rank per step),
    when the traces have iteration marks.
@@ -117,8 +120,8 @@ class LocalizeConfig:
     """Smallest rank-to-rank spread, as a share of the median (GPU-to-GPU personality, docs/noise.md)."""
     seed: int = 0
     steady: bool = True
-    """An outlier's β must be out of line in its median iteration too (``patterns`` step 4): a one-off
-    stall of one iteration (a rank preempted on a shared host) is not a function's behaviour."""
+    """An outlier's β must be out of line in its lower-quartile iteration too (``patterns`` step 4): stalls
+    of a few iterations (a rank preempted on a shared host) are not a function's behaviour."""
 
     def __post_init__(self) -> None:
         if self.n_sample < 1:
@@ -189,7 +192,7 @@ def _matrices(pats: Sequence[Patterns]) -> tuple[list[str], list[str], list[dict
     for i, p in enumerate(pats):
         cols = np.fromiter((index[f] for f in p.functions), dtype=np.int64, count=len(p.functions))
         B[i, cols], MU[i, cols], SG[i, cols], N[i, cols] = p.beta, p.mu, p.sigma, p.count
-        BM[i, cols] = p.beta if p.beta_median is None else p.beta_median
+        BM[i, cols] = p.beta if p.beta_steady is None else p.beta_steady
     return list(index), kinds, launched, B, MU, SG, N, BM
 
 
@@ -278,10 +281,10 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
         material = (np.abs(B - mB) >= band_b) | (np.abs(mu_r - ref_mu / scale) >= band_m)
         bad = (B > cfg.min_beta) & ((D > 0) | ((Dl > thr) & material))
         if cfg.steady:
-            # ... in its median iteration too: a one-off stall of one iteration moves β, not its median
+            # ... in about three iterations of four too: stalls of one or two iterations move β, not that
             mBM = np.median(BM, axis=0)
             steady = np.abs(BM - mBM) >= np.maximum(cfg.floor, cfg.k * cfg.rel_floor * mBM)
-            # against a given range: β out of it in the median iteration too, or D from μ/σ alone
+            # against a given range: β out of it in that iteration too, or D from μ/σ alone
             in_b = (B <= hiB) & (B >= loB)
             steady[:, given] = ((BM > hiB) | (BM < loB) | ((D > 0) & in_b))[:, given]
             bad &= steady

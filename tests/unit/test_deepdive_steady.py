@@ -43,3 +43,17 @@ def test_one_preempted_iteration_is_not_named_but_a_steady_cost_is(tmp_path):
     assert named(localize_traces(stall)) == set()
     steady = job(tmp_path, {0: [300.0] * 6})                                 # 6x in every iteration
     assert named(localize_traces(steady)) == {("aten::select", 0)}
+
+
+def test_stalls_in_two_iterations_of_four_are_not_named_but_a_noisy_steady_cost_is(tmp_path):
+    """A loaded host preempts a rank at the same point of its step now and then: a 6-rank dive beside a busy
+    process had a rank's ``aten::addmm`` at [5.1, 0.6, 0.5, 6.5] ms per iteration (peers 0.5 ms), which the
+    median iteration let through. The lower quartile does not; a cost in every iteration, however noisy,
+    still moves it."""
+    def four(slow):
+        return job(tmp_path, {r: v for r, v in slow.items()} | {r: [50.0] * 4 for r in range(4) if r not in slow})
+    two = four({1: [1600.0, 50.0, 50.0, 1600.0]})                              # half the iterations, 32x
+    assert named(localize_traces(two, cfg=LocalizeConfig(steady=False))) == {("aten::select", 1)}
+    assert named(localize_traces(two)) == set()
+    noisy = four({1: [300.0, 1600.0, 250.0, 400.0]})                           # every iteration 5-32x
+    assert named(localize_traces(noisy)) == {("aten::select", 1)}
