@@ -161,7 +161,7 @@ def localize_columns(traces: Mapping[int, TraceColumns], *, job_id: str = "",
         warnings.append("the traces cover different numbers of iterations: "
                         + ", ".join(f"rank {r}: {len(s)}" for r, s in sorted(steps.items())[:8]))
     outliers = localize(pats, roles=roles, expected=expected, cfg=cfg)
-    outliers += _thread_outliers(threads, outliers, roles=roles, cfg=cfg)
+    outliers += _thread_outliers(threads, pats, roles=roles, expected=expected, cfg=cfg)
     ids = [i for s in steps.values() for i in s if i >= 0]
     return DeepDiveResult(job_id=job_id, ranks=tuple(summaries), outliers=tuple(outliers),
                           params=dataclasses.asdict(cfg), analysis_s=time.perf_counter() - t,
@@ -169,8 +169,9 @@ def localize_columns(traces: Mapping[int, TraceColumns], *, job_id: str = "",
                           last_iteration=max(ids, default=-1))
 
 
-def _thread_outliers(threads: Mapping[int, Patterns], path_outliers: list[Outlier], *,
-                     roles: Mapping[int, str] | None, cfg: LocalizeConfig) -> list[Outlier]:
+def _thread_outliers(threads: Mapping[int, Patterns], pats: Mapping[int, Patterns], *,
+                     roles: Mapping[int, str] | None, expected: Mapping[str, ExpectedRange] | None,
+                     cfg: LocalizeConfig) -> list[Outlier]:
     """Other threads' functions (``patterns.thread_patterns``) localised like the path's, apart from it.
 
     1. ``localize`` on the threads' patterns (the job's own expected range: EROICA gives none for them).
@@ -180,22 +181,29 @@ def _thread_outliers(threads: Mapping[int, Patterns], path_outliers: list[Outlie
        A rank is kept only when its training thread is slower too (a non-common, non-collective path
        outlier, slower): a thread of its own that costs the training step nothing is not a cause
        (a rank may run an idle helper thread its peers do not).
+       The symptoms are the path's outliers *without* the steadiness rule (``localize`` step 5): a
+       thread holding the GIL slows whichever function the training thread runs at each hand-off, a
+       different one in each iteration, so no single function is slower in three iterations of four
+       (a 6-rank dive beside a busy process lost a spinning thread's rank that way); the thread
+       itself runs in every iteration, and steadiness applies to it.
     3. The evidence names the training thread's functions it slows (the contention's symptoms); the
        cost is theirs, already counted on the path, so the thread's impact is left unknown (None).
     """
+    if not any(len(p.functions) for p in threads.values()):
+        return []
+    candidates = [o for o in localize(threads, roles=roles, cfg=cfg)
+                  if o.expected[0] < cfg.floor]   # else the role's median rank runs it too: parked-frame noise
+    if not candidates:
+        return []
     symptoms: dict[int, list[str]] = {}
-    for o in path_outliers:
+    for o in localize(pats, roles=roles, expected=expected, cfg=dataclasses.replace(cfg, steady=False)):
         if o.common or o.kind == "communication":
             continue
         for r, slower in zip(o.ranks, o.slower):
             if slower:
                 symptoms.setdefault(r, []).append(o.function)
-    if not symptoms or not any(len(p.functions) for p in threads.values()):
-        return []
     out = []
-    for o in localize(threads, roles=roles, cfg=cfg):
-        if o.expected[0] >= cfg.floor:
-            continue     # the role's median rank runs it too: not told apart from parked-frame noise
+    for o in candidates:
         keep = [i for i, (r, slower) in enumerate(zip(o.ranks, o.slower)) if slower and r in symptoms]
         if not keep:
             continue

@@ -31,7 +31,7 @@ def x(cat, name, ts, dur, tid, pid=None, parent=None):
 
 
 def write(path, rank: int, *, spin=False, mul_us=300.0, unfused=False, parked=1.0, ours=False, pollers=1,
-          lock_wait=False):
+          lock_wait=False, scattered=False):
     t0 = 50_000.0 + 777.0 * rank
     end = t0 + 6 * STEP
     ev = [x("python_function", "train.py(40): main", t0 - 5, 6 * STEP + 10, 1, 1, None)]
@@ -47,8 +47,9 @@ def write(path, rank: int, *, spin=False, mul_us=300.0, unfused=False, parked=1.
             ev.append(x("python_function", "train.py(22): forward", t + 10, 1500, 1))
             ev.append(x("cpu_op", "aten::gelu", t + 20, 1400, 1))
         ev.append(x("python_function", "torch/optim/sgd.py(322): _single_tensor_sgd", t + 4000, 1000, 1))
-        ev.append(x("cpu_op", "aten::mul", t + 4010, mul_us, 1))
-        ev.append(x("cpu_op", "aten::mm", t + 5200, 2000, 1))
+        # scattered: the GIL hand-offs land on the optimizer's mul in even iterations, on the mm in odd ones
+        ev.append(x("cpu_op", "aten::mul", t + 4010, 1800.0 if scattered and i % 2 == 0 else mul_us, 1))
+        ev.append(x("cpu_op", "aten::mm", t + 5200, 3500.0 if scattered and i % 2 else 2000, 1))
     # threads running before profiling began, chained on tid 0 (each root's caller: the previous leaf)
     pid, prev = 100, None
     threads = []
@@ -111,6 +112,22 @@ def test_a_spinning_thread_is_named_on_its_rank_beside_its_symptoms_and_no_peer(
     tp = thread_patterns(critical_path(read_trace(tmp_path / "rank-3.json")))
     assert tp.as_dict()[SPIN][0] > 0.99
     assert not any("trainscope/collector" in f for f in tp.functions)   # our own threads left out
+
+
+def test_a_spinning_thread_is_named_when_its_symptoms_move_from_function_to_function(tmp_path):
+    """A thread holding the GIL slows whichever function the training thread runs at each hand-off: beside a
+    busy process, a 6-rank gloo dive's spinning-thread rank had no training-thread function slower in three
+    iterations of four, and the rank was named for nothing. The symptoms are the path's outliers before the
+    steadiness rule; none of them is named itself (each is slower in half the iterations)."""
+    per = {r: dict(v) for r, v in NOISE.items()}
+    per.setdefault(3, {}).update(spin=True, scattered=True)
+    res = localize_traces(job(tmp_path, per))
+    assert named(res) == {(SPIN, "thread", 3)}, named(res)
+    (th,) = res.outliers
+    assert "aten::mul" in th.evidence and "aten::mm" in th.evidence, th.evidence
+    # a spinning thread with no symptom at all still costs its rank nothing
+    per[3].update(scattered=False)
+    assert localize_traces(job(tmp_path, per)).outliers == ()
 
 
 def test_a_healthy_job_with_thread_noise_names_no_one(tmp_path):
