@@ -171,6 +171,20 @@ def test_what_the_start_up_hook_imports_is_standard_library_only():
         assert others <= set(sys.stdlib_module_names) | {"__future__"}, (rel, others - set(sys.stdlib_module_names))
 
 
+def test_no_module_imports_scipy_stats_at_import_time():
+    """``scipy.stats`` costs ~1.8 s to import on these machines: a module-level import of it made every
+    ``trainscope replay`` and query, and every analyzer start, that much slower (``sequential`` did, for
+    one MAD). Only a function that needs it (Student's t) imports it, when called."""
+    bad = []
+    for path in sorted(p for stage in STAGES for p in (ROOT / stage).rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(m == "scipy.stats" or m.startswith("scipy.stats.") for m in mods):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, bad
+
+
 def test_environment_values_are_parsed_one_way():
     """proto/env.py: unset and empty mean the default; a bad value names the variable."""
     from trainscope.proto import env
