@@ -304,9 +304,13 @@ def _to_ns(v, what: str) -> int | str:
 
 def _span(ev: dict) -> tuple[int, int] | str:
     """(start_ns, duration_ns) of a complete event, or why it is dropped."""
-    if ev.get("ph") != "X":
+    return _span_of(ev.get("ph"), ev.get("ts"), ev.get("dur"))
+
+
+def _span_of(ph, ts, dur) -> tuple[int, int] | str:
+    """``_span`` of an event's ``ph``, ``ts`` and ``dur``."""
+    if ph != "X":
         return "not_complete_event"
-    ts, dur = ev.get("ts"), ev.get("dur")
     if ts is None:
         return "missing_timestamp"
     if dur is None:
@@ -334,9 +338,7 @@ def _stream_of(args, fallback) -> int:
 def _scan_events(events: list):
     """One pass over the events (step 2 of ``load_rank_trace``)."""
     skipped: Counter = Counter()
-    k_start, k_dur, k_name, k_stream, k_kind = [], [], [], [], []  # one entry per kernel
-    devices: Counter = Counter()
-    names: dict[str, int] = {}
+    kev, k_kind = [], []  # the kernel events and their kinds
     gpu_phases, cpu_phases = [], []  # (name, start_ns, duration_ns, stream)
     steps: dict[int, tuple[int, int]] = {}
     for ev in events:
@@ -348,28 +350,8 @@ def _scan_events(events: list):
             continue
         kind = KERNEL_CATS.get(cat)
         if kind is not None:
-            span = _span(ev)
-            if type(span) is str:
-                skipped["kernel:" + span] += 1
-                continue
-            name = ev.get("name")
-            if name is None:
-                skipped["kernel:missing_name"] += 1
-                continue
-            if type(name) is not str:
-                name = str(name)
-            if len(name) > MAX_NAME_CHARS:
-                name = name[:MAX_NAME_CHARS]
-                skipped["kernel:long_name"] += 1
-            args = ev.get("args")
-            k_start.append(span[0])
-            k_dur.append(span[1])
-            k_name.append(names.setdefault(name, len(names)))
-            k_stream.append(_stream_of(args, None))
+            kev.append(ev)          # checked and converted together after the pass (_kernel_rows)
             k_kind.append(kind)
-            dev = args.get("device") if type(args) is dict else None
-            if type(dev) is int and dev >= 0:
-                devices[dev] += 1
             continue
         if cat not in ("user_annotation", "gpu_user_annotation", "cpu_op"):
             continue
@@ -411,14 +393,88 @@ def _scan_events(events: list):
     )
     clock, raw_phases = (PHASE_CLOCK_CUDA_EVENT, gpu_phases) if gpu_phases else (PHASE_CLOCK_CPU, cpu_phases)
     phases = sorted(raw_phases, key=lambda p: (p[1], p[0]))
-    device = devices.most_common(1)[0][0] if devices else 0
-    kern_raw = (tuple(names), k_start, k_dur, k_name, k_stream, k_kind, device)
+    kern_raw = _kernel_rows(kev, k_kind, skipped)
     return kern_raw, (clock, phases), iterations, skipped
+
+
+#: Kernel-span reasons by code (``_spans``); 0: kept.
+_SPAN_WHY = ("", "not_complete_event", "bad_timestamp", "negative_timestamp", "nan_duration", "negative_duration",
+             "bad_duration", "zero_duration")
+
+
+def _spans(ph: list, ts: list, dur: list) -> tuple[np.ndarray, np.ndarray, list]:
+    """``_span_of`` over many events at once: (start_ns, duration_ns, why) with why "" where kept.
+
+    Vectorised when every ``ts`` and ``dur`` is a JSON number below 2**53 µs (every real trace: float64
+    then holds each exactly, and floor + round of the fraction is ``_to_ns``'s own split); otherwise one
+    event at a time (strings, nulls, huge integers: hostile or odd input keeps its exact reasons).
+    """
+    n = len(ts)
+    types = set(map(type, ts)) | set(map(type, dur))
+    if types <= {int, float} and set(ph) == {"X"}:
+        a, b = np.array(ts, dtype=np.float64), np.array(dur, dtype=np.float64)
+        with np.errstate(invalid="ignore"):
+            fine = not n or max(np.nanmax(np.abs(np.where(np.isinf(a), 0, a)), initial=0),
+                                np.nanmax(np.abs(np.where(np.isinf(b), 0, b)), initial=0)) < 2.0 ** 53
+        if fine:
+            code = np.zeros(n, dtype=np.int8)
+            ok_a = np.isfinite(a) & (a >= 0)
+            ok_b = np.isfinite(b) & (b >= 0)
+            wa, wb = np.floor(np.where(ok_a, a, 0)), np.floor(np.where(ok_b, b, 0))
+            start = wa.astype(np.int64) * 1000 + np.round((np.where(ok_a, a, 0) - wa) * 1000).astype(np.int64)
+            d = wb.astype(np.int64) * 1000 + np.round((np.where(ok_b, b, 0) - wb) * 1000).astype(np.int64)
+            # _span_of's order: the timestamp's reasons, then the duration's, then zero
+            conds = [~np.isfinite(a), a < 0, start > _MAX_NS, np.isnan(b) | np.isinf(b), b < 0,
+                     start + d > _MAX_NS, d == 0]
+            code = np.select(conds, [2, 3, 2, 4, 5, 6, 7], 0).astype(np.int8)
+            why = [_SPAN_WHY[c] for c in code.tolist()] if code.any() else [""] * n
+            return start, d, why
+    start, d, why = np.zeros(n, np.int64), np.zeros(n, np.int64), [""] * n
+    for i, (p, t, u) in enumerate(zip(ph, ts, dur)):
+        span = _span_of(p, t, u)
+        if type(span) is str:
+            why[i] = span
+        else:
+            start[i], d[i] = span
+    return start, d, why
+
+
+def _kernel_rows(kev: list, kinds: list, skipped: Counter) -> tuple:
+    """The kernel events' columns (step 2, after the pass): spans checked and converted at once
+    (``_spans``), then names, streams and devices of the kept ones; each dropped one counted."""
+    start, dur, why = _spans([e.get("ph") for e in kev], [e.get("ts") for e in kev], [e.get("dur") for e in kev])
+    names: dict[str, int] = {}
+    devices: Counter = Counter()
+    keep, k_name, k_stream, k_kind = [], [], [], []
+    for i, (ev, w) in enumerate(zip(kev, why)):
+        if w:
+            skipped["kernel:" + w] += 1
+            continue
+        name = ev.get("name")
+        if name is None:
+            skipped["kernel:missing_name"] += 1
+            continue
+        if type(name) is not str:
+            name = str(name)
+        if len(name) > MAX_NAME_CHARS:
+            name = name[:MAX_NAME_CHARS]
+            skipped["kernel:long_name"] += 1
+        args = ev.get("args")
+        keep.append(i)
+        k_name.append(names.setdefault(name, len(names)))
+        k_stream.append(_stream_of(args, None))
+        k_kind.append(kinds[i])
+        dev = args.get("device") if type(args) is dict else None
+        if type(dev) is int and dev >= 0:
+            devices[dev] += 1
+    device = devices.most_common(1)[0][0] if devices else 0
+    idx = np.array(keep, dtype=np.int64)
+    return tuple(names), start[idx], dur[idx], k_name, k_stream, k_kind, device
 
 
 def _kernel_columns(names, start, dur, name_id, stream, kind, device) -> KernelColumns:
     """Step 3: Python lists to numpy, sorted by start (stable, so ties keep file order)."""
-    if not start:
+    if not len(start):
         return dataclasses.replace(KernelColumns.empty(), device=device)
     cols = KernelColumns.build(names, start, dur, name_id, stream, kind, device=device)
     order = np.argsort(cols.start_ns, kind="stable")

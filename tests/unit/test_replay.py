@@ -358,3 +358,35 @@ def test_replay_source_is_a_kernel_source_and_stops(tmp_path):
     with pytest.raises(ConfigError):
         ReplayKernelSource(trace, chunk=0)
     assert math.isclose(float(trace.kernels.duration_ns.sum()), 10_000)
+
+
+def test_kernel_spans_at_once_equal_one_event_at_a_time():
+    """``_spans`` converts a trace's kernel spans with numpy when every value is a JSON number below 2**53 µs;
+    each event's (start, duration) or reason must be what ``_span_of`` says for it alone: fractions rounded
+    to the ns, negative, NaN, infinite, past the int64 bound, zero."""
+    import math
+
+    import numpy as np
+
+    from trainscope.collector.sources.replay import _MAX_NS, _span_of, _spans
+
+    rng = np.random.default_rng(7)
+    special = [0, 0.0, -0.0, -1e-4, -3, math.nan, math.inf, -math.inf, 0.0005, 0.0015, 2.5e-3, 1.7e15 + 0.123,
+               _MAX_NS / 1000, _MAX_NS / 1000 + 1, 2 ** 52, 12, 7.25]
+    ts = [float(x) for x in rng.uniform(0, 2e12, 400)] + [int(x) for x in rng.integers(0, 2 ** 40, 100)]
+    dur = [float(x) for x in rng.exponential(50.0, 400)] + [int(x) for x in rng.integers(0, 5000, 100)]
+    ts += [special[i % len(special)] for i in range(200)]
+    dur += [special[(i * 7 + 3) % len(special)] for i in range(200)]
+    ph = ["X"] * len(ts)
+    start, d, why = _spans(ph, ts, dur)
+    for i, (t, u) in enumerate(zip(ts, dur)):
+        one = _span_of("X", t, u)
+        got = why[i] if why[i] else (int(start[i]), int(d[i]))
+        assert got == one, (i, t, u, got, one)
+    assert {w for w in why if w} >= {"negative_timestamp", "bad_timestamp", "nan_duration", "negative_duration",
+                                      "zero_duration", "bad_duration"}
+    # anything else (a string, a null, a phase that is not X) goes one event at a time, same answers
+    odd_ts, odd_dur, odd_ph = ts[:50] + ["12.5", None, True], dur[:50] + [3, 4, 5], ph[:50] + ["X", "X", "B"]
+    start, d, why = _spans(odd_ph, odd_ts, odd_dur)
+    assert [w if w else (int(s), int(x)) for s, x, w in zip(start, d, why)] == \
+        [_span_of(p, t, u) for p, t, u in zip(odd_ph, odd_ts, odd_dur)]
