@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.integration)
             if path.name in REALJOB_FILES:
                 item.add_marker(pytest.mark.realjob)
-                # under pytest-xdist (TRAINSCOPE_TEST_WORKERS=2 bash tests/run.sh) the real jobs run one at a
+                # under pytest-xdist (tests/run.sh: two workers by default) the real jobs run one at a
                 # time on one worker, beside the other worker's tests: each job shares the machine
                 # with one other test, as a job shares a host, never with a second job
                 item.add_marker(pytest.mark.xdist_group("realjob"))

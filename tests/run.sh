@@ -2,7 +2,8 @@
 # Install everything the test suite needs, then run it.
 # The README's test command and .ci/run both call this script, so they cannot drift.
 #   bash tests/run.sh                 # unit + integration tiers
-#   bash tests/run.sh -m benchmark    # extra pytest arguments pass through
+#   TRAINSCOPE_TEST_WORKERS=0 bash tests/run.sh -m benchmark    # extra pytest arguments pass through
+#                                     # (pytest-benchmark times nothing under xdist: one process)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -47,10 +48,11 @@ fi
 # The summary CI prints last: the suite's wall time, after pytest's ten slowest tests (issue #23).
 start=$(date +%s)
 set +e
-# TRAINSCOPE_TEST_WORKERS=2 runs on two pytest-xdist workers, the real-job files one at a time on one of
-# them (tests/conftest.py): 846 s instead of 1,229 s on 2 cores, but a real job beside the other worker's
-# tests is a loaded host, where a deep dive still named a healthy rank (issue #22); one process by default.
-workers=${TRAINSCOPE_TEST_WORKERS:-0}
+# Two pytest-xdist workers by default, the real-job files one at a time on one of them (tests/conftest.py): each
+# real job shares the machine with one other test, as a job shares a host (the deep dive's healthy-rank naming
+# beside load, which kept this off, is fixed: steadiness on the lower-quartile iteration). TRAINSCOPE_TEST_WORKERS=0:
+# one process.
+workers=${TRAINSCOPE_TEST_WORKERS:-2}
 xdist=()
 if [ "$workers" != 0 ]; then xdist=(-n "$workers" --dist loadgroup); fi
 "$PY" -m pytest -q -p no:cacheprovider --durations=10 "${xdist[@]}" "$@"
