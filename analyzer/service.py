@@ -7,7 +7,9 @@ Steps, continuously (``step`` / ``run``):
 2. A window is analysed once every rank of the job has reported it in every
    signal the job sends (stacks excepted) and ``grace_s`` passed without more
    records for it, or once most ranks are
-   ``progress_windows`` windows further on, or ``window_timeout_s`` after its
+   ``progress_windows`` windows further on (not while the source says
+   records still wait to be read: a Kafka backlog is read partition by
+   partition), or ``window_timeout_s`` after its
    first record (then the ranks that never reported are evidence too).
 3. L2 (phases across ranks) and L3 (kernel distributions across ranks) run on
    the window; L1 runs on the job's iteration-time history and keeps what
@@ -294,9 +296,10 @@ class Analyzer:
                                       getattr(getattr(self.source, "names", None), "counters", {}).items()})
         out = []
         now = self._clock()
+        behind = bool(getattr(self.source, "backlog", False))
         for job in list(self._jobs.values()):
             for key in sorted(job.open):
-                reason = self._ready(job, job.open[key], now)
+                reason = self._ready(job, job.open[key], now, behind)
                 if reason:
                     out.append(self._analyse(job, key, reason))
             self._check_stall(job, now)
@@ -328,7 +331,12 @@ class Analyzer:
                 out.append(self._analyse(job, key, "finish", last=i == len(keys) - 1))
         return out
 
-    def _ready(self, job: _Job, o: _Open, now: float) -> str | None:
+    def _ready(self, job: _Job, o: _Open, now: float, behind: bool = False) -> str | None:
+        """Why the window is analysed now (step 2), or None. ``behind``: the source still holds records it
+        has not handed over (``KafkaSource.backlog``): ranks further on then say nothing about the ranks
+        whose records are still in the log, so "progress" waits (an analyzer reading a finished healthy
+        job from Kafka beside a busy core called a window of 32 ranks "unknown": most of its ranks'
+        partitions had not been read)."""
         jw = o.jw
         if now - o.first_seen < self.config.window_timeout_s and self.window_gate is not None \
                 and not self.window_gate(job.job_id, jw, o.first_seen):
@@ -337,7 +345,7 @@ class Analyzer:
                 and all(len(getattr(jw, sig)) >= job.world_size for sig in job.signals)):
             return "complete"
         ahead = sum(1 for r, idx in job.latest.items() if idx >= o.jw.window.index + self.config.progress_windows)
-        if job.world_size and ahead * 2 > job.world_size:
+        if job.world_size and ahead * 2 > job.world_size and not behind:
             return "progress"
         if now - o.first_seen >= self.config.window_timeout_s:
             return "timeout"

@@ -223,6 +223,8 @@ class KafkaSource(_Parsing):
             raise ConfigError("kafka.extra", extra, scrub(str(e), extra)) from None
         self._consumer.subscribe(list(self.topics))
         self.errors = 0
+        #: Records known to wait beyond the consumer's position after the last poll (``_behind``).
+        self.backlog = False
         # the dictionary: every member reads all of it from the beginning (assigned, no group, no
         # commits), on restart too; partitions are (re)assigned as the topic appears or grows
         self.names_topic = topic_for(KERNEL_NAMES, prefix)
@@ -268,6 +270,7 @@ class KafkaSource(_Parsing):
     def poll(self, timeout_s: float = 0.0) -> list[tuple[str, Message]]:
         self._poll_names(0.0)
         msgs = self._consumer.consume(num_messages=10_000, timeout=max(timeout_s, 0.0))
+        self.backlog = self._behind()
         out = []
         for m in msgs:
             if m.error():
@@ -283,6 +286,24 @@ class KafkaSource(_Parsing):
         if self.names.held or any(s == Signal.KERNELS for s, _ in out):
             self._poll_names(0.05 if self.names.held else 0.0)   # names sent just before their windows
         return self.names.resolve(out)
+
+    def _behind(self) -> bool:
+        """Whether records wait in an assigned partition beyond this consumer's position: the partition's
+        high watermark as of its last fetch (librdkafka's cache, no broker call) above the position.
+        A backlog (an analyzer started or restarted after its jobs wrote) is read partition by partition
+        at different rates: one rank's later windows can be in before another's earlier ones."""
+        from confluent_kafka import KafkaException
+        try:
+            parts = self._consumer.assignment()
+            if not parts:
+                return False
+            for tp in self._consumer.position(parts):
+                _, high = self._consumer.get_watermark_offsets(tp, cached=True)
+                if high >= 0 and (tp.offset < 0 and high > 0 or 0 <= tp.offset < high):
+                    return True
+        except KafkaException as e:   # no assignment or metadata yet: nothing known to wait
+            log.debug("kafka backlog check: %s", e)
+        return False
 
     def close(self) -> None:
         self._consumer.close()

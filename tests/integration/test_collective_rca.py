@@ -266,9 +266,12 @@ def test_a_hang_carries_the_stack_grid_that_sets_the_stuck_rank_apart(tmp_path):
                   collectives=trigger)
 
     def grid_of(v) -> dict | None:
+        """The stall's evidence once its grid is complete: a finding is issued at once with the dumps in so
+        far and again when the last one arrives (``GridBook.updates``; beside a busy core rank 1's py-spy
+        dump came after the first issue)."""
         for f in collective_findings(v, "stall"):
             ev = MessageToDict(f.evidence)
-            if "stack_grid" in ev:
+            if "stack_grid" in ev and ev["stack_grid"]["complete"]:
                 return ev
         return None
 

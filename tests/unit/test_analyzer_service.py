@@ -118,6 +118,40 @@ def test_window_with_a_silent_rank_is_analysed_on_progress_and_names_it(tmp_path
     assert missing and [s.rank for s in missing[0].suspects] == [3]
 
 
+def test_progress_waits_while_the_source_still_holds_records(tmp_path):
+    """A backlog read from Kafka comes partition by partition: most ranks' later windows can be in before
+    a few ranks' first one. While the source says records still wait (``KafkaSource.backlog``), ranks
+    further on close no window; once it has caught up they do, and the timeout holds throughout."""
+    a, bus, clock, _ = make(tmp_path, window_timeout_s=30)
+    for idx in range(4):
+        for r in range(8):
+            if not (r in (3, 6) and idx == 0):    # ranks 3 and 6's window 0 still in the unread log
+                publish(bus, r, idx)
+    a.source.backlog = True
+    first = a.step(0)
+    clock.t += 1
+    assert 0 not in {v.window.index for v in first + a.step(0)}      # window 0 waits for 3 and 6
+    publish(bus, 3, 0)                                                # read at last
+    publish(bus, 6, 0)
+    a.source.backlog = False
+    clock.t += 1
+    got = {v.window.index: v for v in a.step(0)}
+    clock.t += 1
+    got.update({v.window.index: v for v in a.step(0)})
+    assert not got[0].partial and not any(f.kind == "missing_rank" for f in got[0].findings)
+    # with the source behind, a rank that never reports is still given up on at the timeout
+    a2, bus2, clock2, _ = make(tmp_path / "b", window_timeout_s=30)
+    for idx in range(4):
+        for r in range(8):
+            if not (r == 3 and idx == 0):
+                publish(bus2, r, idx, job="k")
+    a2.source.backlog = True
+    assert 0 not in {v.window.index for v in a2.step(0)}
+    clock2.t += 31
+    (late,) = [v for v in a2.step(0) if v.window.index == 0]
+    assert [s.rank for f in late.findings if f.kind == "missing_rank" for s in f.suspects] == [3]
+
+
 def test_incomplete_window_is_analysed_after_timeout(tmp_path):
     a, bus, clock, _ = make(tmp_path, window_timeout_s=30)
     for r in range(6):
