@@ -12,7 +12,7 @@ from trainscope.processor.bus import EmbeddedBus
 from trainscope.proto.contracts import topic_for
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import Resource, coords_for_rank
-from trainscope.proto.v1 import records_pb2, telemetry_pb2
+from trainscope.proto.v1 import records_pb2
 
 MS = 1_000_000
 
