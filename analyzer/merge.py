@@ -136,6 +136,9 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
         confirmed = persistence.update(int(window.index), places,
                                        {r: rv.score_ns for r, rv in flagged.items()}, final=final,
                                        observed=observed, sums=sums, iterations=n_its, h=h)
+        # held in the role it has now: its waits do not make a rank's one late arrival a persistent culprit
+        confirmed = {r for r in confirmed if r not in flagged or flagged[r].role == WAITER
+                     or any(not p.startswith(WAITING) for p in persistence.held_places(r))}
     else:
         confirmed = set(places)
     if final and persistence is not None and persistence.windows < persistence.k:
@@ -307,16 +310,27 @@ def _window_sums(flagged: Mapping[int, RankVerdict], iterations: Mapping[int, fl
 def _places_of(rv: RankVerdict) -> set[str]:
     """Where a rank was flagged, for persistence: its places, and the waited-for rank of a waiter. A late
     start's place is its group and op: "late start to allgather (group 0, seq 94)" one window and
-    "(group 0, seq 184)" the next are the same place (an FSDP2 rank late every step was never named)."""
-    places = {_SEQ.sub(")", e.where) for e in rv.evidence}
+    "(group 0, seq 184)" the next are the same place (an FSDP2 rank late every step was never named).
+    A place counts in the role the rank has now (its evidence of that role; all of it when none is):
+    waiting at ``collective_wait`` one window and one late arrival the next is not a culprit flagged
+    twice (a real FSDP2 job on a loaded host named healthy rank 2 a culprit beside the late rank 1
+    in the window of its one late all-gather: its earlier waits at the same place had counted)."""
+    mine = [e for e in rv.evidence if e.role == rv.role] or list(rv.evidence)
+    places = {_SEQ.sub(")", e.where) for e in mine}
+    if rv.role == WAITER:
+        places = {WAITING + p for p in places}
     # one cause seen by two levels is one place: the data loader as the L2 phase one window and as
     # the sampled L3 CPU operator (enumerate(DataLoader)#..._next__) the next (a real 4-rank job's
     # 30 ms loader, each level short of its threshold in turn, was "healthy")
     if any(e.rank == rv.rank and e.role == CULPRIT and _LOADER.search(e.where) for e in rv.evidence):
         places.add("cause: data loader")
-    if rv.waited_for >= 0:
-        places.add(f"waited for {rv.waited_for}")
+    if rv.waited_for >= 0 and rv.role == WAITER:
+        places.add(f"{WAITING}waited for {rv.waited_for}")
     return places
+
+
+#: Step 3: a waiter's places are kept apart from the same places flagged in its own right.
+WAITING = "waiter: "
 
 
 def _shared(suspects: list[RankVerdict], resources: Mapping[int, Resource], of) -> str:

@@ -206,6 +206,10 @@ class Persistence:
         self._held = {key for key, c in counts.items() if key in crossed or c >= need}
         return {r for r, _ in self._held}
 
+    def held_places(self, rank: int) -> set[str]:
+        """The places that hold ``rank`` as of the last ``update`` (k of n, or the sequential test)."""
+        return {p for r, p in self._held if r == rank}
+
     def held(self, rank: int) -> float:
         """Fraction of the last n windows in which ``rank`` was flagged."""
         return sum(1 for _, f in self._recent if rank in f) / self.n

@@ -425,3 +425,34 @@ def test_waiters_whose_own_work_is_short_by_their_wait_arrived_early_and_are_not
         assert bool(v.ranks) is named, short_ms
         if named:
             assert v.host == "h2" and {s.role for s in v.ranks} == {"link"}
+
+
+def test_a_waiters_places_do_not_make_its_one_late_arrival_persistent():
+    """Persistence counts a place in the role the rank has now. A real 4-rank FSDP2 job with rank 1 late to
+    one all-gather every step: rank 2 waited for it (``collective_wait``) window after window, then arrived
+    late itself once (a loaded host). That one late start made it a culprit flagged at a place it had
+    'held' as a waiter, so it was named beside rank 1 at once; now it is pending, rank 1 named."""
+    res = resources(4, tp=1, per_host=4)
+
+    def late(rank, seq):
+        return Finding(level="collectives", kind="late_start", job_id="j", window=WIN, scope=Scope(group="collective"),
+                       evidence={"communication": False, "group": "0", "seq": seq},
+                       suspects=(SuspectRank(rank, 3.0, {"function": f"late start to allgather (group 0, seq {seq})"},
+                                             impact_ns=12 * MS, role="culprit"),))
+
+    def waits(ranks, seq):
+        return Finding(level="collectives", kind="collective_wait", job_id="j", window=WIN,
+                       scope=Scope(group="collective"), evidence={"communication": True, "waited_for": 1, "seq": seq},
+                       suspects=tuple(SuspectRank(r, 1.0, {"waited_for": 1}, impact_ns=12 * MS, role="waiter")
+                                      for r in ranks))
+    p = Persistence(2, 3)
+    seen = []
+    for i, extra in enumerate(([], [], [late(2, 207 + 9 * 10 * 2)])):
+        w = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=i, first_iteration=10 * i,
+                               last_iteration=10 * i + 9)
+        fs = [dataclasses.replace(f, window=w) for f in [late(1, 94 + 90 * i), waits([0, 2, 3], 94 + 90 * i), *extra]]
+        seen.append(merge("j", w, fs, res, step_ns=110 * MS, persistence=p))
+    v = seen[-1]
+    culprits = [s.rank for s in v.ranks if s.role == "culprit"]
+    assert culprits == [1], v.summary
+    assert 2 in v.pending or 2 not in {s.rank for s in v.ranks}, v.summary
