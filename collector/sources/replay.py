@@ -417,7 +417,6 @@ def _spans(ph: list, ts: list, dur: list) -> tuple[np.ndarray, np.ndarray, list]
             fine = not n or max(np.nanmax(np.abs(np.where(np.isinf(a), 0, a)), initial=0),
                                 np.nanmax(np.abs(np.where(np.isinf(b), 0, b)), initial=0)) < 2.0 ** 53
         if fine:
-            code = np.zeros(n, dtype=np.int8)
             ok_a = np.isfinite(a) & (a >= 0)
             ok_b = np.isfinite(b) & (b >= 0)
             wa, wb = np.floor(np.where(ok_a, a, 0)), np.floor(np.where(ok_b, b, 0))
