@@ -12,6 +12,9 @@ Every collected test carries one tier marker, set here from where it lives
 ``REALJOB_FILES``, which run real multi-process PyTorch jobs). The README's
 test command runs them all; ``-m "not realjob"`` is the fast local run.
 """
+import os
+import resource
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,7 @@ REALJOB_FILES = frozenset({
 })
 
 
+@pytest.hookimpl(tryfirst=True)      # before pytest-xdist's own hook, which reads xdist_group into the nodeid
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = Path(str(item.fspath))
@@ -43,3 +47,26 @@ def pytest_collection_modifyitems(config, items):
                 # time on one worker, beside the other worker's tests: each job shares the machine
                 # with one other test, as a job shares a host, never with a second job
                 item.add_marker(pytest.mark.xdist_group("realjob"))
+
+
+#: ``TRAINSCOPE_TEST_TIMELINE=FILE``: each test's worker, start and end (epoch seconds) and CPU seconds (this
+#: process and the child processes it reaped meanwhile) appended to FILE, one tab-separated line a test: how
+#: pytest-xdist laid the suite out over its workers and where the machine's CPU went (issue #23).
+_TIMELINE = os.environ.get("TRAINSCOPE_TEST_TIMELINE")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _TIMELINE:
+        yield
+        return
+    start, cpu = time.time(), _cpu_s()
+    yield
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(_TIMELINE, "a") as f:
+        f.write(f"{worker}\t{start:.2f}\t{time.time():.2f}\t{_cpu_s() - cpu:.2f}\t{item.nodeid}\n")
+
+
+def _cpu_s() -> float:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime

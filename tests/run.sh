@@ -45,6 +45,14 @@ if ! command -v chromium >/dev/null 2>&1; then
   fi
 fi
 
+# Compiled modules (and pytest's rewritten test modules) cached for this run in a private directory: with
+# PYTHONDONTWRITEBYTECODE set (as on CI machines) every interpreter the suite starts (each rank of each real job,
+# each CLI run) would compile trainscope again; the checkout stays free of __pycache__ either way.
+pyc=$(mktemp -d "${TMPDIR:-/tmp}/trainscope-pyc.XXXXXXXX")
+trap 'rm -rf "$pyc"' EXIT
+export PYTHONPYCACHEPREFIX="$pyc"
+unset PYTHONDONTWRITEBYTECODE
+
 # The summary CI prints last: the suite's wall time, after pytest's ten slowest tests (issue #23).
 start=$(date +%s)
 set +e

@@ -57,7 +57,7 @@ PLAN = {
     "trainscope sim --ranks N --tp T --pp P --ep E --fault TYPE:scope,onset=60s,... --duration 300s":
         "test_sim_and_replay",
     "trainscope replay DIR": "test_sim_and_replay",
-    "trainscope run -- torchrun --nproc-per-node 8 train.py": "test_run_a_torchrun_job",
+    "trainscope run -- torchrun --nproc-per-node 4 train.py": "test_run_a_torchrun_job",
     "trainscope run -- torchrun ... train.py": "test_run_a_torchrun_job",
     "trainscope run": "test_run_a_torchrun_job",
     "trainscope run --install-pth": "test_install_pth_in_a_throwaway_venv",
@@ -75,7 +75,7 @@ PLAN = {
 #: placeholders of the README's synopses -> what a new user would type
 FILL = {"--ranks N": "--ranks 32", "--tp T": "--tp 2", "--pp P": "--pp 2", "--ep E": "--ep 1",
         "TYPE:scope,onset=60s,...": "gpu_throttle:rank=5,onset=60s", "--job J": "--job demo",
-        "torchrun ... train.py": "torchrun --nproc-per-node 8 train.py"}
+        "torchrun ... train.py": "torchrun --nproc-per-node 4 train.py"}
 
 
 def readme_commands(text: str) -> list[str]:
@@ -235,7 +235,7 @@ TRAIN = textwrap.dedent("""\
 
 
 def test_run_a_torchrun_job(tmp_path):
-    """`trainscope run -- torchrun --nproc-per-node 8 train.py` on a small real CPU torch job: every rank
+    """`trainscope run -- torchrun --nproc-per-node 4 train.py` on a small real CPU torch job: every rank
     trains, the summary says what to run next, the torch profiler's CPU-operator windows ran on every rank
     (their records are in the store) and none of its lines nor a traceback reaches stderr.
     `trainscope run` alone says what is missing in one line (exit 2)."""
@@ -247,14 +247,14 @@ def test_run_a_torchrun_job(tmp_path):
     # the user's environment asks for a CPU-operator window every second from the first step (default: every
     # 30 s, 5 s after it), so the collector runs torch's profiler inside this short job: none of its lines
     # may reach the job's stderr
-    res = run_readme("trainscope run -- torchrun --nproc-per-node 8 train.py", tmp_path, tmp_path, timeout=400,
+    res = run_readme("trainscope run -- torchrun --nproc-per-node 4 train.py", tmp_path, tmp_path, timeout=400,
                      env={"TRAINSCOPE_CPU_OPS": "period_s=1,window_s=0.05,first_after_s=0"})
     ok(res)
-    assert res.stdout.count("trained") == 8, res.stdout
-    assert res.stderr.count("kernels: cpu-ops") == 8, res.stderr  # the source every rank chose...
+    assert res.stdout.count("trained") == 4, res.stdout
+    assert res.stderr.count("kernels: cpu-ops") == 4, res.stderr  # the source every rank chose...
     store = SqliteStore(str(tmp_path / ".trainscope" / "store.sqlite"), read_only=True)
     try:  # ...and its windows ran: operator records of every rank were stored
-        assert {kw.resource.rank for kw in store.records(Signal.KERNELS) if kw.kernels} == set(range(8))
+        assert {kw.resource.rank for kw in store.records(Signal.KERNELS) if kw.kernels} == set(range(4))
     finally:
         store.close()
     assert "next: trainscope analyzer" in res.stderr, res.stderr
