@@ -23,8 +23,13 @@ rank in ``CollectiveWindow.dumps``. Per grid (its id is shared by its dumps):
    `main (train.py:63) <- <module>`; ranks 0,1,3 in
    `all_reduce (torch/distributed/distributed_c10d.py:3252) <- wrapper <- ...```.
 5. Attaching (``GridBook.attach``): a stall finding takes the grid of its
-   group and seq (a hang grid), a late-start finding the group's newest grid
-   of any trigger received within ``max_age_s``. A stall finding made before
+   group and seq (a hang grid), a late-start finding one of the group's grids
+   of any trigger received within ``max_age_s``: each grid is one moment per
+   rank, and a late rank is in its delay for part of each step only, so of
+   the recent grids the newest that sets a named rank apart (odd) is shown,
+   else the newest; the summary says in how many of them it stood apart
+   (``apart_in``, ``recent_grids``: "rank 1 apart in 3 of 6 recent grids").
+   A stall finding made before
    its grid was complete is kept (bounded) and issued again once the grid is
    complete or ``wait_s`` passed with some dumps (``GridBook.updates``): one
    re-issue per stall, the same finding id, now with the grid.
@@ -214,15 +219,35 @@ class GridBook:
                 return g
         return None
 
+    def _late_start_grid(self, group: str, members: Iterable[int], suspects: set[int]) -> dict | None:
+        """Step 5 for a late start: the evidence of the newest recent grid of ``group`` in which a suspect
+        is odd (else the newest), with how many of the recent grids set a suspect apart."""
+        now = self._clock()
+        recent = [g for g in reversed(self.grids.values())
+                  if g.group == group and now - g.first_seen <= self.config.max_age_s]
+        if not recent:
+            return None
+        evs = [(g, evidence(g, members, self.config)) for g in recent]
+        apart = [(g, ev) for g, ev in evs if suspects & set(ev["odd_ranks"])]
+        g, ev = (apart or evs)[0]
+        if len(recent) > 1 and suspects:
+            ev["apart_in"], ev["recent_grids"] = len(apart), len(recent)
+            ev["summary"] += f" ({_ranks(sorted(suspects))} apart in {len(apart)} of {len(recent)} recent grids)"
+        return ev, flight_recorder(g, members)
+
     def attach(self, f: Finding, group: str, seq: int = 0, members: Iterable[int] = ()) -> Finding:
         """Step 5: ``f`` with its grid's evidence (finding and suspects); a stall finding without a
         complete grid waits for ``updates``, and so does a late start judged before any grid of its
         group is in (the straggler trigger's dumps can arrive after the window that named the rank:
         the finding is issued again with them rather than never carrying one)."""
-        g = self.find(group, seq)
-        out = f if g is None else with_grid(f, evidence(g, members, self.config), flight_recorder(g, members))
-        waits = (seq and f.kind == "stall" and (g is None or not g.complete)) or (
-            not seq and f.kind == "late_start" and g is None and f.suspects)
+        if not seq and f.kind == "late_start" and f.suspects:
+            picked = self._late_start_grid(group, members, {x.rank for x in f.suspects})
+            out = f if picked is None else with_grid(f, *picked)
+            waits = picked is None
+        else:
+            g = self.find(group, seq)
+            out = f if g is None else with_grid(f, evidence(g, members, self.config), flight_recorder(g, members))
+            waits = bool(seq) and f.kind == "stall" and (g is None or not g.complete)
         if waits:
             self._waiting[f"{group}|{seq}"] = (f, frozenset(members))
             while len(self._waiting) > self.config.max_grids:
@@ -240,7 +265,10 @@ class GridBook:
                 continue   # a trigger on another processor's ranks, or dumps still on their way
             if g.complete or now - g.first_seen >= self.config.wait_s:
                 del self._waiting[key]
-                out.append(with_grid(f, evidence(g, members, self.config), flight_recorder(g, members)))
+                if not int(seq) and f.kind == "late_start" and f.suspects:
+                    out.append(with_grid(f, *self._late_start_grid(group, members, {x.rank for x in f.suspects})))
+                else:
+                    out.append(with_grid(f, evidence(g, members, self.config), flight_recorder(g, members)))
         return out
 
 

@@ -34,19 +34,31 @@ REALJOB_FILES = frozenset({
 
 @pytest.hookimpl(tryfirst=True)      # before pytest-xdist's own hook, which reads xdist_group into the nodeid
 def pytest_collection_modifyitems(config, items):
+    """Tier markers, and how pytest-xdist (``tests/run.sh``: ``--dist loadgroup --no-loadscope-reorder``)
+    lays the suite out: the real-job files are one scope (their jobs one at a time on one worker, beside
+    the other workers' tests: each job shares the machine with other tests as a job shares a host, never
+    with a second job) and come first, as the longest; every other integration file is a scope of its own,
+    so its module fixtures (nine 32-rank simulations through Kafka, a real job's records) run once, not
+    once per worker that got one of its tests; unit tests are scopes of one test each and fill in last."""
+    realjob, integration, unit = [], [], []
     for item in items:
         path = Path(str(item.fspath))
         tier = path.parent.name
         if tier == "unit":
             item.add_marker(pytest.mark.fuzz if path.name == "test_fuzz.py" else pytest.mark.unit)
+            unit.append(item)
         elif tier == "integration":
             item.add_marker(pytest.mark.integration)
             if path.name in REALJOB_FILES:
                 item.add_marker(pytest.mark.realjob)
-                # under pytest-xdist (tests/run.sh: two workers by default) the real jobs run one at a
-                # time on one worker, beside the other worker's tests: each job shares the machine
-                # with one other test, as a job shares a host, never with a second job
                 item.add_marker(pytest.mark.xdist_group("realjob"))
+                realjob.append(item)
+            else:
+                item.add_marker(pytest.mark.xdist_group(path.stem))
+                integration.append(item)
+        else:
+            unit.append(item)
+    items[:] = realjob + integration + unit
 
 
 #: ``TRAINSCOPE_TEST_TIMELINE=FILE``: each test's worker, start and end (epoch seconds) and CPU seconds (this

@@ -56,13 +56,14 @@ unset PYTHONDONTWRITEBYTECODE
 # The summary CI prints last: the suite's wall time, after pytest's ten slowest tests (issue #23).
 start=$(date +%s)
 set +e
-# Two pytest-xdist workers by default, the real-job files one at a time on one of them (tests/conftest.py): each
-# real job shares the machine with one other test, as a job shares a host (the deep dive's healthy-rank naming
-# beside load, which kept this off, is fixed: steadiness on the lower-quartile iteration). TRAINSCOPE_TEST_WORKERS=0:
-# one process.
-workers=${TRAINSCOPE_TEST_WORKERS:-2}
+# Three pytest-xdist workers by default on any machine (tests/conftest.py lays the suite out): the real-job files
+# one at a time on one worker, first, as the longest scope; the other workers take the other files (each a scope,
+# its fixtures run once) and then the unit tests. A real job shares the host with two other tests, as a job
+# shares a node; a third worker fills the cores while tests wait on servers and subprocesses (measured on 2 cores:
+# 77 % busy with two workers). TRAINSCOPE_TEST_WORKERS=N: N workers; 0: one process (benchmarks need that).
+workers=${TRAINSCOPE_TEST_WORKERS:-3}
 xdist=()
-if [ "$workers" != 0 ]; then xdist=(-n "$workers" --dist loadgroup); fi
+if [ "$workers" != 0 ]; then xdist=(-n "$workers" --dist loadgroup --no-loadscope-reorder); fi
 "$PY" -m pytest -q -p no:cacheprovider --durations=10 "${xdist[@]}" "$@"
 rc=$?
 set -e

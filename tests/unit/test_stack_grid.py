@@ -286,6 +286,31 @@ def test_a_late_start_carries_the_groups_newest_grid_and_none_without_one():
     assert late.suspects[0].rank == 2 and late.suspects[0].evidence["stack_grid"].startswith("in `main")
 
 
+def test_a_late_start_shows_the_recent_grid_that_caught_its_rank_apart_and_says_in_how_many():
+    """Each grid is one moment per rank and a late rank is in its delay for part of each step: on a real
+    plain job beside load the one grid a late start carried (the newest) caught rank 1 in its backward and
+    another rank at the top of its loop, while older grids of the same group had it alone in its delay."""
+    st = state_of(job_batches(late_rank=2, late_ms=30, late_from=5))
+    for grid, late_rank_stack in (("0-straggler-1", SLEEP), ("0-straggler-2", WAIT), ("0-straggler-3", WAIT)):
+        for r, s in ((0, WAIT), (1, WAIT), (2, late_rank_stack), (3, WAIT)):
+            st.grids.absorb(r, [dump(s, grid=grid, trigger="straggler")])
+    (late,) = [f for f in st.late_starts("j", W, {r: 20.0 for r in range(4)}) if f.kind == "late_start"]
+    ev = late.evidence["stack_grid"]
+    assert ev["grid"] == "0-straggler-1" and ev["odd_ranks"] == [2]
+    assert ev["apart_in"] == 1 and ev["recent_grids"] == 3
+    assert ev["summary"].endswith(" (rank 2 apart in 1 of 3 recent grids)"), ev["summary"]
+    assert late.suspects[0].evidence["stack_grid"].startswith("in `main")
+    # none of them sets it apart: the newest is shown, and the count says so
+    st = state_of(job_batches(late_rank=2, late_ms=30, late_from=5))
+    for grid in ("0-straggler-1", "0-straggler-2"):
+        for r in range(4):
+            st.grids.absorb(r, [dump(WAIT, grid=grid, trigger="straggler")])
+    (late,) = [f for f in st.late_starts("j", W, {r: 20.0 for r in range(4)}) if f.kind == "late_start"]
+    ev = late.evidence["stack_grid"]
+    assert ev["grid"] == "0-straggler-2" and ev["odd_ranks"] == [] and ev["apart_in"] == 0
+    assert ev["summary"].endswith(" (rank 2 apart in 0 of 2 recent grids)"), ev["summary"]
+
+
 def test_a_late_start_named_before_its_grid_arrived_is_issued_again_with_it():
     """The straggler trigger's dumps can reach the analyzer after the window that named the late rank
     (a real plain job once ended with no late start carrying its grid): the finding waits for them."""
