@@ -26,7 +26,8 @@ rank in ``CollectiveWindow.dumps``. Per grid (its id is shared by its dumps):
    group and seq (a hang grid), a late-start finding one of the group's grids
    of any trigger received within ``max_age_s``: each grid is one moment per
    rank, and a late rank is in its delay for part of each step only, so of
-   the recent grids the newest that sets a named rank apart (odd) is shown,
+   the recent grids the newest that sets a named rank apart (an odd cluster
+   of named ranks only) is shown,
    else the newest; the summary says in how many of them it stood apart
    (``apart_in``, ``recent_grids``: "rank 1 apart in 3 of 6 recent grids").
    A stall finding made before
@@ -220,15 +221,16 @@ class GridBook:
         return None
 
     def _late_start_grid(self, group: str, members: Iterable[int], suspects: set[int]) -> dict | None:
-        """Step 5 for a late start: the evidence of the newest recent grid of ``group`` in which a suspect
-        is odd (else the newest), with how many of the recent grids set a suspect apart."""
+        """Step 5 for a late start: the evidence of the newest recent grid of ``group`` that sets a suspect
+        apart (an odd cluster of suspects only: a late rank beside a healthy one at the top of its loop is not
+        set apart), else the newest, with how many of the recent grids set a suspect apart."""
         now = self._clock()
         recent = [g for g in reversed(self.grids.values())
                   if g.group == group and now - g.first_seen <= self.config.max_age_s]
         if not recent:
             return None
         evs = [(g, evidence(g, members, self.config)) for g in recent]
-        apart = [(g, ev) for g, ev in evs if suspects & set(ev["odd_ranks"])]
+        apart = [(g, ev) for g, ev in evs if any(set(c["ranks"]) <= suspects for c in ev["clusters"][1:])]
         g, ev = (apart or evs)[0]
         if len(recent) > 1 and suspects:
             ev["apart_in"], ev["recent_grids"] = len(apart), len(recent)

@@ -159,6 +159,7 @@ class ControlHub:
             uploader.bind(self._manifest_doc, self._write_manifest)
         self._clock = clock
         self._lock = threading.Lock()
+        self._manifest_lock = threading.RLock()   # _write_manifest: snapshot and write in one order (the uploader calls back)
         self._subs: dict[str, dict[int, _Subscriber]] = {}
         self._pace: dict[str, _JobPace] = {}
         self._dives: "collections.OrderedDict[str, Dive]" = collections.OrderedDict()
@@ -434,19 +435,22 @@ class ControlHub:
             return manifest_of(d.record) if d is not None else None
 
     def _write_manifest(self, dive_id: str) -> None:
-        with self._lock:
-            d = self._dives.get(dive_id)
-            if d is None:
-                return
-            doc = manifest_of(d.record)
-        if self.uploader is not None:  # each rank's objects (key, URL, state) beside its local trace
-            doc["objects"] = self.uploader.objects(dive_id)
-            self.uploader.manifest(d.record.job_id, dive_id)
-        try:
-            write_private(os.path.join(d.directory, "manifest.json"), json.dumps(doc, indent=1))
-        except OSError as e:
-            self.stats["manifest_errors"] += 1
-            log.warning("deep dive %s: cannot write its manifest: %s", dive_id, e)
+        # one writer at a time, from snapshot to file: the summarizer thread and a report's thread each write
+        # the manifest, and a snapshot taken first but written last lost a rank's report (seen in the suite)
+        with self._manifest_lock:
+            with self._lock:
+                d = self._dives.get(dive_id)
+                if d is None:
+                    return
+                doc = manifest_of(d.record)
+            if self.uploader is not None:  # each rank's objects (key, URL, state) beside its local trace
+                doc["objects"] = self.uploader.objects(dive_id)
+                self.uploader.manifest(d.record.job_id, dive_id)
+            try:
+                write_private(os.path.join(d.directory, "manifest.json"), json.dumps(doc, indent=1))
+            except OSError as e:
+                self.stats["manifest_errors"] += 1
+                log.warning("deep dive %s: cannot write its manifest: %s", dive_id, e)
 
 
 def summarize_trace(path: str, limit: int = 2000) -> dict:

@@ -291,8 +291,10 @@ def test_a_late_start_shows_the_recent_grid_that_caught_its_rank_apart_and_says_
     plain job beside load the one grid a late start carried (the newest) caught rank 1 in its backward and
     another rank at the top of its loop, while older grids of the same group had it alone in its delay."""
     st = state_of(job_batches(late_rank=2, late_ms=30, late_from=5))
-    for grid, late_rank_stack in (("0-straggler-1", SLEEP), ("0-straggler-2", WAIT), ("0-straggler-3", WAIT)):
-        for r, s in ((0, WAIT), (1, WAIT), (2, late_rank_stack), (3, WAIT)):
+    loop_top = "MainThread;<module> (train.py:80);main (train.py:70)"
+    for grid, late_rank_stack, rank_3 in (("0-straggler-1", SLEEP, WAIT), ("0-straggler-2", WAIT, WAIT),
+                                          ("0-straggler-3", loop_top, loop_top)):   # odd, not alone: not apart
+        for r, s in ((0, WAIT), (1, WAIT), (2, late_rank_stack), (3, rank_3)):
             st.grids.absorb(r, [dump(s, grid=grid, trigger="straggler")])
     (late,) = [f for f in st.late_starts("j", W, {r: 20.0 for r in range(4)}) if f.kind == "late_start"]
     ev = late.evidence["stack_grid"]
