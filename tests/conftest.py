@@ -28,8 +28,10 @@ pytest_plugins = [
 REALJOB_FILES = frozenset({
     "test_collective_rca.py", "test_collective_sources.py", "test_cpu_source_fork.py", "test_deep_dive.py",
     "test_deep_dive_faults.py", "test_deep_dive_objects.py", "test_deep_dive_trigger.py",
-    "test_readme_commands.py", "test_torch_job.py", "test_torch_job_launch.py",
+    "test_torch_job.py", "test_torch_job_launch.py",
 })
+# A test elsewhere that runs a real job carries ``@pytest.mark.realjob`` itself (the README's torchrun command):
+# the rest of its file stays off the real-job worker.
 
 
 @pytest.hookimpl(tryfirst=True)      # before pytest-xdist's own hook, which reads xdist_group into the nodeid
@@ -49,7 +51,7 @@ def pytest_collection_modifyitems(config, items):
             unit.append(item)
         elif tier == "integration":
             item.add_marker(pytest.mark.integration)
-            if path.name in REALJOB_FILES:
+            if path.name in REALJOB_FILES or item.get_closest_marker("realjob") is not None:
                 item.add_marker(pytest.mark.realjob)
                 item.add_marker(pytest.mark.xdist_group("realjob"))
                 realjob.append(item)

@@ -234,6 +234,7 @@ TRAIN = textwrap.dedent("""\
     """)
 
 
+@pytest.mark.realjob      # a real 4-rank torch job: on the real-job worker (tests/conftest.py)
 def test_run_a_torchrun_job(tmp_path):
     """`trainscope run -- torchrun --nproc-per-node 4 train.py` on a small real CPU torch job: every rank
     trains, the summary says what to run next, the torch profiler's CPU-operator windows ran on every rank
