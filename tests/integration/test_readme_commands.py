@@ -73,7 +73,7 @@ PLAN = {
 }
 
 #: placeholders of the README's synopses -> what a new user would type
-FILL = {"--ranks N": "--ranks 32", "--tp T": "--tp 2", "--pp P": "--pp 2", "--ep E": "--ep 1",
+FILL = {"--ranks N": "--ranks 16", "--tp T": "--tp 2", "--pp P": "--pp 2", "--ep E": "--ep 1",
         "TYPE:scope,onset=60s,...": "gpu_throttle:rank=5,onset=60s", "--job J": "--job demo",
         "torchrun ... train.py": "torchrun --nproc-per-node 4 train.py"}
 
