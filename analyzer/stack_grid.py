@@ -220,7 +220,8 @@ class GridBook:
                 return g
         return None
 
-    def _late_start_grid(self, group: str, members: Iterable[int], suspects: set[int]) -> dict | None:
+    def _late_start_grid(self, group: str, members: Iterable[int],
+                         suspects: set[int]) -> tuple[dict, dict | None] | None:
         """Step 5 for a late start: the evidence of the newest recent grid of ``group`` that sets a suspect
         apart (an odd cluster of suspects only: a late rank beside a healthy one at the top of its loop is not
         set apart), else the newest, with how many of the recent grids set a suspect apart."""
