@@ -238,19 +238,23 @@ class GridBook:
             ev["summary"] += f" ({_ranks(sorted(suspects))} apart in {len(apart)} of {len(recent)} recent grids)"
         return ev, flight_recorder(g, members)
 
+    def _grid_for(self, f: Finding, group: str, seq: int, members: Iterable[int]) -> tuple[dict, dict | None] | None:
+        """Step 5: the grid evidence and Flight Recorder view ``f`` carries (None while no grid is in): a late
+        start naming ranks, the recent grid that sets them apart; otherwise ``find``'s grid."""
+        if not seq and f.kind == "late_start" and f.suspects:
+            return self._late_start_grid(group, members, {x.rank for x in f.suspects})
+        g = self.find(group, seq)
+        return None if g is None else (evidence(g, members, self.config), flight_recorder(g, members))
+
     def attach(self, f: Finding, group: str, seq: int = 0, members: Iterable[int] = ()) -> Finding:
         """Step 5: ``f`` with its grid's evidence (finding and suspects); a stall finding without a
         complete grid waits for ``updates``, and so does a late start judged before any grid of its
         group is in (the straggler trigger's dumps can arrive after the window that named the rank:
         the finding is issued again with them rather than never carrying one)."""
-        if not seq and f.kind == "late_start" and f.suspects:
-            picked = self._late_start_grid(group, members, {x.rank for x in f.suspects})
-            out = f if picked is None else with_grid(f, *picked)
-            waits = picked is None
-        else:
-            g = self.find(group, seq)
-            out = f if g is None else with_grid(f, evidence(g, members, self.config), flight_recorder(g, members))
-            waits = bool(seq) and f.kind == "stall" and (g is None or not g.complete)
+        picked = self._grid_for(f, group, seq, members)
+        out = f if picked is None else with_grid(f, *picked)
+        waits = (seq and f.kind == "stall" and (picked is None or not picked[0]["complete"])) or (
+            not seq and f.kind == "late_start" and picked is None and f.suspects)
         if waits:
             self._waiting[f"{group}|{seq}"] = (f, frozenset(members))
             while len(self._waiting) > self.config.max_grids:
@@ -268,10 +272,7 @@ class GridBook:
                 continue   # a trigger on another processor's ranks, or dumps still on their way
             if g.complete or now - g.first_seen >= self.config.wait_s:
                 del self._waiting[key]
-                if not int(seq) and f.kind == "late_start" and f.suspects:
-                    out.append(with_grid(f, *self._late_start_grid(group, members, {x.rank for x in f.suspects})))
-                else:
-                    out.append(with_grid(f, evidence(g, members, self.config), flight_recorder(g, members)))
+                out.append(with_grid(f, *self._grid_for(f, group, int(seq), members)))
         return out
 
 
