@@ -26,7 +26,7 @@ communication hook (DDP). Nothing in the training script knows trainscope.
   py-spy and the dumps, clustered by stack, set the stuck rank apart in the
   stall finding's evidence and the culprit's why; each dump's Flight Recorder
   view (torch's own ledger) says which seq each rank entered (rank 2 behind).
-Four 4-rank jobs under trainscope and one without (~2.5 min on 2 cores): the DDP and FSDP2 late starts run
+Five 4-rank jobs under trainscope and one without (~2.5 min on 2 cores): the DDP and FSDP2 late starts run
 on into their hang, one job each; the plain hang is the stack-grid test's.
 """
 from __future__ import annotations
