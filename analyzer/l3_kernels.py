@@ -56,6 +56,16 @@ every (kernel, stream) their duration distributions should agree. Per
    and persistence picked the rank up when it spiked again. A consistent
    slowdown, an ECC-like tail of many slow calls or a late arriver keep
    their significance; the impact reported stays the full excess.
+   Host-timed operators (CPU operators of ranks sharing a host's cores)
+   go further: a rank's value must stay significant as its *typical*
+   call times its calls (count × p50), and fewer than
+   ``HOST_TYPICAL_MIN_CALLS`` calls give no evidence at all. The
+   scheduler preempts a rank at any call, often at several in one
+   window: a healthy 4-rank gloo job beside two busy processes had
+   ``AddmmBackward0`` at 69x its peers (14 calls, p50 as the peers', two
+   preempted calls of 11 and ~6 ms), and an idle one ``c10d::allreduce_``
+   at 60x from one sampled call (count 1). A slower operator (a slower
+   matmul, a slower data loader) is slower in its typical call.
 6. A key present on ≥ ``missing_min_present`` of a group's ranks and absent
    on the others is evidence too (e.g. a hang: the culprit stops entering a
    collective): kind ``missing_kernel``, the absent ranks as suspects. A
@@ -477,12 +487,18 @@ def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Conf
     cat_v = np.zeros((t.ranks.size, 3))
     np.add.at(cat_x, (rank_pos, cat[t.dist_key]), x_all)
     np.add.at(cat_v, (rank_pos, cat[t.dist_key]), se2_all)
-    # step 5c: the same totals with each rank's largest call replaced by its typical one
-    one_call = _largest_call_excess(t) / dist_iters
-    loo_all = x_all - one_call
-    cat_one = np.zeros((t.ranks.size, 3))
-    np.maximum.at(cat_one, (rank_pos, cat[t.dist_key]), one_call)
-    cat_loo = cat_x - cat_one
+    # step 5c: the same totals with each rank's largest call replaced by its typical one; host-timed:
+    # its typical call times its calls, nothing from fewer than HOST_TYPICAL_MIN_CALLS calls
+    if host_timed:
+        loo_all = np.where(t.dist_count >= HOST_TYPICAL_MIN_CALLS, t.dist_p50_ns * t.dist_count / dist_iters, 0.0)
+        cat_loo = np.zeros((t.ranks.size, 3))
+        np.add.at(cat_loo, (rank_pos, cat[t.dist_key]), loo_all)
+    else:
+        one_call = _largest_call_excess(t) / dist_iters
+        loo_all = x_all - one_call
+        cat_one = np.zeros((t.ranks.size, 3))
+        np.maximum.at(cat_one, (rank_pos, cat[t.dist_key]), one_call)
+        cat_loo = cat_x - cat_one
     cat_groups = [(g, np.flatnonzero(rank_group == g)) for g in group_ids.tolist()]
     cat_groups = [(g, m) for g, m in cat_groups if m.size >= cfg.min_ranks]
     n_cat = sum(int((cat_x[m] > 0).any(axis=0).sum()) * m.size for _, m in cat_groups)
@@ -541,6 +557,11 @@ def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Conf
                               ranks=t.ranks[m][None, :], category=CATEGORIES[c], x_loo=cat_loo[m, c][None, :])
     outliers.sort(key=lambda o: -float(np.abs(o.x_ns - o.median_ns).max()))
     return L3Result(outliers, missing, int(scored.sum()), int(seg_n[scored].sum()), comparisons, z_star)
+
+
+#: Step 5c: a host-timed operator with fewer calls in a window than this gives no evidence (its median
+#: is not its typical call: one preempted call of two is half of it).
+HOST_TYPICAL_MIN_CALLS = 3
 
 
 def _largest_call_excess(t: KernelTable) -> np.ndarray:

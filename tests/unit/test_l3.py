@@ -21,14 +21,16 @@ KEYS = [(GEMM, 7, [(400, 180e3, 230e3)]),
         ("Memcpy HtoD (Pageable -> Device)", 7, [(10, 12e3, 12e3)])]     # a point mass
 
 
-def job(world, *, tp=1, pp=1, seed=0, noise=0.01, edit=None) -> JobWindow:
+def job(world, *, tp=1, pp=1, seed=0, noise=0.01, edit=None, device="cuda") -> JobWindow:
     """Every rank runs KEYS with lognormal rank-to-rank noise; ``edit(rank, key, clusters)`` alters one."""
     rng = np.random.default_rng(seed)
     win = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=3, first_iteration=30,
                              last_iteration=39)
     jw = JobWindow(job_id="j", window=win)
     for r in range(world):
-        res = Resource(job_id="j", rank=r, world_size=world, coords=coords_for_rank(r, world, tp=tp, pp=pp))
+        # GPU kernels: device-timed (a rank without a device counts as a CPU-operator source, host-timed)
+        res = Resource(job_id="j", rank=r, world_size=world, device=f"cuda:{r % 8}" if device == "cuda" else device,
+                       coords=coords_for_rank(r, world, tp=tp, pp=pp))
         jw.resources[r] = res
         kw = records_pb2.KernelWindow(resource=res.to_pb(), window=win)
         for k, (name, stream, clusters) in enumerate(KEYS):
@@ -148,6 +150,38 @@ def test_tail_only_inflation_is_found_ecc_like():
     assert ev["p50_ns"] == pytest.approx(ev["group_median_p50_ns"], rel=0.05)
     assert ev["ratio"] == pytest.approx(1.18, abs=0.05)
     assert ev["time_per_iteration_ns"] > ev["group_median_ns"] and ev["direction"] == "slower"
+
+
+def test_host_timed_operators_need_a_slower_typical_call():
+    """Step 5c for CPU operators (host-timed): the scheduler preempts a rank at any call, often at
+    two in one window. Two preempted calls of 14 (each ~20x the typical call, the rank 1.5x its
+    peers in total), or one sampled call 50x its peers', name nobody; every call 3x slower does."""
+    op = ("autograd::engine::evaluate_function: AddmmBackward0", 1, [(14, 20e3, 30e3)])
+    single = ("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 1, [(1, 240e3, 240e3)])
+
+    def run(edit):
+        saved = list(KEYS)
+        KEYS[:] = [op, single]
+        try:
+            found = analyze_kernels(job(4, seed=5, edit=edit, device="cpu"))
+            return sorted({s.rank for f in found if f.kind in ("degraded_kernel", "degraded_kernels")
+                           for s in f.suspects})
+        finally:
+            KEYS[:] = saved
+
+    def preempted(r, k, cl):   # two of its 14 calls preempted: 11 ms and 6 ms
+        return [(12, cl[0][1], cl[0][2]), (1, 11e6, 11e6), (1, 6e6, 6e6)] if (r, k) == (2, 0) else cl
+
+    def one_call(r, k, cl):    # its one sampled call of the data loader, 50x
+        return [(1, 50 * cl[0][1], 50 * cl[0][1])] if (r, k) == (2, 1) else cl
+
+    def slower(r, k, cl):      # every call 3x (4 host-timed ranks: a Student t threshold of 3 degrees of freedom)
+        return [(c, 3.0 * a, 3.0 * b) for c, a, b in cl] if (r, k) == (2, 0) else cl
+
+    assert run(None) == []
+    assert run(preempted) == []
+    assert run(one_call) == []
+    assert run(slower) == [2]
 
 
 def test_one_spiked_call_of_a_big_once_per_step_kernel_names_nobody_but_a_shift_does():
