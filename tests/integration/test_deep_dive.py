@@ -41,11 +41,14 @@ pytestmark = pytest.mark.integration
 WORLD = 4
 ITERATIONS = 4
 HOT_RANK = 2
+#: The job runs until the test creates its stop file (after the dive and the refused second request), not
+#: a fixed number of steps that a loaded host's slow ``profile`` start-up could outlast; this bounds it.
+MAX_STEPS = 3000
 
 #: A small gloo job (as tests/support/train_collectives.py, plain all-reduce) whose rank HOT_RANK runs a
 #: Python hot loop every step; nothing here knows trainscope.
 TRAIN_SCRIPT = """
-import sys, time
+import os, sys, time
 import torch, torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -59,25 +62,30 @@ def hot_loop(n):
 
 
 def main():
-    steps, hot_rank = int(sys.argv[1]), int(sys.argv[2])
+    steps, hot_rank, stop = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(100 + rank)
-    loader = DataLoader(TensorDataset(torch.randn(steps * 32, 64, generator=g),
-                                      torch.randn(steps * 32, 8, generator=g)), batch_size=32)
-    for step, (x, y) in enumerate(loader):
+    loader = DataLoader(TensorDataset(torch.randn(16 * 32, 64, generator=g),
+                                      torch.randn(16 * 32, 8, generator=g)), batch_size=32)
+    batches = (b for _ in range(steps) for b in loader)
+    for step in range(steps):
+        x, y = next(batches)
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
         time.sleep(0.02)
         if rank == hot_rank:
             hot_loop(150_000)
         loss.backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        # the stop file's flag rides on the gradients' all-reduce: every rank stops after the same step
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()] + [torch.tensor([float(os.path.exists(stop))])])
         dist.all_reduce(flat)
         opt.step()
+        if flat[-1] > 0:
+            break
     dist.barrier()
     dist.destroy_process_group()
 
@@ -106,15 +114,17 @@ def run_once(tmp: Path):
     tmp.mkdir(parents=True, exist_ok=True)
     train = tmp / "train_hot.py"
     train.write_text(TRAIN_SCRIPT)
-    deep = tmp / "deep"
+    deep, stop = tmp / "deep", tmp / "stop"
     proc = start_processor(window=WindowConfig(iterations=10, lateness_s=1),
-                           control=ControlConfig(directory=str(deep), lead_s=1.0, cooldown_s=600))
+                           # the lead covers the command's delay to every rank on a loaded 2-core host (1 s was
+                           # not: a rank saw it after the start iteration began and reported "missed", as designed)
+                           control=ControlConfig(directory=str(deep), lead_s=4.0, cooldown_s=600))
     environ = clean_env(deep)
     job = subprocess.Popen(
         [sys.executable, "-m", "trainscope.deploy.cli", "run", "--processor", proc.address, "--no-processor",
          "--no-stacks", "--run-dir", str(tmp / "run"), "--job-id", "dd", "--",
          sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-         str(train), "140", str(HOT_RANK)],
+         str(train), str(MAX_STEPS), str(HOT_RANK), str(stop)],
         env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
@@ -126,6 +136,7 @@ def run_once(tmp: Path):
         p = cli("profile", "--job", "dd", "--processor", proc.address, "--iterations", str(ITERATIONS),
                 "--wait", "40", "--json", environ=environ)
         again = cli("profile", "--job", "dd", "--processor", proc.address, environ=environ)
+        stop.touch()      # the dive is in (or the command gave up): the job ends after its next step
         out, _ = job.communicate(timeout=120)
     finally:
         if job.poll() is None:

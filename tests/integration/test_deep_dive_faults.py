@@ -48,10 +48,14 @@ WORLD = 6
 ITERATIONS = 4
 FAULTS = {1: "slow_collate", 2: "gc", 3: "busy_thread", 4: "unfused"}
 HEALTHY = sorted(set(range(WORLD)) - set(FAULTS))
+#: The job runs until the test creates its stop file (after the dive), not a fixed number of steps: on a
+#: loaded host the ``profile`` command's own start-up took longer than a 70-step job had left, and the
+#: dive's ranks ended "truncated" or never started. This bounds it if the test never stops it.
+MAX_STEPS = 3000
 
 #: A small gloo job; ``rank=fault`` arguments give ranks their fault. Nothing here knows trainscope.
 TRAIN_SCRIPT = """
-import gc, sys, threading, time
+import gc, os, sys, threading, time
 import torch, torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, default_collate
@@ -83,8 +87,8 @@ class Unfused(nn.Module):
 
 
 def main():
-    steps = int(sys.argv[1])
-    fault = dict(a.split("=") for a in sys.argv[2:])
+    steps, stop = int(sys.argv[1]), sys.argv[2]
+    fault = dict(a.split("=") for a in sys.argv[3:])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     fault = fault.get(str(rank), "")
@@ -97,19 +101,24 @@ def main():
     held = [[i] for i in range(200_000)]
     if fault == "busy_thread":
         threading.Thread(target=spin, daemon=True).start()
-    loader = DataLoader(TensorDataset(torch.randn(steps * 128, 64, generator=g),
-                                      torch.randn(steps * 128, 8, generator=g)), batch_size=128,
+    loader = DataLoader(TensorDataset(torch.randn(16 * 128, 64, generator=g),
+                                      torch.randn(16 * 128, 8, generator=g)), batch_size=128,
                         collate_fn=slow_collate if fault == "slow_collate" else default_collate)
-    for step, (x, y) in enumerate(loader):
+    batches = (b for _ in range(steps) for b in loader)
+    for step in range(steps):
+        x, y = next(batches)
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
         time.sleep(0.02)
         if fault == "gc":
             gc.collect()
         loss.backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        # the stop file's flag rides on the gradients' all-reduce: every rank stops after the same step
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()] + [torch.tensor([float(os.path.exists(stop))])])
         dist.all_reduce(flat)
         opt.step()
+        if flat[-1] > 0:
+            break
     dist.barrier()
     dist.destroy_process_group()
 
@@ -133,10 +142,10 @@ def run_once(tmp: Path):
     tmp.mkdir(parents=True, exist_ok=True)
     train = tmp / "train_faults.py"
     train.write_text(TRAIN_SCRIPT)
-    deep = tmp / "deep"
+    deep, stop = tmp / "deep", tmp / "stop"
     proc = start_processor(window=WindowConfig(iterations=10, lateness_s=1),
                            # the lead covers the command's delay on a loaded 2-core host (a rank that reaches the start
-                           # iteration first reports "missed", as designed); 70 steps leave room for it
+                           # iteration first reports "missed", as designed)
                            control=ControlConfig(directory=str(deep), lead_s=4.0, cooldown_s=600))
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TRAINSCOPE_") and k != "PYTHONPATH"}
     environ[env.DEEP_DIVE_DIR] = str(deep)
@@ -147,7 +156,7 @@ def run_once(tmp: Path):
         [sys.executable, "-m", "trainscope.deploy.cli", "run", "--processor", proc.address, "--no-processor",
          "--no-stacks", "--run-dir", str(tmp / "run"), "--job-id", "faults", "--",
          sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-         str(train), "70", *(f"{r}={f}" for r, f in FAULTS.items())],
+         str(train), str(MAX_STEPS), str(stop), *(f"{r}={f}" for r, f in FAULTS.items())],
         env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
@@ -159,6 +168,7 @@ def run_once(tmp: Path):
         p = subprocess.run([sys.executable, "-m", "trainscope.deploy.cli", "profile", "--job", "faults",
                             "--processor", proc.address, "--iterations", str(ITERATIONS), "--wait", "60", "--json"],
                            env=environ, capture_output=True, text=True, timeout=90)
+        stop.touch()      # the dive is in (or the command gave up): the job ends after its next step
         out, _ = job.communicate(timeout=120)
     finally:
         if job.poll() is None:

@@ -99,6 +99,19 @@ def test_window_opens_at_the_start_iteration_and_covers_exactly_n(tmp_path):
     assert len(FakeProfiler.made) == 1 and len(reports) == 1
 
 
+def test_an_epoch_end_opens_no_second_profiler_step(tmp_path):
+    """At an epoch's end the exhausted loader's last ``__next__`` (StopIteration) and the next epoch's
+    first both come before the same iteration's first batch: one ProfilerStep per iteration (a real
+    4-rank job cycling a 16-batch loader had ``ProfilerStep#96`` twice, the first 0.3 ms long)."""
+    w, reports = make(tmp_path)
+    w.arm(cmd(start=10, n=3))
+    run_iterations(w, [10, 11, 11, 12, 12, 13])
+    (prof,) = FakeProfiler.made
+    assert prof.steps == [10, 11, 12] and prof.calls == ["start", "stop"]
+    assert w.wait_written(5)
+    assert (reports[0].first_iteration, reports[0].last_iteration) == (10, 12)
+
+
 def test_a_start_iteration_already_passed_is_missed_never_started_late(tmp_path):
     w, reports = make(tmp_path)
     w.arm(cmd(start=10))
