@@ -440,9 +440,23 @@ def _spans(ph: list, ts: list, dur: list) -> tuple[np.ndarray, np.ndarray, list]
 
 def _kernel_rows(kev: list, kinds: list, skipped: Counter) -> tuple:
     """The kernel events' columns (step 2, after the pass): spans checked and converted at once
-    (``_spans``), then names, streams and devices of the kept ones; each dropped one counted."""
+    (``_spans``), then names, streams and devices of the kept ones; each dropped one counted.
+
+    Every span kept, every name a string within ``MAX_NAME_CHARS`` and every ``args`` an object (a
+    real trace): list comprehensions over the columns (~2x the loop below, which keeps the exact
+    reasons of odd input)."""
     start, dur, why = _spans([e.get("ph") for e in kev], [e.get("ts") for e in kev], [e.get("dur") for e in kev])
-    names: dict[str, int] = {}
+    raw_names = [e.get("name") for e in kev]
+    args = [e.get("args") for e in kev]
+    if (not any(why) and set(map(type, raw_names)) <= {str} and set(map(type, args)) <= {dict}
+            and max(map(len, raw_names), default=0) <= MAX_NAME_CHARS):
+        names: dict[str, int] = {}
+        k_name = [names.setdefault(n, len(names)) for n in raw_names]
+        k_stream = [s if type(s) is int and 0 <= s < 2**32 else 0 for s in (a.get("stream") for a in args)]
+        devices = Counter(d for d in (a.get("device") for a in args) if type(d) is int and d >= 0)
+        device = devices.most_common(1)[0][0] if devices else 0
+        return tuple(names), start, dur, k_name, k_stream, list(kinds), device
+    names = {}
     devices: Counter = Counter()
     keep, k_name, k_stream, k_kind = [], [], [], []
     for i, (ev, w) in enumerate(zip(kev, why)):

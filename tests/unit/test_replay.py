@@ -79,6 +79,27 @@ def test_real_kernel_rows_match_gpu_events(real):
 
 
 @needs_real
+def test_real_kernel_rows_fast_path_equals_the_event_loop(real):
+    """``_kernel_rows`` on a real trace's kernels: its comprehension fast path (every event well formed)
+    gives the same columns as its per-event loop, which one odd event sends it to."""
+    from collections import Counter
+
+    from trainscope.collector.sources.replay import KERNEL_CATS, _kernel_rows
+
+    raw, _ = real
+    kev = [e for e in raw["traceEvents"] if isinstance(e, dict) and e.get("cat") in KERNEL_CATS]
+    kinds = [KERNEL_CATS[e["cat"]] for e in kev]
+    fast_skipped, slow_skipped = Counter(), Counter()
+    fast = _kernel_rows(kev, kinds, fast_skipped)
+    odd = {"ph": "X", "cat": "kernel", "name": "odd", "ts": "not a number", "dur": 1, "args": {}}
+    slow = _kernel_rows(kev + [odd], kinds + [KIND_KERNEL], slow_skipped)
+    assert fast_skipped == Counter() and slow_skipped == Counter({"kernel:bad_timestamp": 1})
+    assert fast[0] == slow[0] and fast[6] == slow[6]                      # names, device
+    for a, b in zip(fast[1:6], slow[1:6]):                                 # start, dur, name ids, streams, kinds
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@needs_real
 def test_real_rank_and_iterations(real):
     raw, trace = real
     info = raw["distributedInfo"]
