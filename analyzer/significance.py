@@ -48,7 +48,7 @@ import collections
 import dataclasses
 
 import numpy as np
-from scipy.special import ndtri
+from statistics import NormalDist
 
 from trainscope.analyzer.sequential import Cusum, SequentialConfig
 from trainscope.analyzer.topology import check_number
@@ -78,8 +78,10 @@ class SignificanceConfig:
 
 
 def z_threshold(alpha: float, comparisons: int) -> float:
-    """z* = Φ⁻¹(1 − α/M) (step 2)."""
-    return float(-ndtri(alpha / max(int(comparisons), 1)))
+    """z* = Φ⁻¹(1 − α/M) (step 2). The standard library's Φ⁻¹ (Wichura's AS241, ~1e-16 relative): importing
+    scipy.special for it cost every ``trainscope query verdict`` 0.5 s of its 1 s."""
+    p = alpha / max(int(comparisons), 1)
+    return -NormalDist().inv_cdf(p) if 0.0 < p < 1.0 else (float("inf") if p <= 0.0 else float("-inf"))
 
 
 def small_group_threshold(alpha: float, comparisons: int, n) -> np.ndarray:
