@@ -299,6 +299,7 @@ def test_sim_final_flush_to_a_processor_that_never_answers_is_bounded():
     final flush gives up at its bound, and what was not confirmed is counted as dropped."""
     import threading
 
+    from support.sim_homes import sim_home
     from trainscope.collector.sim import run_sim, sim_config
 
     srv = socket.socket()
@@ -308,7 +309,7 @@ def test_sim_final_flush_to_a_processor_that_never_answers_is_bounded():
     threading.Thread(target=lambda: [held.append(srv.accept()) for _ in range(16)], daemon=True).start()
     try:
         t0 = time.monotonic()
-        res = run_sim(sim_config(ranks=8, tp=2, iterations=2), f"127.0.0.1:{srv.getsockname()[1]}",
+        res = run_sim(sim_config(ranks=8, tp=2, iterations=2, home=sim_home()), f"127.0.0.1:{srv.getsockname()[1]}",
                       final_flush_s=1.0)
         assert time.monotonic() - t0 < 20
         assert res.dropped > 0 and res.exporter["dropped"].get("shutdown", 0) > 0, res.exporter

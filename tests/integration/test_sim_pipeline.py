@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from support.pipeline import bus_records, start_processor
+from support.sim_homes import sim_home
 from trainscope.collector.sim import SimConfig, parse_fault, run_sim
 from trainscope.collector.sim import workload as wl
 from trainscope.processor.windows import WindowConfig
@@ -90,7 +91,7 @@ class Records:
 
 
 def run(faults=(), window_iterations=5, **kw) -> Records:
-    cfg = SimConfig(**{**BASE, **kw}, faults=tuple(parse_fault(f) for f in faults))
+    cfg = SimConfig(**{**BASE, **kw}, faults=tuple(parse_fault(f) for f in faults), home=sim_home())
     proc = start_processor(window=WindowConfig(mode="iterations", iterations=window_iterations,
                                                idle_close_s=3600))
     try:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from support.pipeline import bus_records, start_processor
+from support.sim_homes import sim_home
 from trainscope.collector.sim import MemorySink, SimConfig, parse_fault, run_sim
 from trainscope.deploy.embedded import run_sim_embedded
 from trainscope.deploy.cli import main
@@ -40,7 +41,7 @@ def test_traces_out_replays_with_matching_counts(tmp_path, capsys):
 
     # what the simulator generated, per (rank, kernel, stream)
     cfg = SimConfig(ranks=16, tp=2, pp=2, ep=2, layers=1, micro_batches=2, iterations=6, seed=7, noise=None,
-                    job_id="simreplay", faults=(parse_fault(FAULT),))
+                    job_id="simreplay", faults=(parse_fault(FAULT),), home=sim_home())
     mem = MemorySink()
     run_sim(cfg, sinks=[mem])
     generated: collections.Counter = collections.Counter()

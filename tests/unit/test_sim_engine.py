@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from support.sim_homes import sim_home
 from trainscope.collector.sim import MemorySink, SimConfig, parse_fault, run_sim
 from trainscope.collector.sim import workload as wl
 from trainscope.collector.sim.simulate import Simulation
@@ -17,7 +18,7 @@ SMALL = dict(ranks=32, tp=2, pp=2, ep=2, iterations=8, layers=1, micro_batches=2
 
 
 def simulate(faults=(), **kw):
-    cfg = SimConfig(**{**SMALL, **kw}, faults=tuple(parse_fault(f) for f in faults))
+    cfg = SimConfig(**{**SMALL, "home": sim_home(), **kw}, faults=tuple(parse_fault(f) for f in faults))
     mem = MemorySink()
     res = run_sim(cfg, sinks=[mem])
     return mem, res

@@ -14,6 +14,7 @@ import collections
 import numpy as np
 import pytest
 
+from support.sim_homes import sim_home
 from trainscope.analyzer.model import LINK
 from trainscope.analyzer.waiting_graph import WaitingGraphConfig, slow_links
 from trainscope.collector.sim import MemorySink, SimConfig, parse_fault, run_sim
@@ -65,7 +66,7 @@ def test_plan_counts_steps_and_numbers_each_group_alike():
 
 def _flows(fault: str | None, ranks: int = 32):
     cfg = SimConfig(ranks=ranks, tp=2, pp=2, iterations=4, seed=3, noise=None,
-                    faults=(parse_fault(fault),) if fault else ())
+                    faults=(parse_fault(fault),) if fault else (), home=sim_home())
     sink = MemorySink()
     run_sim(cfg, sinks=[sink])
     busy = collections.defaultdict(list)    # (group dim, src, dst) -> busy / transfer
