@@ -16,7 +16,8 @@ ARGUS Table 3):
    ``min_excess`` slower than the median (3b, ``_specific_phases``: a host
    phase of a small group far more out of line than the rank's other host
    phases is judged against its spread pooled over the job's recent
-   windows). The impact of a suspect is its
+   windows; 3c, ``_typical_phases``: a host phase whose *typical* instance,
+   p50 × count per iteration, is that far out of line). The impact of a suspect is its
    extra phase time per iteration (for a late arriver: the time its peers
    waited). Why not z alone: With n ranks
    max |z| ≤ (n−1)/√n (1.15 for 3 ranks, 1.5 for 4), and k equal outliers
@@ -280,11 +281,14 @@ def analyze_phases(jw: JobWindow, cfg: L2Config = L2Config(), scale: WindowScale
     compute_ratio = {ph.name: dict(zip(ph.rows.tolist(), ph.ratio.tolist()))
                      for ph in phases if not ph.comm}
     specific = _specific_phases(phases, compute_ratio, cfg, m_cmp, spread) if spread is not None else {}
+    typical = _typical_phases(jw, phases, ranks, scale, cfg) if host else {}
     out: list[Finding] = []
     for ph in phases:
         high = ph.eligible & (ph.ratio >= 1 + cfg.min_excess) & (ph.sz >= ph.z_star)
         if ph.name in specific:
             high |= specific[ph.name]
+        if ph.name in typical:
+            high |= typical[ph.name]
         if not ph.comm:
             kind = "imbalance" if imbalance.search(ph.name) else "straggler"
             if kind == "imbalance":
@@ -341,6 +345,44 @@ def _specific_phases(phases: list[_Phase], compute_ratio: dict, cfg: L2Config, m
                            if any(r in o for o in others) else 1.0 for r in ph.rows.tolist()])
         out[ph.name] = (small & ph.eligible & (ph.ratio >= 1 + cfg.min_excess) & (zp >= t_star)
                         & (ph.ratio >= cfg.specific_factor * factor))
+    return out
+
+
+def _typical_phases(jw: JobWindow, phases: list[_Phase], ranks: list[int], scale: WindowScale,
+                    cfg: L2Config) -> dict[str, np.ndarray]:
+    """Step 3c: a host phase's typical instance out of line (an addition, as L3's step 5c for CPU operators).
+
+    A host-timed phase's mean carries the scheduler's preemptions: on a 2-core host beside busy
+    processes, a rank whose data loader waited 30 ms every step (peers 0.3 ms) was flagged in some
+    windows and not others as its peers' preempted steps widened their spread, and the job read
+    "healthy". Its p50 was 30 ms in every window, the peers' 0.3 ms: the typical instance does not
+    move with a few preempted steps, on the slow rank or its peers. So the same test (ratio and
+    significance against the group, the same threshold) is also run on p50 × count per iteration;
+    a rank flagged either way is flagged. Not for phases that can hold a wait inside
+    (``holds_collectives``): a waiter waits in every step too. The evidence and the impact stay the
+    mean's. Returns {phase: rows flagged}."""
+    holds = re.compile(cfg.holds_collectives, re.IGNORECASE)
+    typ: dict[tuple[int, str], float] = collections.defaultdict(float)
+    for r, pw in jw.phases.items():
+        for p in pw.phases:
+            if p.count > 0 and p.clock == telemetry_pb2.PHASE_CLOCK_CPU:
+                typ[(r, p.phase)] += p.p50_ns * p.count
+    iters = dict(zip(ranks, scale.iterations_array(ranks).tolist()))
+    out = {}
+    for ph in phases:
+        if not ph.host_timed or ph.comm or holds.search(ph.name):
+            continue
+        rows_rank = [ranks[i] for i in ph.rows.tolist()]
+        x = np.array([typ.get((r, ph.name), 0.0) / max(iters.get(r, 1.0), 1.0) for r in rows_rank])
+        flag = np.zeros(ph.rows.size, dtype=bool)
+        for g in np.unique(ph.label).tolist():
+            idx = np.flatnonzero(ph.label == g)
+            z, med, _ = robust_z(x[idx], None, cfg.rel_floor)
+            m = float(med.ravel()[0])
+            flag[idx] = (ph.st["n"][idx] >= cfg.min_group_size) & (x[idx] >= (1 + cfg.min_excess) * m) & (
+                z.ravel() >= ph.z_star[idx])
+        if flag.any():
+            out[ph.name] = flag
     return out
 
 

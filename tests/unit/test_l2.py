@@ -168,6 +168,49 @@ def run_windows(scale, seeds, spread=True):
     return [analyze_phases(cpu_job(scale, seed=s), L2Config(), None, memory) for s in seeds]
 
 
+def test_a_host_phase_whose_typical_instance_is_out_of_line_is_named_whatever_the_preemptions():
+    """Step 3c. Beside busy processes the peers' data loader means carry preempted steps (one step of ten
+    at 20-60 ms: means 2-6x their p50) while rank 2 waits 30 ms in every step: its mean is lost in the
+    peers' spread in some windows, its typical instance (p50) never is. The preempted peers alone, and a
+    forward (it can hold a wait) whose p50 is 3x, name nobody by step 3c."""
+    rng = np.random.default_rng(7)
+
+    def window(slow: bool, seed: int, phase: str = "dataloader"):
+        jw = cpu_job(lambda r, c, p: 1.0, noise=0.05, seed=seed)
+        for r, pw in jw.phases.items():
+            for p in pw.phases:
+                if p.phase != phase:
+                    continue
+                if slow and r == 2:
+                    p.p50_ns = 20 * p.p50_ns if phase == "dataloader" else 3 * p.p50_ns
+                    p.total_ns = p.p50_ns * p.count + rng.uniform(0, 40) * MS
+                else:                       # one preempted step of ten
+                    p.total_ns = p.p50_ns * p.count + rng.uniform(20, 60) * MS
+                p.mean_ns = p.total_ns / p.count
+        return jw
+
+    from trainscope.analyzer import l2_phases
+
+    def by_mean_only(jw):
+        saved = l2_phases._typical_phases
+        l2_phases._typical_phases = lambda *a, **k: {}
+        try:
+            return analyze_phases(jw)
+        finally:
+            l2_phases._typical_phases = saved
+
+    named, by_mean = 0, 0
+    for s in range(30):
+        got = analyze_phases(window(True, s))
+        assert all(x.rank == 2 for f in got for x in f.suspects), summary(got)
+        named += any(f.scope.phase == "dataloader" for f in got)
+        by_mean += any(f.scope.phase == "dataloader" for f in by_mean_only(window(True, s)))
+        # the preempted peers alone, and a forward 3x typical: step 3c adds nothing to what the means say
+        for jw in (window(False, s), window(True, s, "forward")):
+            assert summary(analyze_phases(jw)) == summary(by_mean_only(jw)), s
+    assert named == 30 and by_mean < named, (named, by_mean)
+
+
 def test_a_host_phase_far_out_of_line_is_judged_against_its_spread_over_windows():
     """Step 3b. After 4 healthy windows, a data loader 30x its peers on rank 2 (its other phases as
     theirs) is named in every window; judged in each window alone (the Student t of 3 degrees of
