@@ -28,16 +28,18 @@ class SimOutcome:
     dropped: int
     hung: bool
     ground_truth_path: str
+    undelivered_bytes: int = 0      # left in the Kafka spool when the run ended (never sent)
 
 
 def _run(job: SimJob) -> SimOutcome:
     from trainscope.collector.sim import sim_config
-    from trainscope.deploy.embedded import run_sim_embedded
+    from trainscope.deploy.embedded import run_sim_embedded, undelivered_kafka_bytes
     from trainscope.processor.kafka_config import KafkaSinkConfig
 
     options = {"kafka": KafkaSinkConfig(**job.kafka)} if job.kafka is not None else {}
     res = run_sim_embedded(sim_config(**job.sim), processor_options=options)
-    return SimOutcome(job.sim.get("job_id", ""), res.dropped, res.hung, res.ground_truth_path)
+    return SimOutcome(job.sim.get("job_id", ""), res.dropped, res.hung, res.ground_truth_path,
+                      undelivered_kafka_bytes(res.processor or {}))
 
 
 def run_sims(jobs: list[SimJob], workers: int | None = None) -> list[SimOutcome]:
