@@ -220,13 +220,18 @@ def _phase(name, dim, comm, col, label_of_row, cfg, per_iter_col=None) -> _Phase
         cv = np.where(st["mean"] > 0, st["std"] / st["mean"], 0.0)
     eligible = (st["n"] >= cfg.min_group_size) & (cv >= cfg.cv_mild)
     pi = x if per_iter_col is None else per_iter_col[rows]
-    sz = np.zeros(rows.size)
-    pmed = np.zeros(rows.size)
+    sz, pmed = _group_z(pi, label, cfg.rel_floor)
+    return _Phase(name, dim, comm, rows, label, x, st, z, rz, ratio, cv, eligible, pi, sz, pmed)
+
+
+def _group_z(x: np.ndarray, label: np.ndarray, rel_floor: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per element, the robust z of ``x`` against its group (``label``) and the group's median (step 3)."""
+    z, med = np.zeros(x.size), np.zeros(x.size)
     for g in np.unique(label).tolist():
         idx = np.flatnonzero(label == g)
-        zz, med, _ = robust_z(pi[idx], None, cfg.rel_floor)
-        sz[idx], pmed[idx] = zz, med.ravel()[0]
-    return _Phase(name, dim, comm, rows, label, x, st, z, rz, ratio, cv, eligible, pi, sz, pmed)
+        zz, m, _ = robust_z(x[idx], None, rel_floor)
+        z[idx], med[idx] = zz, m.ravel()[0]
+    return z, med
 
 
 class PhaseSpread:
@@ -254,7 +259,8 @@ def analyze_phases(jw: JobWindow, cfg: L2Config = L2Config(), scale: WindowScale
     if not names:
         return []
     scale = scale if scale is not None else window_scale(jw)
-    per_iter = tot / scale.iterations_array(ranks)[:, None]
+    iterations = scale.iterations_array(ranks)
+    per_iter = tot / iterations[:, None]
     resources = resources_with(jw.resources, jw.phases)
     labels: dict[str, np.ndarray] = {}
     imbalance = re.compile(cfg.imbalance, re.IGNORECASE)
@@ -281,7 +287,7 @@ def analyze_phases(jw: JobWindow, cfg: L2Config = L2Config(), scale: WindowScale
     compute_ratio = {ph.name: dict(zip(ph.rows.tolist(), ph.ratio.tolist()))
                      for ph in phases if not ph.comm}
     specific = _specific_phases(phases, compute_ratio, cfg, m_cmp, spread) if spread is not None else {}
-    typical = _typical_phases(jw, phases, ranks, scale, cfg) if host else {}
+    typical = _typical_phases(jw, phases, ranks, iterations, cfg) if host else {}
     out: list[Finding] = []
     for ph in phases:
         high = ph.eligible & (ph.ratio >= 1 + cfg.min_excess) & (ph.sz >= ph.z_star)
@@ -348,7 +354,7 @@ def _specific_phases(phases: list[_Phase], compute_ratio: dict, cfg: L2Config, m
     return out
 
 
-def _typical_phases(jw: JobWindow, phases: list[_Phase], ranks: list[int], scale: WindowScale,
+def _typical_phases(jw: JobWindow, phases: list[_Phase], ranks: list[int], iterations: np.ndarray,
                     cfg: L2Config) -> dict[str, np.ndarray]:
     """Step 3c: a host phase's typical instance out of line (an addition, as L3's step 5c for CPU operators).
 
@@ -360,27 +366,20 @@ def _typical_phases(jw: JobWindow, phases: list[_Phase], ranks: list[int], scale
     significance against the group, the same threshold) is also run on p50 × count per iteration;
     a rank flagged either way is flagged. Not for phases that can hold a wait inside
     (``holds_collectives``): a waiter waits in every step too. The evidence and the impact stay the
-    mean's. Returns {phase: rows flagged}."""
+    mean's. ``iterations``: each of ``ranks``' iterations in the window. Returns {phase: rows flagged}."""
     holds = re.compile(cfg.holds_collectives, re.IGNORECASE)
     typ: dict[tuple[int, str], float] = collections.defaultdict(float)
     for r, pw in jw.phases.items():
         for p in pw.phases:
             if p.count > 0 and p.clock == telemetry_pb2.PHASE_CLOCK_CPU:
                 typ[(r, p.phase)] += p.p50_ns * p.count
-    iters = dict(zip(ranks, scale.iterations_array(ranks).tolist()))
     out = {}
     for ph in phases:
         if not ph.host_timed or ph.comm or holds.search(ph.name):
             continue
-        rows_rank = [ranks[i] for i in ph.rows.tolist()]
-        x = np.array([typ.get((r, ph.name), 0.0) / max(iters.get(r, 1.0), 1.0) for r in rows_rank])
-        flag = np.zeros(ph.rows.size, dtype=bool)
-        for g in np.unique(ph.label).tolist():
-            idx = np.flatnonzero(ph.label == g)
-            z, med, _ = robust_z(x[idx], None, cfg.rel_floor)
-            m = float(med.ravel()[0])
-            flag[idx] = (ph.st["n"][idx] >= cfg.min_group_size) & (x[idx] >= (1 + cfg.min_excess) * m) & (
-                z.ravel() >= ph.z_star[idx])
+        x = np.array([typ.get((ranks[i], ph.name), 0.0) / max(float(iterations[i]), 1.0) for i in ph.rows.tolist()])
+        z, med = _group_z(x, ph.label, cfg.rel_floor)
+        flag = (ph.st["n"] >= cfg.min_group_size) & (x >= (1 + cfg.min_excess) * med) & (z >= ph.z_star)
         if flag.any():
             out[ph.name] = flag
     return out

@@ -541,7 +541,5 @@ def _bonferroni_z(z: float, m: np.ndarray) -> np.ndarray:
     nd = NormalDist()
     tail = nd.cdf(-z)
     ms, inv = np.unique(m, return_inverse=True)
-    # m = 1: z itself (no round trip through Φ and Φ⁻¹)
-    thr = [z if k == 1 else nd.inv_cdf(1.0 - tail / k) if 1.0 - tail / k < 1.0 else float("inf")
-           for k in ms.tolist()]
+    thr = [nd.inv_cdf(1.0 - tail / k) if 1.0 - tail / k < 1.0 else float("inf") for k in ms.tolist()]
     return np.asarray(thr, dtype=np.float64)[inv.reshape(np.shape(m))]

@@ -447,23 +447,22 @@ def _kernel_rows(kev: list, kinds: list, skipped: Counter) -> tuple:
     reasons of odd input)."""
     start, dur, why = _spans([e.get("ph") for e in kev], [e.get("ts") for e in kev], [e.get("dur") for e in kev])
     raw_names = [e.get("name") for e in kev]
-    args = [e.get("args") for e in kev]
-    if (not any(why) and set(map(type, raw_names)) <= {str} and set(map(type, args)) <= {dict}
+    raw_args = [e.get("args") for e in kev]
+    if (not any(why) and set(map(type, raw_names)) <= {str} and set(map(type, raw_args)) <= {dict}
             and max(map(len, raw_names), default=0) <= MAX_NAME_CHARS):
         names: dict[str, int] = {}
         k_name = [names.setdefault(n, len(names)) for n in raw_names]
-        k_stream = [s if type(s) is int and 0 <= s < 2**32 else 0 for s in (a.get("stream") for a in args)]
-        devices = Counter(d for d in (a.get("device") for a in args) if type(d) is int and d >= 0)
+        k_stream = [s if type(s) is int and 0 <= s < 2**32 else 0 for s in (a.get("stream") for a in raw_args)]
+        devices = Counter(d for d in (a.get("device") for a in raw_args) if type(d) is int and d >= 0)
         device = devices.most_common(1)[0][0] if devices else 0
         return tuple(names), start, dur, k_name, k_stream, list(kinds), device
     names = {}
     devices: Counter = Counter()
     keep, k_name, k_stream, k_kind = [], [], [], []
-    for i, (ev, w) in enumerate(zip(kev, why)):
+    for i, (name, args, w) in enumerate(zip(raw_names, raw_args, why)):
         if w:
             skipped["kernel:" + w] += 1
             continue
-        name = ev.get("name")
         if name is None:
             skipped["kernel:missing_name"] += 1
             continue
@@ -472,7 +471,6 @@ def _kernel_rows(kev: list, kinds: list, skipped: Counter) -> tuple:
         if len(name) > MAX_NAME_CHARS:
             name = name[:MAX_NAME_CHARS]
             skipped["kernel:long_name"] += 1
-        args = ev.get("args")
         keep.append(i)
         k_name.append(names.setdefault(name, len(names)))
         k_stream.append(_stream_of(args, None))

@@ -168,7 +168,7 @@ def run_windows(scale, seeds, spread=True):
     return [analyze_phases(cpu_job(scale, seed=s), L2Config(), None, memory) for s in seeds]
 
 
-def test_a_host_phase_whose_typical_instance_is_out_of_line_is_named_whatever_the_preemptions():
+def test_a_host_phase_whose_typical_instance_is_out_of_line_is_named_whatever_the_preemptions(monkeypatch):
     """Step 3c. Beside busy processes the peers' data loader means carry preempted steps (one step of ten
     at 20-60 ms: means 2-6x their p50) while rank 2 waits 30 ms in every step: its mean is lost in the
     peers' spread in some windows, its typical instance (p50) never is. The preempted peers alone, and a
@@ -192,19 +192,17 @@ def test_a_host_phase_whose_typical_instance_is_out_of_line_is_named_whatever_th
     from trainscope.analyzer import l2_phases
 
     def by_mean_only(jw):
-        saved = l2_phases._typical_phases
-        l2_phases._typical_phases = lambda *a, **k: {}
-        try:
+        with monkeypatch.context() as m:
+            m.setattr(l2_phases, "_typical_phases", lambda *a, **k: {})
             return analyze_phases(jw)
-        finally:
-            l2_phases._typical_phases = saved
 
     named, by_mean = 0, 0
     for s in range(30):
-        got = analyze_phases(window(True, s))
+        slow = window(True, s)          # one window judged both ways
+        got = analyze_phases(slow)
         assert all(x.rank == 2 for f in got for x in f.suspects), summary(got)
         named += any(f.scope.phase == "dataloader" for f in got)
-        by_mean += any(f.scope.phase == "dataloader" for f in by_mean_only(window(True, s)))
+        by_mean += any(f.scope.phase == "dataloader" for f in by_mean_only(slow))
         # the preempted peers alone, and a forward 3x typical: step 3c adds nothing to what the means say
         for jw in (window(False, s), window(True, s, "forward")):
             assert summary(analyze_phases(jw)) == summary(by_mean_only(jw)), s
