@@ -56,6 +56,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
+import statistics
 import time
 from typing import Mapping, Sequence
 
@@ -617,7 +618,7 @@ def merge_windows(verdicts: Sequence[records_pb2.Verdict]) -> records_pb2.Verdic
        was named more often: one window's noise is not the job's answer),
        scored by the sum over windows of its impact (cost × duration),
        keeping its most frequent role; impact reported is the median over
-       the windows that named it.
+       the windows that named it (of an even count, the middle two's mean).
     3. Host (NIC, switch, group) and onset: the one named by at least half
        the windows that named anyone; the earliest ``since_window`` of the windows naming the
        top suspect.
@@ -662,8 +663,8 @@ def merge_windows(verdicts: Sequence[records_pb2.Verdict]) -> records_pb2.Verdic
     impact = {r: v for r, v in impact.items() if len(v) >= need or r in stalled}
     ranked = sorted(impact, key=lambda r: (order.get(roles[r].most_common(1)[0][0], 9), -sum(impact[r]), r))
     for r in ranked:
-        vals = sorted(impact[r])
-        med = vals[len(vals) // 2]
+        vals = impact[r]
+        med = statistics.median(vals)     # of an even count, the middle two's mean: never the larger alone
         s = out.ranks.add()
         s.CopyFrom(latest[r])
         s.role = roles[r].most_common(1)[0][0]

@@ -12,7 +12,9 @@ collector can be compared bit for bit.
 
 ``--slow-rank R --slow-s S`` sleeps S seconds in rank R's data loading (a
 fail-slow host, e.g. a slow disk); ``--times FILE`` writes every rank's step
-end times (perf_counter) for step-time comparisons; ``--progress FILE`` gets a
+end times (perf_counter) for step-time comparisons; ``--loader-times FILE`` writes
+the seconds each of its steps waited for its batch (the job's own measure of a
+slow data loader); ``--progress FILE`` gets a
 line per step from rank 0 (so a test can act mid-run).
 """
 from __future__ import annotations
@@ -87,6 +89,7 @@ def main() -> int:
     ap.add_argument("--slow-s", type=float, default=0.0)
     ap.add_argument("--out", help="rank 0 writes {loss, hash, steps} here")
     ap.add_argument("--times", help="each rank writes its step end times to FILE.<rank>")
+    ap.add_argument("--loader-times", help="each rank writes the seconds each step waited for its batch to FILE.<rank>")
     ap.add_argument("--progress", help="rank 0 appends a line per finished step here")
     args = ap.parse_args()
 
@@ -102,8 +105,15 @@ def main() -> int:
     loader = DataLoader(data, batch_size=args.batch, shuffle=False, collate_fn=collate)
     params = [p for p in model.parameters()]
 
-    times, loss = [], torch.zeros(())
-    for x, y in loader:
+    times, waits, loss = [], [], torch.zeros(())
+    batches = iter(loader)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            break
+        waits.append(time.perf_counter() - t0)
         opt.zero_grad(set_to_none=False)
         loss = loss_fn(model(x).reshape(-1, args.vocab), y.reshape(-1))
         loss.backward()
@@ -126,6 +136,9 @@ def main() -> int:
     if args.times:
         with open(f"{args.times}.{rank}", "w") as f:
             json.dump(times, f)
+    if args.loader_times:
+        with open(f"{args.loader_times}.{rank}", "w") as f:
+            json.dump(waits, f)
     if rank == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump({"loss": float(final) / world, "hash": params_hash(model), "steps": len(times),
