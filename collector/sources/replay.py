@@ -22,8 +22,10 @@ hostile file from taking the machine (issue #11):
 * ``MAX_TRACE_BYTES`` (2 GiB, env ``TRAINSCOPE_REPLAY_MAX_BYTES``): the file, and
   its decompressed content (gzip is read as a stream and stopped at the cap, so
   a gzip bomb costs at most the cap);
-* nesting deeper than ``MAX_JSON_DEPTH`` (512) is refused before parsing (orjson
-  would crash the process, the stdlib raise ``RecursionError``);
+* nesting deeper than orjson's 1024 levels (orjson >= 3.9.15, CVE-2024-27454) is
+  refused by orjson; text only the stdlib parses (NaN literals, or no orjson) is
+  first scanned, and nesting deeper than ``MAX_JSON_DEPTH`` (512) refused before
+  the stdlib sees it (it would raise ``RecursionError``);
 * a file that is only whitespace is "empty".
 """
 from __future__ import annotations
@@ -153,18 +155,20 @@ def _read_json(path: str, cap: int | None = None):
         raise TraceFileError(path, f"cannot read: {e.strerror or e}") from e
     if not raw.strip():
         raise TraceFileError(path, "empty file (or only whitespace), expected Chrome-trace JSON")
-    depth = _json_depth(raw, MAX_JSON_DEPTH)
-    if depth > MAX_JSON_DEPTH:
-        # orjson recurses on the C stack and crashes the process on deep nesting; the
-        # stdlib raises RecursionError: refuse before either parser sees it
-        raise TraceFileError(path, f"JSON nested more than {MAX_JSON_DEPTH} levels deep "
-                                   "(not a Chrome/Kineto trace)")
+    deep = TraceFileError(path, f"JSON nested more than {MAX_JSON_DEPTH} levels deep (not a Chrome/Kineto trace)")
+    if _orjson is not None:
+        try:
+            return _orjson.loads(raw)
+        except _orjson.JSONDecodeError as e:
+            # orjson >= 3.9.15 stops at 1024 levels (CVE-2024-27454); anything else (e.g. NaN
+            # literals, which only the stdlib accepts) is retried there
+            if "depth limit" in str(e):
+                raise deep from None
+    # the stdlib path (no orjson, or orjson refused the text): refuse deep nesting before parsing
+    # (the stdlib raises RecursionError, after a deep Python stack); a scan as long as orjson's parse
+    if _json_depth(raw, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise deep
     try:
-        if _orjson is not None:
-            try:
-                return _orjson.loads(raw)
-            except _orjson.JSONDecodeError:
-                pass  # e.g. NaN literals, which only the stdlib accepts; retry there
         return json.loads(raw)
     except RecursionError:
         raise TraceFileError(path, "JSON nested too deeply (not a Chrome/Kineto trace)") from None
