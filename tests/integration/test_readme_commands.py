@@ -225,7 +225,7 @@ TRAIN = textwrap.dedent("""\
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.utils.data.TensorDataset(torch.randn(256, 16), torch.randn(256, 1))
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 2:  # a few CPU-operator windows (every 1 s from the first step)
+    while time.monotonic() - t0 < 1:  # two CPU-operator windows (every 0.5 s from the first step)
         for x, y in torch.utils.data.DataLoader(data, batch_size=8):
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
@@ -245,11 +245,11 @@ def test_run_a_torchrun_job(tmp_path):
         pytest.skip("torchrun not on PATH")
     assert_one_line_exit_2(run_readme("trainscope run", tmp_path, tmp_path), "no command")
     (tmp_path / "train.py").write_text(TRAIN)
-    # the user's environment asks for a CPU-operator window every second from the first step (default: every
+    # the user's environment asks for a CPU-operator window every 0.5 s from the first step (default: every
     # 30 s, 5 s after it), so the collector runs torch's profiler inside this short job: none of its lines
     # may reach the job's stderr
     res = run_readme("trainscope run -- torchrun --nproc-per-node 4 train.py", tmp_path, tmp_path, timeout=400,
-                     env={"TRAINSCOPE_CPU_OPS": "period_s=1,window_s=0.05,first_after_s=0"})
+                     env={"TRAINSCOPE_CPU_OPS": "period_s=0.5,window_s=0.05,first_after_s=0"})
     ok(res)
     assert res.stdout.count("trained") == 4, res.stdout
     assert res.stderr.count("kernels: cpu-ops") == 4, res.stderr  # the source every rank chose...
