@@ -53,6 +53,16 @@ member, clock-free:
    of the group's clear lateness, and costing ``intermittent_min_pct`` % of the
    step per iteration, is a culprit too; its impact is those latenesses per
    iteration (issue #22: the DDP stall named nobody).
+3d. Consistently last on a busy host: beside other processes the collective itself
+   slows (a 4-rank gloo all-reduce 3-4 ms idle, 7-14 ms beside one busy core) and
+   a rank 15 ms late every step is under ``late_factor`` transfer times in most
+   of them (issue #22: DDP and FSDP2 with one rank's forward slower named nobody).
+   Scheduler noise makes any member the last entrant, each with probability 1/m
+   (m members); a rank last by at least ``min_late_ms`` to the collective at the
+   same position of k of the window's n iterations, with k >= ``min_share`` n and
+   the binomial tail P(X >= k; n, 1/m) at most ``last_alpha`` / (m x positions),
+   is a culprit too, where it synchronises only in that group (as 3b); its
+   impact is those latenesses per iteration.
 4. Slow transfer (network side): no rank late, but the group's transfer time of
    these collectives ``slow_factor`` times its own earlier median for the same
    (op, size class): reported as evidence (informational: gloo gives no
@@ -161,6 +171,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 from typing import Callable, Mapping
 
@@ -192,6 +203,9 @@ class CollectivesConfig:
     """... the rank holds at least this share of the group's clear lateness in the window ..."""
     intermittent_min_pct: float = 5.0
     """... and those latenesses cost the job at least this % of the step per iteration."""
+    last_alpha: float = 1e-2
+    """Step 3d: false-alarm rate of "last to the same collective by chance" per group and window
+    (split over its members x positions, Bonferroni)."""
     slow_factor: float = 3.0
     """Step 4: transfer time against the group's own earlier median, same op and size class."""
     max_seqs_per_group: int = 4096
@@ -229,6 +243,8 @@ class CollectivesConfig:
             raise ConfigError("analyzer.collectives.hang_settle_s", self.hang_settle_s, "must be >= 0")
         if not 0 < self.min_share <= 1:
             raise ConfigError("analyzer.collectives.min_share", self.min_share, "must be in (0, 1]")
+        if not 0 < self.last_alpha < 1:
+            raise ConfigError("analyzer.collectives.last_alpha", self.last_alpha, "must be in (0, 1)")
         if not 0 < self.host_dominance <= 1:
             raise ConfigError("analyzer.collectives.host_dominance", self.host_dominance, "must be in (0, 1]")
         for f in ("min_collectives", "max_seqs_per_group", "max_groups", "max_step_flows", "host_min_clean",
@@ -289,6 +305,11 @@ class _Group:
         held = self.states.pop(seq, None)
         if held:
             self.n_states -= len(held)
+
+
+def _binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p) (step 3d; n is a window's iterations, small)."""
+    return float(sum(math.comb(n, j) * p ** j * (1 - p) ** (n - j) for j in range(k, n + 1)))
 
 
 def _in_window(row: Mapping[int, tuple], window: records_pb2.Window) -> bool:
@@ -449,6 +470,11 @@ class CollectiveState:
             lateness_all = np.median(np.sort(all_waits, axis=1)[:, 1:], axis=1) - all_waits.min(axis=1)
             # step 3b: (rank, position of the collective in its iteration) -> (iteration, lateness, seq)
             at_position: dict[tuple[int, int], list[tuple[int, float, int]]] = collections.defaultdict(list)
+            # step 3d: (rank, position) -> its latenesses of min_late_ms or more, and the others' waits then
+            last_at: dict[tuple[int, int], list[tuple[int, float, int]]] = collections.defaultdict(list)
+            last_waits: dict[tuple[int, int], dict[int, list[float]]] = collections.defaultdict(
+                lambda: collections.defaultdict(list))
+            per_position: collections.Counter = collections.Counter()
             basis_its: set[int] = set()
             position, prev_it = 0, None
             for k, s in enumerate(done):
@@ -461,6 +487,12 @@ class CollectiveState:
                 prev_it = it_now
                 if s in basis_set:
                     basis_its.add(it_now)
+                    per_position[position] += 1
+                    if lateness >= cfg.min_late_ms * 1e6:
+                        last_at[(ranks[i], position)].append((it_now, lateness, s))
+                        for j, m in enumerate(ranks):
+                            if j != i:
+                                last_waits[(ranks[i], position)][m].append(float(waits[j] - waits[i]))
                 transfer.append((row[ranks[i]][0], row[ranks[i]][1], float(waits[i])))    # step 2
                 # one collective counts against its last entrant only when it was clearly late:
                 # some member is always last, by scheduler noise on a busy host
@@ -499,6 +531,25 @@ class CollectiveState:
                                               {"per_iteration": True, "position": pos,
                                                "late_iterations": len(its_late), "iterations": len(basis_its),
                                                "median_late_ms": round(typical / 1e6, 3)})
+                    found = True
+                    named.add(r)
+            if len(basis_its) >= cfg.min_collectives:
+                # step 3d: last to the same collective of most iterations by more than chance allows
+                tests = len(members) * max(len(per_position), 1)
+                for (r, pos), evs in sorted(last_at.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+                    n, k = per_position[pos], len(evs)
+                    if r in named or k < cfg.min_share * n:
+                        continue
+                    p = _binomial_tail(k, n, 1.0 / len(members))
+                    if p > cfg.last_alpha / tests or not self._synchronises_only_in(r, gid):
+                        continue
+                    first = min(evs, key=lambda e: e[2])
+                    out += self._late_finding(job_id, window, gid, grp, r, [e[1] for e in evs], len(basis),
+                                              med_transfer, (first[2], grp.seqs[first[2]][r][0]),
+                                              last_waits[(r, pos)], iterations,
+                                              {"consistently_last": True, "position": pos, "last_iterations": k,
+                                               "iterations": n, "p_value": float(f"{p:.3g}"),
+                                               "median_late_ms": round(float(np.median([e[1] for e in evs])) / 1e6, 3)})
                     found = True
                     named.add(r)
             if len(members) >= 3 and step_ns > 0 and late_of:

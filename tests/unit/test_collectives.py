@@ -18,7 +18,7 @@ W = records_pb2.Window(index=0)
 
 
 def job_batches(ranks=4, steps=20, late_rank=None, late_ms=0.0, late_from=0, hang_rank=None, hang_at=None,
-                seed=0, transfer_ms=1.0, step_ms=50.0, late_every=1):
+                seed=0, transfer_ms=1.0, step_ms=50.0, late_every=1, noise_ms=0.5):
     """Per rank: one CollectiveBatch of an all-reduce per step. Each rank enters after its own compute
     (50 ms +- noise); the collective ends transfer_ms after the last member entered, on every member.
     ``hang_rank`` never enters step ``hang_at``: the others stay in flight (state records)."""
@@ -27,7 +27,7 @@ def job_batches(ranks=4, steps=20, late_rank=None, late_ms=0.0, late_from=0, han
     t = T0
     now = {}
     for step in range(steps):
-        enter = {r: t + int((step_ms + rng.normal(0, 0.5)) * MS) for r in range(ranks)}
+        enter = {r: t + int((step_ms + rng.normal(0, noise_ms)) * MS) for r in range(ranks)}
         if late_rank is not None and step >= late_from and (step - late_from) % late_every == 0:
             enter[late_rank] += int(late_ms * MS)
         if hang_at is not None and step == hang_at:
@@ -148,6 +148,29 @@ def test_an_intermittent_late_start_is_named_by_what_it_costs():
     once = state_of(job_batches(late_rank=1, late_ms=300, late_from=12, late_every=100))
     assert [f for f in once.late_starts("j", W, {r: 20.0 for r in range(4)}, 51 * MS)
             if f.kind == "late_start"] == []
+
+
+def test_a_rank_last_to_every_collective_on_a_busy_host_is_named():
+    """Step 3d (issue #22): beside a busy core the all-reduce itself takes ~10 ms and the scheduler adds
+    ~3 ms to every entry; rank 2, 15 ms late every step, is under 2 transfer times in most collectives
+    (step 1 names nobody), yet it is last to nearly all of them, which chance (1 in 4 each) does not do."""
+    busy = dict(transfer_ms=10.0, noise_ms=3.0, steps=10)
+    st = state_of(job_batches(late_rank=2, late_ms=15, **busy))
+    found = st.late_starts("j", W, {r: 10.0 for r in range(4)}, 65 * MS)
+    (culprit,) = [f for f in found if f.kind == "late_start"]
+    (s,) = culprit.suspects
+    assert s.rank == 2 and s.role == "culprit" and s.evidence["consistently_last"]
+    assert s.evidence["last_iterations"] >= 8 and s.evidence["p_value"] < 0.01 / 4
+    assert s.evidence["median_late_ms"] == pytest.approx(15, abs=5)
+    (waiters,) = [f for f in found if f.kind == "collective_wait"]
+    assert sorted(w.rank for w in waiters.suspects) == [0, 1, 3] and all(w.waited_for == 2 for w in waiters.suspects)
+    # the same busy host without a late rank, and a pair (either member is last half the time), name nobody
+    for seed in range(20):
+        st = state_of(job_batches(seed=seed, **busy))
+        assert [f for f in st.late_starts("j", W, {r: 10.0 for r in range(4)}, 65 * MS) if not f.informational] == []
+    for seed in range(10):
+        st = state_of(job_batches(ranks=2, seed=seed, **busy))
+        assert [f for f in st.late_starts("j", W, {r: 10.0 for r in range(2)}, 65 * MS) if not f.informational] == []
 
 
 def fsdp_batches(ranks=4, steps=12, per_step=9, late_rank=None, late_pos=3, late_ms=150.0, seed=0,
