@@ -50,10 +50,9 @@ import dataclasses
 import numpy as np
 from statistics import NormalDist
 
-from trainscope.analyzer.sequential import Cusum, SequentialConfig
+from trainscope.analyzer.sequential import MAD_SIGMA, Cusum, SequentialConfig
 from trainscope.analyzer.topology import check_number
 
-MAD_SIGMA = 1.4826
 #: Below this many peers the MAD is too coarse alone; the sampling error bounds the spread from below.
 SMALL_GROUP = 8
 

@@ -38,7 +38,6 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 from typing import Any
 
 from trainscope.collector.bootstrap import AfterImport

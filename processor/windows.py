@@ -43,7 +43,7 @@ from trainscope.proto.columnar import KernelColumns
 from trainscope.proto.contracts import WINDOW_MODES, WindowMode, one_of
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import Resource
-from trainscope.proto.v1 import records_pb2, telemetry_pb2
+from trainscope.proto.v1 import records_pb2
 
 RankKey = tuple[str, int]  # (job_id, rank)
 
