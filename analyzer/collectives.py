@@ -58,7 +58,8 @@ member, clock-free:
    a rank 15 ms late every step is under ``late_factor`` transfer times in most
    of them (issue #22: DDP and FSDP2 with one rank's forward slower named nobody).
    Scheduler noise makes any member the last entrant, each with probability 1/m
-   (m members); a rank last by at least ``min_late_ms`` to the collective at the
+   (m members); in groups of three or more (a pair is the dependency comparison's,
+   L2 and attribution: who waited for whom), a rank last by at least ``min_late_ms`` to the collective at the
    same position of k of the window's n iterations, with k >= ``min_share`` n and
    the binomial tail P(X >= k; n, 1/m) at most ``last_alpha`` / (m x positions),
    is a culprit too, where it synchronises only in that group (as 3b); its
@@ -533,7 +534,7 @@ class CollectiveState:
                                                "median_late_ms": round(typical / 1e6, 3)})
                     found = True
                     named.add(r)
-            if len(basis_its) >= cfg.min_collectives:
+            if len(members) >= 3 and len(basis_its) >= cfg.min_collectives:
                 # step 3d: last to the same collective of most iterations by more than chance allows
                 tests = len(members) * max(len(per_position), 1)
                 for (r, pos), evs in sorted(last_at.items(), key=lambda kv: (-len(kv[1]), kv[0])):
