@@ -489,7 +489,7 @@ class CollectiveState:
                 if s in basis_set:
                     basis_its.add(it_now)
                     per_position[position] += 1
-                    if lateness >= cfg.min_late_ms * 1e6:
+                    if len(members) >= 3 and lateness >= cfg.min_late_ms * 1e6:
                         last_at[(ranks[i], position)].append((it_now, lateness, s))
                         for j, m in enumerate(ranks):
                             if j != i:
@@ -549,8 +549,7 @@ class CollectiveState:
                                               med_transfer, (first[2], grp.seqs[first[2]][r][0]),
                                               last_waits[(r, pos)], iterations,
                                               {"consistently_last": True, "position": pos, "last_iterations": k,
-                                               "iterations": n, "p_value": float(f"{p:.3g}"),
-                                               "median_late_ms": round(float(np.median([e[1] for e in evs])) / 1e6, 3)})
+                                               "iterations": n, "p_value": float(f"{p:.3g}")})
                     found = True
                     named.add(r)
             if len(members) >= 3 and step_ns > 0 and late_of:
