@@ -261,6 +261,9 @@ def test_state_is_bounded():
 def test_config_validation():
     with pytest.raises(ConfigError):
         CollectivesConfig(min_share=0)
+    for bad in (0, 1, -0.5, float("nan")):
+        with pytest.raises(ConfigError, match="last_alpha"):
+            CollectivesConfig(last_alpha=bad)
     with pytest.raises(ConfigError):
         CollectiveWindowConfig(length_s=0)
 
