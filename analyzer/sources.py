@@ -291,7 +291,9 @@ class KafkaSource(_Parsing):
         """Whether records wait in an assigned partition beyond this consumer's position: the partition's
         high watermark as of its last fetch (librdkafka's cache, no broker call) above the position.
         A backlog (an analyzer started or restarted after its jobs wrote) is read partition by partition
-        at different rates: one rank's later windows can be in before another's earlier ones."""
+        at different rates: one rank's later windows can be in before another's earlier ones. A
+        partition not fetched yet (no watermark cached) counts as behind: a topic whose first fetch
+        came after the others' (beside a busy core) held the records that made a window whole."""
         from confluent_kafka import KafkaException
         try:
             parts = self._consumer.assignment()
@@ -299,7 +301,9 @@ class KafkaSource(_Parsing):
                 return False
             for tp in self._consumer.position(parts):
                 _, high = self._consumer.get_watermark_offsets(tp, cached=True)
-                if high >= 0 and (tp.offset < 0 and high > 0 or 0 <= tp.offset < high):
+                if high < 0:   # never fetched yet: it may hold the ranks' missing records
+                    return True
+                if tp.offset < 0 and high > 0 or 0 <= tp.offset < high:
                     return True
         except KafkaException as e:   # no assignment or metadata yet: nothing known to wait
             log.debug("kafka backlog check: %s", e)

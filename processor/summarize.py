@@ -78,7 +78,7 @@ class Summarizer:
     def __call__(self, cw: ClosedWindow) -> WindowOutput:
         res = cw.resource.to_pb()
         names: list[NameTable] = []
-        return WindowOutput(
+        out = WindowOutput(
             raw=cw,
             kernels=self.kernels(cw, res, names),
             kernel_names=names[0] if names else None,
@@ -86,6 +86,12 @@ class Summarizer:
             iterations=self.iterations(cw, res),
             stacks=self.stacks(cw, res),
         )
+        # each record names its siblings: a consumer reading the topics at different rates knows what
+        # else this rank's window still owes it (Window.signals)
+        emitted = [str(signal) for signal, _ in out.records()]
+        for _, rec in out.records():
+            rec.window.signals[:] = emitted
+        return out
 
     def kernels(self, cw: ClosedWindow, res, names_out: list | None = None) -> records_pb2.KernelWindow | None:
         """1. key = (name id, stream); 2. cluster every key at once; 3. one KernelStats per key,

@@ -18,7 +18,7 @@ WINDOW_KIND_TIME: WindowKind
 WINDOW_KIND_ITERATIONS: WindowKind
 
 class Window(_message.Message):
-    __slots__ = ("kind", "index", "start_ns", "end_ns", "first_iteration", "last_iteration", "final")
+    __slots__ = ("kind", "index", "start_ns", "end_ns", "first_iteration", "last_iteration", "final", "signals")
     KIND_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     START_NS_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class Window(_message.Message):
     FIRST_ITERATION_FIELD_NUMBER: _ClassVar[int]
     LAST_ITERATION_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    SIGNALS_FIELD_NUMBER: _ClassVar[int]
     kind: WindowKind
     index: int
     start_ns: int
@@ -33,7 +34,8 @@ class Window(_message.Message):
     first_iteration: int
     last_iteration: int
     final: bool
-    def __init__(self, kind: _Optional[_Union[WindowKind, str]] = ..., index: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., first_iteration: _Optional[int] = ..., last_iteration: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
+    signals: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[_Union[WindowKind, str]] = ..., index: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., first_iteration: _Optional[int] = ..., last_iteration: _Optional[int] = ..., final: _Optional[bool] = ..., signals: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KernelCluster(_message.Message):
     __slots__ = ("count", "p50_ns", "p99_ns", "min_ns", "max_ns", "shape")

@@ -30,12 +30,16 @@ def res(rank, world=8, job="j"):
                     coords=coords_for_rank(rank, world)).to_pb()
 
 
-def publish(bus, rank, index, *, slow=1.0, world=8, job="j", iters_per_window=10, signals=("phases", "iterations", "kernels")):
+def publish(bus, rank, index, *, slow=1.0, world=8, job="j", iters_per_window=10, signals=("phases", "iterations", "kernels"),
+            owed=None):
+    """``owed``: the signals the records say the rank's window has (``Window.signals``, as the processor
+    stamps them); default the ones published here; ``()``: unstamped, as from an older producer."""
     rng = np.random.default_rng(rank * 1000 + index)
     w = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=index,
                            first_iteration=index * iters_per_window,
                            last_iteration=(index + 1) * iters_per_window - 1,
-                           start_ns=index * 10**9, end_ns=(index + 1) * 10**9)
+                           start_ns=index * 10**9, end_ns=(index + 1) * 10**9,
+                           signals=signals if owed is None else owed)
     r = res(rank, world, job)
     if "phases" in signals:
         pw = records_pb2.PhaseWindow(resource=r, window=w)
@@ -150,6 +154,30 @@ def test_progress_waits_while_the_source_still_holds_records(tmp_path):
     clock2.t += 31
     (late,) = [v for v in a2.step(0) if v.window.index == 0]
     assert [s.rank for f in late.findings if f.kind == "missing_rank" for s in f.suspects] == [3]
+
+
+def test_a_window_read_topic_by_topic_waits_for_every_record_its_ranks_owe(tmp_path):
+    """Each topic is read at its own rate: every rank's phases can be in before any kernels or
+    iterations (a Kafka backlog beside a busy core). The records say what their window has
+    (``Window.signals``), so the window waits for the rest, and its verdict compares the ranks."""
+    a, bus, clock, _ = make(tmp_path)
+    every = ("phases", "iterations", "kernels")
+    for r in range(8):
+        publish(bus, r, 0, slow=1.4 if r == 5 else 1.0, signals=("phases",), owed=every)
+    assert settle(a, clock) == []                    # the job has sent only phases so far: not complete
+    for r in range(8):
+        publish(bus, r, 0, slow=1.4 if r == 5 else 1.0, signals=("iterations", "kernels"), owed=every)
+    assert a.step(0) == []                           # all in; the grace period still runs
+    clock.t += 1
+    (v,) = a.step(0)
+    assert not v.partial and v.ranks[0].rank == 5 and "gemm" in v.kernels and "forward" in v.phases
+    # records of an older producer carry no stamp: a rank then owes what the job has sent so far
+    b, bus2, clock2, _ = make(tmp_path / "old")
+    for r in range(8):
+        publish(bus2, r, 0, owed=(), signals=("phases", "kernels") if r else ("phases",))
+    assert settle(b, clock2) == []                   # rank 0 still owes its kernels
+    publish(bus2, 0, 0, owed=(), signals=("kernels",))
+    assert len(settle(b, clock2)) == 1
 
 
 def test_incomplete_window_is_analysed_after_timeout(tmp_path):

@@ -134,6 +134,25 @@ def test_an_iteration_window_says_how_many_of_its_iterations_its_kernels_fell_in
     assert tclosed[0].kernel_iterations == 0
 
 
+def test_each_record_of_a_window_names_every_signal_the_window_has():
+    """``Window.signals`` on every record of a closed window: a consumer reading the topics at
+    different rates knows what else the rank's window still owes it (``Analyzer._complete``)."""
+    from trainscope.processor.summarize import Summarizer
+    w, closed, _, _ = make(mode="iterations", iterations=2, lateness_s=0)
+    p = 100 * S // 1000
+    w.add_kernels(RES, kernels([5, p + 5]))               # window 1 (iterations 2-3) has no kernels
+    w.add_kernels(RES, kernels([4 * p + 5]))
+    w.add_iterations(RES, marks(range(6)))
+    w.flush()
+    out = {c.window.index: Summarizer()(c) for c in sorted(closed, key=lambda c: c.window.index)}
+    for index, wo in out.items():
+        recs = list(wo.records())
+        have = sorted(str(sig) for sig, _ in recs)
+        assert recs and all(sorted(rec.window.signals) == have for _, rec in recs)
+    assert sorted(out[0].iterations.window.signals) == ["iterations", "kernels"]
+    assert list(out[1].iterations.window.signals) == ["iterations"] and out[1].kernels is None
+
+
 def test_iteration_window_waits_for_the_next_window_to_start():
     w, closed, _, _ = make(mode="iterations", iterations=2, lateness_s=0)
     p = 100 * S // 1000
