@@ -635,11 +635,14 @@ class CollectiveState:
         ev = {"group": gid, "op": op, "seq": seq, "late_collectives": n, "judged": judged,
               "median_late_ms": round(typical / 1e6, 3), "transfer_ms": round(transfer / 1e6, 3),
               "function": f"late start to {op} (group {gid}, seq {seq})", "late_start": True, **(extra or {})}
+        # in a group of two the late member is compared with its partner: the pair comparison
+        # (``individual.py``'s, the same two ranks), not a majority of peers
+        compared = "pair" if len(grp.members) == 2 else "peers"
         culprit = Finding(
             level=LEVEL, kind="late_start", job_id=job_id, window=window, scope=Scope(group="collective"),
             suspects=(SuspectRank(rank, typical / max(transfer, 1.0), ev, impact_ns=late_total / it,
                                   role=CULPRIT),),
-            severity=typical / max(transfer, 1.0), comparison="peers",
+            severity=typical / max(transfer, 1.0), comparison=compared,
             evidence={"communication": False, "group": gid, "seq": seq, "op": op, "rule": "Mycroft §5 late start",
                       "members": list(grp.members)})
         waiters = tuple(
@@ -649,7 +652,7 @@ class CollectiveState:
         out = [self.grids.attach(culprit, gid, 0, grp.members)]
         if waiters:
             out.append(Finding(level=LEVEL, kind="collective_wait", job_id=job_id, window=window,
-                               scope=Scope(group="collective"), suspects=waiters, comparison="peers",
+                               scope=Scope(group="collective"), suspects=waiters, comparison=compared,
                                severity=1.0, evidence={"communication": True, "group": gid, "seq": seq,
                                                        "waited_for": rank}))
         return out

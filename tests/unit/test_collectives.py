@@ -177,6 +177,21 @@ def test_a_rank_last_to_every_collective_on_a_busy_host_is_named():
                 if any(s.evidence.get("consistently_last") for s in f.suspects)]
 
 
+def test_a_late_member_of_a_pair_is_compared_with_its_partner():
+    """Step 1 in a group of two: the late member and the partner that waited for it are the pair
+    comparison (the same two ranks as ``individual.py``'s), never "peers": there is no majority. A
+    2-rank job's verdict read "compared with pair and peers" for one comparison."""
+    st = state_of(job_batches(ranks=2, late_rank=1, late_ms=300))
+    found = [f for f in st.late_starts("j", W, {r: 20.0 for r in range(2)}, 351 * MS) if not f.informational]
+    (culprit,) = [f for f in found if f.kind == "late_start"]
+    (waiters,) = [f for f in found if f.kind == "collective_wait"]
+    assert [s.rank for s in culprit.suspects] == [1] and [s.rank for s in waiters.suspects] == [0]
+    assert culprit.comparison == waiters.comparison == "pair"
+    four = state_of(job_batches(late_rank=1, late_ms=300))
+    assert {f.comparison for f in four.late_starts("j", W, {r: 20.0 for r in range(4)}, 351 * MS)
+            if not f.informational} == {"peers"}
+
+
 def fsdp_batches(ranks=4, steps=12, per_step=9, late_rank=None, late_pos=3, late_ms=150.0, seed=0,
                  noise_late=0.0):
     """FSDP-like: ``per_step`` collectives a step on one group, each entered after a short compute
