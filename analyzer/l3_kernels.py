@@ -66,6 +66,16 @@ every (kernel, stream) their duration distributions should agree. Per
    preempted calls of 11 and ~6 ms), and an idle one ``c10d::allreduce_``
    at 60x from one sampled call (count 1). A slower operator (a slower
    matmul, a slower data loader) is slower in its typical call.
+5d. Many kernels, each significant: a rank whose device kernels of one
+   category are *each* significantly slower (step 5, z ≥ z*) costs their
+   excesses together. One ``degraded_kernels`` finding per (rank,
+   category) sums them (impact = Σ excess; score = the largest z, no
+   evidence is pooled beyond what each kernel passed alone) when at least
+   ``min_many_kernels`` are flagged and the category sum (5b) was not: a 15 %
+   throttle on 1 of 32 ranks of an 8-step capture was significant on 15
+   kernels, each under the impact floor, while its compute sum (1.10x) was
+   not against peers' personalities. Not for host-timed operators (a
+   preempted rank is slower on every operator of the window at once).
 6. A key present on ≥ ``missing_min_present`` of a group's ranks and absent
    on the others is evidence too (e.g. a hang: the culprit stops entering a
    collective): kind ``missing_kernel``, the absent ranks as suspects. A
@@ -115,6 +125,8 @@ class L3Config:
     category_rel_floor: float = 0.005
     """The same floor for a rank's category sums: per-kernel personalities average out over the
     many kernels of a category (0.03 / √kernels, docs/noise.md)."""
+    min_many_kernels: int = 3
+    """Step 5d: fewest individually significant slower kernels of one category whose excesses are summed."""
     missing_min_present: float = 0.75
     """A key on at least this fraction of a group's ranks (not all) makes the rest ``missing_kernel``."""
     block_elements: int = 1 << 21
@@ -131,6 +143,7 @@ class L3Config:
         check_number("l3.false_alarm", self.false_alarm, lambda v: 0 < v < 1, "must be in (0, 1)")
         check_number("l3.rel_floor", self.rel_floor, lambda v: v >= 0, "must be >= 0")
         check_number("l3.category_rel_floor", self.category_rel_floor, lambda v: v >= 0, "must be >= 0")
+        check_number("l3.min_many_kernels", self.min_many_kernels, lambda v: v >= 2, "must be an integer >= 2", int)
         check_number("l3.missing_min_present", self.missing_min_present, lambda v: 0 < v <= 1,
                      "must be in (0, 1]")
         check_number("l3.block_elements", self.block_elements, lambda v: v >= 1024,
@@ -666,6 +679,8 @@ def kernel_findings(job_id: str, window: records_pb2.Window, t: KernelTable,
                           "comparisons": res.comparisons, "false_alarm": cfg.false_alarm,
                           "communication": comm, **({"category": o.category} if o.category else {})},
             ))
+    if not host_timed:
+        out += _many_kernels(job_id, window, out, cfg, dim)
     for m in res.missing:
         kernel, stream = t.keys[m.key]
         # absent from a sampled window is weak evidence (CPU-operator sampling, ARGUS §5.1):
@@ -679,6 +694,42 @@ def kernel_findings(job_id: str, window: records_pb2.Window, t: KernelTable,
             evidence={"present_on": m.present, "group_size": m.group_size,
                       "explanation": "peers ran this kernel in the window; the suspects did not"},
         ))
+    return out
+
+
+def _many_kernels(job_id: str, window: records_pb2.Window, found: list[Finding], cfg: L3Config,
+                  dim: str) -> list[Finding]:
+    """Step 5d: per (rank, category), the rank's individually significant slower device kernels as one
+    finding whose impact is their summed excess, where the category sum (5b) did not flag the rank."""
+    summed = {(s.rank, f.scope.kernel) for f in found if f.kind == "degraded_kernels" for s in f.suspects}
+    per: dict[tuple[int, int], list[tuple[Finding, SuspectRank]]] = {}
+    for f in found:
+        if f.kind != "degraded_kernel" or f.evidence.get("communication"):
+            continue
+        c = cfg.routing.category(f.scope.kernel)
+        for s in f.suspects:
+            per.setdefault((s.rank, c), []).append((f, s))
+    out = []
+    for (rank, c), hits in sorted(per.items()):
+        label = f"[{CATEGORIES[c]}]"
+        if len(hits) < cfg.min_many_kernels or (rank, label) in summed:
+            continue
+        hits.sort(key=lambda h: -h[1].impact_ns)
+        x = sum(s.evidence["time_per_iteration_ns"] for _, s in hits)
+        med = sum(s.evidence["group_median_ns"] for _, s in hits)
+        top = max(hits, key=lambda h: h[1].score)
+        ev = {"time_per_iteration_ns": x, "group_median_ns": med, "ratio": x / med if med > 0 else 0.0,
+              "z": float(top[1].evidence["z"]), "z_threshold": float(top[1].evidence["z_threshold"]),
+              "direction": "slower", "kernels": [f.scope.kernel for f, _ in hits][:10],
+              "significant_kernels": len(hits), "rule": "L3 step 5d"}
+        suspect = SuspectRank(rank, float(top[1].score), ev, impact_ns=float(sum(s.impact_ns for _, s in hits)))
+        f0 = top[0]
+        out.append(Finding(
+            level="L3", kind="degraded_kernels", job_id=job_id, window=window,
+            scope=Scope(kernel=label, stream=-1, group=dim, group_index=f0.scope.group_index),
+            suspects=(suspect,), severity=suspect.score,
+            evidence={**{k: f0.evidence[k] for k in ("comparisons", "false_alarm", "z_threshold") if k in f0.evidence},
+                      "communication": False, "category": CATEGORIES[c], "group_size": f0.evidence.get("group_size")}))
     return out
 
 

@@ -21,8 +21,8 @@ KEYS = [(GEMM, 7, [(400, 180e3, 230e3)]),
         ("Memcpy HtoD (Pageable -> Device)", 7, [(10, 12e3, 12e3)])]     # a point mass
 
 
-def job(world, *, tp=1, pp=1, seed=0, noise=0.01, edit=None, device="cuda") -> JobWindow:
-    """Every rank runs KEYS with lognormal rank-to-rank noise; ``edit(rank, key, clusters)`` alters one."""
+def job(world, *, tp=1, pp=1, seed=0, noise=0.01, edit=None, device="cuda", keys=KEYS) -> JobWindow:
+    """Every rank runs ``keys`` with lognormal rank-to-rank noise; ``edit(rank, key, clusters)`` alters one."""
     rng = np.random.default_rng(seed)
     win = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=3, first_iteration=30,
                              last_iteration=39)
@@ -33,7 +33,7 @@ def job(world, *, tp=1, pp=1, seed=0, noise=0.01, edit=None, device="cuda") -> J
                        coords=coords_for_rank(r, world, tp=tp, pp=pp))
         jw.resources[r] = res
         kw = records_pb2.KernelWindow(resource=res.to_pb(), window=win)
-        for k, (name, stream, clusters) in enumerate(KEYS):
+        for k, (name, stream, clusters) in enumerate(keys):
             cl = []
             for count, p50, p99 in clusters:
                 f = np.exp(rng.normal(0.0, noise))
@@ -207,6 +207,34 @@ def test_one_spiked_call_of_a_big_once_per_step_kernel_names_nobody_but_a_shift_
     assert _flagged(run(shift)) == [(big[0], 0, [6])]
 
 
+def test_many_kernels_each_significantly_slower_cost_their_summed_excess():
+    """Step 5d: rank 7 runs six small GEMMs 1.3x slower, each significant but each a small share of the
+    step; the compute sum (5b) hides it under a large kernel whose time differs 8 % from rank to rank.
+    One ``degraded_kernels`` finding prices the six together; the healthy twin and two slow kernels
+    (under ``min_many_kernels``) give no such finding."""
+    small = [(f"gemm_{i}", 7, [(100, 50e3, 60e3)]) for i in range(6)]
+    keys = [("big_gemm", 7, [(100, 2e6, 2.4e6)])] + small
+    spread = np.exp(np.random.default_rng(1).normal(0.0, 0.08, 32))
+
+    def run(slow_kernels, rank=7):
+        def edit(r, k, cl):
+            f = spread[r] if k == 0 else 1.3 if (r == rank and 1 <= k <= slow_kernels) else 1.0
+            return [(c, p50 * f, p99 * f) for c, p50, p99 in cl]
+        return analyze_kernels(job(32, keys=keys, edit=edit))
+
+    found = run(6)
+    assert sorted(k for k, _, ranks in _flagged(found) if ranks == [7]) == sorted(n for n, _, _ in small)
+    assert not [f for f in found if f.kind == "degraded_kernel" and f.scope.kernel == "big_gemm"]
+    (many,) = [f for f in found if f.kind == "degraded_kernels"]
+    (s,) = many.suspects
+    assert many.scope.kernel == "[compute]" and s.rank == 7 and s.evidence["significant_kernels"] == 6
+    each = [x.impact_ns for f in found if f.kind == "degraded_kernel" for x in f.suspects]
+    assert s.impact_ns == pytest.approx(sum(each)) and s.impact_ns == pytest.approx(6 * 0.3 * 100 * 50e3 / 10, rel=0.1)
+    assert s.evidence["ratio"] == pytest.approx(1.3, rel=0.05) and s.score >= s.evidence["z_threshold"]
+    assert not [f for f in run(2) if f.kind == "degraded_kernels"]
+    assert not [f for f in run(0) if f.level == "L3" and not f.informational]
+
+
 def test_a_kde_merge_of_the_same_distribution_is_not_flagged():
     # the processor merged the two ReduceScatter modes on rank 4 (few samples near the valley): the rebuilt
     # CDF crosses its peers' and W1 is large, but the exact mean and max did not move (module step 5b)
@@ -300,7 +328,7 @@ def test_low_level_entry_point_and_empty_input():
 def test_config_is_validated():
     for field, bad in [("alpha", 0), ("grid_points", 4), ("min_ranks", 2), ("missing_min_present", 1.5),
                        ("false_alarm", 0.0), ("grid_points", 64.0), ("false_alarm", 1.0),
-                       ("rel_floor", -0.1)]:
+                       ("rel_floor", -0.1), ("min_many_kernels", 1)]:
         with pytest.raises(ConfigError) as e:
             L3Config(**{field: bad})
         assert e.value.setting == f"l3.{field}"
