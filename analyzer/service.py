@@ -59,7 +59,7 @@ from trainscope.analyzer.sequential import SequentialConfig
 from trainscope.analyzer.significance import Persistence
 from trainscope.analyzer.metrics import AnalyzerMetrics
 from trainscope.analyzer.sources import RecordSource
-from trainscope.proto.contracts import Signal
+from trainscope.proto.contracts import SIGNALS, Signal
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.model import Resource
 from trainscope.proto.v1 import records_pb2
@@ -148,6 +148,10 @@ class AnalyzerConfig:
         for f in ("progress_windows", "history_iterations", "max_jobs", "max_open_windows"):
             if getattr(self, f) < 1:
                 raise ConfigError(f"analyzer.{f}", getattr(self, f), "must be >= 1")
+
+
+#: The signals filed by window (``Window.signals`` may name these; collectives are joined by (group, seq)).
+_WINDOWED = frozenset(SIGNALS) - {Signal.COLLECTIVES}
 
 
 @dataclasses.dataclass(slots=True)
@@ -241,8 +245,9 @@ class Analyzer:
         jw = o.jw
         jw.resources[res.rank] = res
         getattr(jw, signal)[res.rank] = rec
-        if w.signals:
-            o.owed[res.rank] = frozenset(w.signals) - {Signal.COLLECTIVES}
+        owed = _WINDOWED.intersection(w.signals)   # a name this analyzer does not know owes nothing
+        if owed:
+            o.owed[res.rank] = owed
         if w.start_ns and (not jw.window.start_ns or w.start_ns < jw.window.start_ns):
             jw.window.start_ns = w.start_ns
         jw.window.end_ns = max(jw.window.end_ns, w.end_ns)

@@ -178,6 +178,13 @@ def test_a_window_read_topic_by_topic_waits_for_every_record_its_ranks_owe(tmp_p
     assert settle(b, clock2) == []                   # rank 0 still owes its kernels
     publish(bus2, 0, 0, owed=(), signals=("kernels",))
     assert len(settle(b, clock2)) == 1
+    # a stamp naming signals this analyzer does not know (a newer producer, or garbage) owes nothing
+    # more: the known ones are waited for, the window is judged, the analyzer keeps running
+    c, bus3, clock3, _ = make(tmp_path / "odd")
+    for r in range(8):
+        publish(bus3, r, 0, slow=1.4 if r == 5 else 1.0, owed=("phases", "iterations", "kernels", "gpu_power", ""))
+    (v,) = settle(c, clock3)
+    assert not v.partial and v.ranks[0].rank == 5
 
 
 def test_incomplete_window_is_analysed_after_timeout(tmp_path):
