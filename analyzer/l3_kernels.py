@@ -55,7 +55,10 @@ every (kernel, stream) their duration distributions should agree. Per
    the step, so one spike in a 5-step window passed the 1 % impact floor
    and persistence picked the rank up when it spiked again. A consistent
    slowdown, an ECC-like tail of many slow calls or a late arriver keep
-   their significance; the impact reported stays the full excess.
+   their significance; the impact reported stays the full excess. That
+   test also takes the sampling error of the total (the peers' per-call
+   spread × √count) as a floor of the spread in a group of any size: the
+   MAD ignores a heavy tail (docs/verdict.md, pinned copies).
    Host-timed operators (CPU operators of ranks sharing a host's cores)
    go further: a rank's value must stay significant as its *typical*
    call times its calls (count × p50), and fewer than
@@ -76,6 +79,16 @@ every (kernel, stream) their duration distributions should agree. Per
    kernels, each under the impact floor, while its compute sum (1.10x) was
    not against peers' personalities. Not for host-timed operators (a
    preempted rank is slower on every operator of the window at once).
+5e. The typical kernel: per (rank, category), the median over the rank's
+   device kernels of ln(x / the kernel's group median), tested against the
+   peers' medians (robust z with the median's standard error and
+   ``typical_floor``) when the rank runs at least ``typical_min_kernels``
+   of them; each test is a comparison of the Bonferroni M. A throttled GPU
+   is slower on every kernel: the median ratio averages the per-kernel
+   personality out (σ 0.03 / √kernels) where the sum (5b) is dominated by a
+   few large kernels and each kernel (5, 5d) has its own. Impact: the
+   category time beyond the peers' pace, sum × (1 − e^(−shift)). Not for
+   host-timed operators (a preempted rank is slower everywhere at once).
 6. A key present on ≥ ``missing_min_present`` of a group's ranks and absent
    on the others is evidence too (e.g. a hang: the culprit stops entering a
    collective): kind ``missing_kernel``, the absent ranks as suspects. A
@@ -94,6 +107,7 @@ from trainscope.analyzer.cdf import (
 from trainscope.analyzer.impact import WindowScale, window_scale
 from trainscope.analyzer.kernel_columns import WireError, kernel_columns
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
+from trainscope.analyzer.sequential import MAD_SIGMA
 from trainscope.analyzer.significance import robust_z, small_group_threshold, z_threshold
 from trainscope.analyzer.topology import (
     CATEGORIES, RoutingConfig, check_number, group_of, rank_to_group, resources_with,
@@ -127,6 +141,11 @@ class L3Config:
     many kernels of a category (0.03 / √kernels, docs/noise.md)."""
     min_many_kernels: int = 3
     """Step 5d: fewest individually significant slower kernels of one category whose excesses are summed."""
+    typical_min_kernels: int = 8
+    """Step 5e: fewest kernels of one category on a rank for its typical ratio to be tested."""
+    typical_floor: float = 0.01
+    """Step 5e: floor of the spread of the peers' typical ratios (ln units, ~1 %): the per-step factor
+    every kernel of a rank shares (σ 0.015 per step, docs/noise.md) that a few peers' MAD may miss."""
     missing_min_present: float = 0.75
     """A key on at least this fraction of a group's ranks (not all) makes the rest ``missing_kernel``."""
     block_elements: int = 1 << 21
@@ -144,6 +163,9 @@ class L3Config:
         check_number("l3.rel_floor", self.rel_floor, lambda v: v >= 0, "must be >= 0")
         check_number("l3.category_rel_floor", self.category_rel_floor, lambda v: v >= 0, "must be >= 0")
         check_number("l3.min_many_kernels", self.min_many_kernels, lambda v: v >= 2, "must be an integer >= 2", int)
+        check_number("l3.typical_min_kernels", self.typical_min_kernels, lambda v: v >= 3,
+                     "must be an integer >= 3", int)
+        check_number("l3.typical_floor", self.typical_floor, lambda v: v >= 0, "must be >= 0")
         check_number("l3.missing_min_present", self.missing_min_present, lambda v: 0 < v <= 1,
                      "must be in (0, 1]")
         check_number("l3.block_elements", self.block_elements, lambda v: v >= 1024,
@@ -412,6 +434,7 @@ class Outliers:
     median_mean_ns: float
     w1_fence: float          # ARGUS eq. 4 over the segment's W1 scores (evidence)
     category: str = ""
+    rule: str = ""           # "typical": step 5e (median_ns is the rank's category time at its peers' pace)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -509,12 +532,18 @@ def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Conf
     else:
         one_call = _largest_call_excess(t) / dist_iters
         loo_all = x_all - one_call
+        typ_all = t.dist_p50_ns * t.dist_count / dist_iters     # step 5c: its typical call times its calls
         cat_one = np.zeros((t.ranks.size, 3))
         np.maximum.at(cat_one, (rank_pos, cat[t.dist_key]), one_call)
         cat_loo = cat_x - cat_one
+        cat_typ = np.zeros((t.ranks.size, 3))
+        np.add.at(cat_typ, (rank_pos, cat[t.dist_key]), typ_all)
     cat_groups = [(g, np.flatnonzero(rank_group == g)) for g in group_ids.tolist()]
     cat_groups = [(g, m) for g, m in cat_groups if m.size >= cfg.min_ranks]
     n_cat = sum(int((cat_x[m] > 0).any(axis=0).sum()) * m.size for _, m in cat_groups)
+    typical = None if host_timed else _typical_ratios(t, order, seg_first, seg_n, scored, x_all, rank_pos, cat, cfg)
+    if typical is not None:     # step 5e's tests are comparisons of the family too
+        n_cat += sum(int(typical_cells(t, rank_group, cfg)[m].sum()) for _, m in cat_groups)
     comparisons = int(seg_n[scored].sum()) + n_cat
     z_star = z_threshold(cfg.false_alarm, comparisons)
 
@@ -559,7 +588,7 @@ def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Conf
             scores = acc / (n - 1)
             outliers += _flag(t, seg_key[chunk], seg_group[chunk], d2, scores, x_all[d2],
                               np.sqrt(se2_all[d2]), comm_key[seg_key[chunk]], z_for(n), cfg,
-                              x_loo=loo_all[d2])
+                              x_loo=loo_all[d2], x_typ=None if host_timed else typ_all[d2])
     for g, m in cat_groups:
         for c in range(3):
             x = cat_x[m, c]
@@ -567,7 +596,10 @@ def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Conf
                 continue
             outliers += _flag(t, np.array([-1 - c]), np.array([g]), np.full((1, m.size), -1), None,
                               x[None, :], np.sqrt(cat_v[m, c])[None, :], np.array([c == 2]), z_for(m.size), cfg,
-                              ranks=t.ranks[m][None, :], category=CATEGORIES[c], x_loo=cat_loo[m, c][None, :])
+                              ranks=t.ranks[m][None, :], category=CATEGORIES[c], x_loo=cat_loo[m, c][None, :],
+                              x_typ=None if host_timed else cat_typ[m, c][None, :])
+    if typical is not None:
+        outliers += _typical_outliers(typical, cat_x, cat_groups, outliers, t, z_star, cfg)
     outliers.sort(key=lambda o: -float(np.abs(o.x_ns - o.median_ns).max()))
     return L3Result(outliers, missing, int(scored.sum()), int(seg_n[scored].sum()), comparisons, z_star)
 
@@ -575,6 +607,97 @@ def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Conf
 #: Step 5c: a host-timed operator with fewer calls in a window than this gives no evidence (its median
 #: is not its typical call: one preempted call of two is half of it).
 HOST_TYPICAL_MIN_CALLS = 3
+
+
+def typical_cells(t: KernelTable, rank_group: np.ndarray, cfg: L3Config) -> np.ndarray:
+    """Step 5e's tests, (rank position, category) -> bool: the rank runs at least
+    ``typical_min_kernels`` compute (or memory) kernels in segments of at least ``min_ranks`` ranks
+    (what the Bonferroni M counts; ``partition.group_comparisons`` counts the same)."""
+    out = np.zeros((t.ranks.size, 3), dtype=bool)
+    if t.dist_rank.size == 0:
+        return out
+    pos = np.searchsorted(t.ranks, t.dist_rank)
+    dg = np.asarray(rank_group, dtype=np.int64)[pos]
+    ok = dg >= 0
+    pairs, inv, n = np.unique(np.stack([t.dist_key[ok], dg[ok]]), axis=1, return_inverse=True, return_counts=True)
+    scored = (n >= cfg.min_ranks)[inv.ravel()]
+    c = _categories(t, cfg)[t.dist_key[ok]]
+    keep = scored & (c != 2)
+    k = np.zeros((t.ranks.size, 3), dtype=np.int64)
+    np.add.at(k, (pos[ok][keep], c[keep]), 1)
+    out[:] = k >= cfg.typical_min_kernels
+    return out
+
+
+def _typical_ratios(t: KernelTable, order, seg_first, seg_n, scored, x_all, rank_pos, cat,
+                    cfg: L3Config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Step 5e, per (rank position, category): the median over the rank's device kernels of
+    ln(its time per iteration / the kernel's group median), that median's standard error (from the
+    spread of the rank's own ratios) and the number of kernels; NaN where fewer than
+    ``typical_min_kernels``. Communication kernels are left out (their time is waiting)."""
+    n_seg = seg_first.size
+    seg_of = np.repeat(np.arange(n_seg), seg_n)
+    xs = x_all[order]
+    by_val = np.lexsort((xs, seg_of))
+    mid = (xs[by_val][seg_first + (seg_n - 1) // 2] + xs[by_val][seg_first + seg_n // 2]) / 2
+    med = mid[seg_of]
+    c = cat[t.dist_key[order]]
+    use = scored[seg_of] & (c != 2) & (xs > 0) & (med > 0)
+    pos, c, lr = rank_pos[order][use], c[use], np.log(xs[use] / med[use])
+    cell = pos * 3 + c
+    shape = (t.ranks.size, 3)
+    m = np.full(shape, np.nan)
+    se = np.full(shape, np.nan)
+    k = np.bincount(cell, minlength=t.ranks.size * 3).reshape(shape)
+    if lr.size:
+        o = np.lexsort((lr, cell))
+        cs, ls = cell[o], lr[o]
+        first = np.flatnonzero(np.r_[True, cs[1:] != cs[:-1]])
+        n = np.diff(np.r_[first, cs.size])
+        ok = n >= cfg.typical_min_kernels
+        f, n, cells = first[ok], n[ok], cs[first[ok]]
+        mv = (ls[f + (n - 1) // 2] + ls[f + n // 2]) / 2
+        m.flat[cells] = mv
+        # the spread of the rank's own ratios (MAD), cell by cell: deviations sorted within each cell
+        dev = np.abs(ls - m.flat[cs])
+        o2 = np.lexsort((dev, cs))
+        dev = dev[o2]
+        mad = (dev[f + (n - 1) // 2] + dev[f + n // 2]) / 2
+        # the standard error of a sample median: sqrt(pi/2) * sigma / sqrt(n)
+        se.flat[cells] = 1.2533 * MAD_SIGMA * mad / np.sqrt(n)
+    return m, se, k
+
+
+def _typical_outliers(typical, cat_x, cat_groups, found: list[Outliers], t: KernelTable, z_star: float,
+                      cfg: L3Config) -> list[Outliers]:
+    """Step 5e: a rank whose typical kernel of a category is significantly slower than its peers'
+    typical kernel, where the category sum (5b) did not flag it; its impact is the category time
+    it spends beyond its peers' pace (sum × (1 − e^(−shift)))."""
+    m, se, _ = typical
+    summed = {(o.group, o.category, int(r)) for o in found if o.key < 0 for r in o.ranks.tolist()}
+    out = []
+    for g, members in cat_groups:
+        for c in (0, 1):
+            mv = m[members, c]
+            have = np.isfinite(mv)
+            if have.sum() < cfg.min_ranks:
+                continue
+            mv_h = mv[have]
+            med = float(np.median(mv_h))
+            spread = MAD_SIGMA * float(np.median(np.abs(mv_h - med)))
+            scale = np.sqrt(spread ** 2 + cfg.typical_floor ** 2 + np.nan_to_num(se[members, c]) ** 2)
+            z = np.where(have, (np.nan_to_num(mv) - med) / scale, 0.0)
+            for i in np.flatnonzero(z >= z_star).tolist():
+                r = int(t.ranks[members[i]])
+                if (g, CATEGORIES[c], r) in summed:
+                    continue
+                x = float(cat_x[members[i], c])
+                shift = float(mv[i] - med)
+                base = x * float(np.exp(-shift))
+                out.append(Outliers(-1 - c, g, np.array([r]), np.array([-1]), np.array([x]), np.array([z[i]]),
+                                    np.array([np.nan]), base, float(scale[i]) * base, z_star, int(members.size),
+                                    0.0, 0.0, float("nan"), CATEGORIES[c], "typical"))
+    return out
 
 
 def _largest_call_excess(t: KernelTable) -> np.ndarray:
@@ -586,15 +709,25 @@ def _largest_call_excess(t: KernelTable) -> np.ndarray:
 
 
 def _flag(t, seg_key, seg_group, dists, w1, x, se, comm, z_star, cfg, *, ranks=None,
-          category: str = "", x_loo=None) -> list[Outliers]:
+          category: str = "", x_loo=None, x_typ=None) -> list[Outliers]:
     """Step 5 for a batch of segments: rows of ``x`` (time per iteration) are peer groups;
-    ``x_loo`` the same with each rank's largest call replaced by a typical one (step 5c)."""
+    ``x_loo`` the same with each rank's largest call replaced by a typical one (step 5c); ``x_typ``
+    (device kernels) each rank's typical call times its calls."""
     floor = cfg.category_rel_floor if category else cfg.rel_floor
     z, med, scale = robust_z(x, se, floor)
     med, scale = med[:, 0], np.sqrt(np.maximum(scale[:, 0] ** 2 - 0.0, 0.0))
     slower = z >= z_star
-    if x_loo is not None and slower.any():
+    if x_loo is not None and slower.any() and x_typ is None:
         slower &= robust_z(x_loo, se, floor)[0] >= z_star
+    elif x_loo is not None and slower.any():
+        # device kernels, step 5c: slower in its typical call (a shift: a throttle, a slower kernel), or
+        # in its total without the largest call beyond the total's sampling error in a group of any size
+        # (a tail: ECC-like retries). The peers' MAD ignores the tail by design: a real stream's pinned
+        # host-to-device copies (84 calls, a few ~10x the rest) drew 1.85x their 8 peers' on a healthy
+        # rank of a 12-step capture, 1.41x without the largest call, p50 as theirs: z 13.7 against the
+        # MAD, 1.7 against the sampling error
+        slower &= ((robust_z(x_typ, None, floor)[0] >= z_star)
+                   | (robust_z(x_loo, se, floor, se_any_size=True)[0] >= z_star))
     hit = slower | ((z <= -z_star) & comm[:, None])
     if not hit.any():
         return []
@@ -677,7 +810,8 @@ def kernel_findings(job_id: str, window: records_pb2.Window, t: KernelTable,
                 evidence={"group_size": o.group_size, "group_median_ns": o.median_ns,
                           "peer_spread_ns": o.scale_ns, "z_threshold": o.z_star,
                           "comparisons": res.comparisons, "false_alarm": cfg.false_alarm,
-                          "communication": comm, **({"category": o.category} if o.category else {})},
+                          "communication": comm, **({"category": o.category} if o.category else {}),
+                          **({"rule": "L3 step 5e (typical kernel)"} if o.rule == "typical" else {})},
             ))
     if not host_timed:
         out += _many_kernels(job_id, window, out, cfg, dim)

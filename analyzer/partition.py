@@ -49,7 +49,7 @@ from google.protobuf import json_format
 
 from trainscope.analyzer.impact import WindowScale, window_scale
 from trainscope.analyzer.l3_kernels import (
-    LATE_ARRIVAL, L3Config, covered_iterations, flatten_kernels, kernel_findings,
+    LATE_ARRIVAL, L3Config, covered_iterations, flatten_kernels, kernel_findings, typical_cells,
 )
 from trainscope.analyzer.levels import WindowContext
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
@@ -109,9 +109,10 @@ def finding_from_dict(d: Mapping, job_id: str, window: records_pb2.Window) -> Fi
 
 
 # ------------------------------------------------------------ steps 2 and 3
-def group_comparisons(t, rank_group: np.ndarray, cfg: L3Config) -> dict[int, int]:
+def group_comparisons(t, rank_group: np.ndarray, cfg: L3Config, host_timed: bool = False) -> dict[int, int]:
     """Per group, the comparisons L3's Bonferroni M counts for it (``score_kernels``): its ranks in
-    every scored (key, group) segment, plus its size per category it runs when it has ``min_ranks``."""
+    every scored (key, group) segment, plus its size per category it runs when it has ``min_ranks``,
+    plus its step-5e tests (device kernels only)."""
     out: dict[int, int] = collections.defaultdict(int)
     if t.dist_rank.size == 0:
         return out
@@ -125,10 +126,13 @@ def group_comparisons(t, rank_group: np.ndarray, cfg: L3Config) -> dict[int, int
     for g, c in zip(pairs[1][scored].tolist(), n[scored].tolist()):
         out[g] += c
     cat = np.array([cfg.routing.category(k) for k, _ in t.keys], dtype=np.int64)
+    typical = None if host_timed else typical_cells(t, rank_group, cfg)
     for g in np.unique(rank_group[rank_group >= 0]).tolist():
         size = int((rank_group == g).sum())
         if size >= cfg.min_ranks:
             out[g] += len(set(cat[t.dist_key[dg == g]].tolist())) * size
+            if not host_timed:
+                out[g] += int(typical[rank_group == g].sum())
     return out
 
 
@@ -144,7 +148,7 @@ def analyse_groups(job_id: str, window: records_pb2.Window, kernels: Mapping[int
     found = kernel_findings(job_id, window, t, groups, cfg, dim, scale, host_timed, covered_iterations(kernels))
     rg = rank_to_group(groups)
     rank_group = np.array([rg.get(r, -1) for r in t.ranks.tolist()], dtype=np.int64)
-    m_of = group_comparisons(t, rank_group, cfg)
+    m_of = group_comparisons(t, rank_group, cfg, host_timed)
     cat = np.array([cfg.routing.category(k) for k, _ in t.keys], dtype=np.int64)
     names = [next((k for (k, _), c in zip(t.keys, cat.tolist()) if c == i), "") for i in range(len(CATEGORIES))]
     sums = np.zeros((t.ranks.size, len(CATEGORIES)))

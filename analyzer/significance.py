@@ -100,17 +100,19 @@ def small_group_threshold(alpha: float, comparisons: int, n) -> np.ndarray:
 
 
 def robust_z(x: np.ndarray, se: np.ndarray | None = None, rel_floor: float = 0.0,
-             axis: int = -1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+             axis: int = -1, se_any_size: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """z of every element against the median of its row (step 1).
 
     ``x``: (..., n) values of n peers. Returns (z, median, scale) with
-    median and scale broadcastable against ``x``.
+    median and scale broadcastable against ``x``. ``se`` (each value's sampling
+    error under the null) bounds the spread from below in groups under
+    ``SMALL_GROUP``, or in groups of any size with ``se_any_size``.
     """
     x = np.asarray(x, dtype=np.float64)
     med = np.median(x, axis=axis, keepdims=True)
     mad = np.median(np.abs(x - med), axis=axis, keepdims=True)
     spread = (MAD_SIGMA * mad) ** 2
-    if se is not None and x.shape[axis] < SMALL_GROUP:
+    if se is not None and (se_any_size or x.shape[axis] < SMALL_GROUP):
         spread = np.maximum(spread, np.asarray(se, dtype=np.float64) ** 2)
     var = spread + (rel_floor * np.abs(med)) ** 2
     scale = np.sqrt(var)

@@ -192,16 +192,22 @@ def test_a_command_reaches_a_collector_through_the_real_stream(tmp_path):
         (ack,) = request_all([target], control_pb2.DeepDiveRequest(job_id="j", iterations=2),
                              security=ClientSecurity())
         assert ack.accepted and ack.start_iteration == 11
+        # each wait on its own condition and deadline (a loaded machine delays the arm command; the
+        # batches must not run before the window is armed, or the dive waits for iterations that passed)
+        deadline = time.monotonic() + 30
         while not window.busy and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert window.busy, "the arm command never reached the collector"
         for it in range(10, 16):
             window.before_batch(it)
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             st = deep_dive_status(target, "j", ack.dive_id, security=ClientSecurity())
             if st.dives and st.dives[0].complete:
                 break
             time.sleep(0.05)
         (rec,) = st.dives
+        assert len(rec.reports) == 1, (window.stats, str(rec))   # the collector's counters say why not
         (rep,) = rec.reports
         assert rep.outcome == O.DEEP_DIVE_OUTCOME_DONE and (rep.first_iteration, rep.last_iteration) == (11, 12)
         assert os.path.exists(rep.trace_path)

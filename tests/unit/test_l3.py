@@ -235,6 +235,55 @@ def test_many_kernels_each_significantly_slower_cost_their_summed_excess():
     assert not [f for f in run(0) if f.level == "L3" and not f.informational]
 
 
+def test_a_rank_whose_typical_kernel_is_slower_is_named_with_its_categorys_excess():
+    """Step 5e: rank 7 runs every compute kernel 1.1x slower (a throttled GPU). Each kernel carries a
+    per-(rank, kernel) personality of σ 0.03 (docs/noise.md), so too few kernels are significant alone, and
+    the compute sum is hidden under a large kernel whose time differs 8 % from rank to rank. The median
+    of its 25 kernels' ratios to their peers is significant: one ``degraded_kernels`` finding, its impact
+    the compute time beyond the peers' pace. Healthy twins (four seeds) and the same slowdown on
+    host-timed CPU operators (a preempted rank is slower everywhere at once) give no such finding."""
+    keys = [("big_gemm", 7, [(100, 2e6, 2.4e6)])] + [(f"gemm_{i}", 7, [(100, 50e3, 60e3)]) for i in range(24)]
+    spread = np.exp(np.random.default_rng(1).normal(0.0, 0.08, 32))
+
+    def run(factor, seed=0, device="cuda"):
+        def edit(r, k, cl):
+            f = (spread[r] if k == 0 else 1.0) * (factor if r == 7 else 1.0)
+            return [(c, p50 * f, p99 * f) for c, p50, p99 in cl]
+        return analyze_kernels(job(32, keys=keys, edit=edit, noise=0.03, seed=seed, device=device))
+
+    found = run(1.1)
+    assert len([f for f in found if f.kind == "degraded_kernel"]) < L3Config().min_many_kernels   # not 5d
+    (typ,) = [f for f in found if f.kind == "degraded_kernels"]
+    (s,) = typ.suspects
+    assert typ.scope.kernel == "[compute]" and s.rank == 7 and typ.evidence["rule"].startswith("L3 step 5e")
+    assert s.score >= s.evidence["z_threshold"] and s.evidence["ratio"] == pytest.approx(1.1, rel=0.03)
+    compute = s.evidence["time_per_iteration_ns"]
+    assert s.impact_ns == pytest.approx(compute * (1 - 1 / 1.1), rel=0.3)
+    for seed in range(4):
+        assert not [f for f in run(1.0, seed) if f.level == "L3" and not f.informational], seed
+    assert not [f for f in run(1.1, device="cpu") if f.kind == "degraded_kernels"]
+
+
+def test_more_of_a_heavy_tail_on_one_rank_is_within_its_sampling_error():
+    """Step 5c's sampling-error floor in a group of 8 (not only under ``SMALL_GROUP``): host-to-device
+    copies with a heavy tail (84 calls, a few ~10x the rest, as in a real stream); one healthy rank drew
+    8 big calls where its peers drew 4, 1.4x their total, far outside their MAD but within the sampling
+    error of 84 such calls. Not flagged; the same copies 1.4x slower in every call are."""
+    copy = "Memcpy HtoD (Pinned -> Device)"
+
+    def run(edit):
+        return analyze_kernels(job(8, keys=[(copy, 25, [(80, 50e3, 60e3), (4, 500e3, 600e3)])], edit=edit))
+
+    def more_tail(r, k, cl):
+        return [(76, *cl[0][1:]), (8, *cl[1][1:])] if r == 3 else cl
+    assert not [f for f in run(more_tail) if f.level == "L3" and not f.informational]
+
+    def slower(r, k, cl):
+        return [(c, p50 * 1.4, p99 * 1.4) for c, p50, p99 in cl] if r == 3 else cl
+    found = [f for f in run(slower) if f.kind == "degraded_kernel"]
+    assert [[s.rank for s in f.suspects] for f in found] == [[3]]
+
+
 def test_a_kde_merge_of_the_same_distribution_is_not_flagged():
     # the processor merged the two ReduceScatter modes on rank 4 (few samples near the valley): the rebuilt
     # CDF crosses its peers' and W1 is large, but the exact mean and max did not move (module step 5b)
@@ -328,7 +377,8 @@ def test_low_level_entry_point_and_empty_input():
 def test_config_is_validated():
     for field, bad in [("alpha", 0), ("grid_points", 4), ("min_ranks", 2), ("missing_min_present", 1.5),
                        ("false_alarm", 0.0), ("grid_points", 64.0), ("false_alarm", 1.0),
-                       ("rel_floor", -0.1), ("min_many_kernels", 1)]:
+                       ("rel_floor", -0.1), ("min_many_kernels", 1),
+                       ("typical_min_kernels", 2), ("typical_floor", -0.01)]:
         with pytest.raises(ConfigError) as e:
             L3Config(**{field: bad})
         assert e.value.setting == f"l3.{field}"
