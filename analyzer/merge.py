@@ -131,8 +131,10 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
                     observed[s.rank] = float(s.impact_ns)
         for r, rv in flagged.items():
             observed[r] = max(observed.get(r, 0.0), rv.score_ns)
-        noise = sequential.step_noise_ns(jw, step_ns, persistence.sequential)
-        sums, n_its = _window_sums(flagged, iterations or {}, noise)
+        noise = persistence.step_noise(sequential.step_noise_ns(jw, step_ns, persistence.sequential))
+        device_timed = any(r.device not in ("", "cpu") for r in resources.values())
+        sums, n_its = _window_sums(flagged, iterations or {}, noise,
+                                   [f for f in active if f.kind == LATE_START] if device_timed else ())
         h = sequential.threshold(len(resources) or len(flagged), step_ns / 1e9, persistence.sequential)
         confirmed = persistence.update(int(window.index), places,
                                        {r: rv.score_ns for r, rv in flagged.items()}, final=final,
@@ -145,7 +147,10 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     if final and persistence is not None and persistence.windows < persistence.k:
         # a capture shorter than k windows (one window: a short profiler capture, replay.capture_window)
         # names what its windows flagged; an iteration-time spike there is one transient, not a rank
-        confirmed -= {r for r, rv in flagged.items() if all(e.level == "L1" for e in rv.evidence)}
+        # (its other evidence, if any, waiting: a TP partner of a slow GPU carried one step's spike)
+        confirmed -= {r for r, rv in flagged.items()
+                      if any(e.level == "L1" for e in rv.evidence)
+                      and all(e.level == "L1" for e in rv.evidence if e.role == CULPRIT)}
     jitter_held = JOB in confirmed
     pace_held = JOB_PACE in confirmed
     # overwhelming evidence needs no second window: a rank costing a large share of the step
@@ -287,11 +292,18 @@ def _named_only(findings: Sequence[Finding], named: set[int], pace_held: bool = 
 _SEQ = re.compile(r", seq \d+\)")
 
 
-def _window_sums(flagged: Mapping[int, RankVerdict], iterations: Mapping[int, float], noise_ns: float = 0.0
-                 ) -> tuple[dict[tuple[int, str], float], float]:
+def _window_sums(flagged: Mapping[int, RankVerdict], iterations: Mapping[int, float], noise_ns: float = 0.0,
+                 late: Sequence[Finding] = ()) -> tuple[dict[tuple[int, str], float], float]:
     """Step 3's sequential input: {(rank, place): Σ y_i} of each culprit's places flagged with a peer z
     (``sequential.window_sum``: against its peers and against the step's noise, the largest where levels
-    agree), and the window's iterations (median over ranks)."""
+    agree), and the window's iterations (median over ranks).
+
+    ``late``: the collectives level's late starts of a device-timed job. A late start is measured per
+    collective (Mycroft §5): the rank started its collective after every peer had, by more than the
+    transfer, in each of ``late_collectives`` collectives of the window. Where that happened at least
+    twice (one late arrival is one event), y_i is bounded by its cost alone: Σ y_i = n·excess / noise
+    (``sequential.py`` step 1b; no peer z, the comparison is the order of arrival). Host-timed
+    lateness (CPU jobs, where the scheduler delays a rank for a whole window) keeps k of n."""
     sums: dict[tuple[int, str], float] = {}
     its = sorted(float(v) for v in iterations.values() if v > 0)
     typical = its[len(its) // 2] if its else 1.0
@@ -305,6 +317,16 @@ def _window_sums(flagged: Mapping[int, RankVerdict], iterations: Mapping[int, fl
             if e.z > 0 and e.rank == r and e.role == CULPRIT:   # its own slow work, not a wait
                 key = (r, _SEQ.sub(")", e.where))
                 sums[key] = max(sums.get(key, 0.0), sequential.window_sum(e.z, n, e.impact_ns, noise_ns))
+    if noise_ns > 0:
+        for f in late:
+            for e, s in zip(evidence_of(f), f.suspects):
+                rv = flagged.get(e.rank)
+                n = float(iterations.get(e.rank, 1.0))
+                if (rv is None or rv.role != CULPRIT or e.role != CULPRIT or n < typical
+                        or int(s.evidence.get("late_collectives", 0)) < 2):
+                    continue
+                key = (e.rank, _SEQ.sub(")", e.where))
+                sums[key] = max(sums.get(key, 0.0), n * e.impact_ns / noise_ns)
     return sums, typical
 
 

@@ -24,7 +24,8 @@ names the first after one window and still asks the second to repeat.
    while it costs 1 % of the step. So y_i is also bounded by the excess per
    iteration (the finding's impact) in units of the step's own
    per-iteration noise (1.4826·MAD of the window's iteration durations, at
-   least ``min_noise_pct`` = 1 % of the step, the impact floor):
+   least ``min_noise_pct`` = 1 % of the step, the impact floor; at most the
+   median of the job's earlier windows', ``Persistence.step_noise``):
    Σ y_i = min(√n·z, n·excess/noise). A rank costing 5 % of a steady step
    adds 5 per iteration and is named within a window; one costing 1 %
    adds no more than the allowance takes away.
@@ -62,8 +63,9 @@ and categories). It names such a place *sooner* where the evidence is
 strong; the k-of-n count (``significance.Persistence``) still names every
 place, these included: with the CUSUM alone a real-stream rank flagged near
 its threshold in two windows (``test_realjob_verdicts``, late onset) waited
-for a third and its short job ended first. Evidence without a per-iteration
-statistic (a collective late start, a waiter's wait, sibling groups,
+for a third and its short job ended first. A device-timed late start
+repeated in its window enters with its cost as the bound (``merge._window_sums``).
+Evidence without a per-iteration statistic (a waiter's wait, sibling groups,
 own-history and L1 anomalies) and host-timed evidence never enter it.
 """
 from __future__ import annotations

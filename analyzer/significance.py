@@ -169,6 +169,7 @@ class Persistence:
         self._since: dict[tuple[int, str], int] = {}      # (rank, place) -> first window of its run
         self._held: set[tuple[int, str]] = set()           # (rank, place) confirmed by the last update
         self._impact: dict[int, float] = {}
+        self._noise: collections.deque[float] = collections.deque(maxlen=16)   # step noise, earlier windows
         self.windows = 0
 
     def update(self, index: int, flagged, impact: dict[int, float] | None = None,
@@ -208,6 +209,18 @@ class Persistence:
         crossed = self.cusum.update(sums or {}, iterations, h)
         self._held = {key for key, c in counts.items() if key in crossed or c >= need}
         return {r for r, _ in self._held}
+
+    def step_noise(self, now_ns: float) -> float:
+        """``sequential.py`` step 1b's noise for this window: the smaller of this window's and the median
+        of the job's earlier windows'. A fault that delays a rank in some iterations makes
+        the whole job's step vary with it (everyone waits): an intermittent 1 s NCCL delay on one of 32
+        ranks raised a 3 s step's noise from ~30 ms to 1.3 s, so its own 1.2 s/iteration weighed less
+        than the allowance and the rank waited two windows more."""
+        past = sorted(self._noise)
+        self._noise.append(now_ns)
+        if not past or now_ns <= 0:
+            return now_ns
+        return min(now_ns, past[len(past) // 2])
 
     def held_places(self, rank: int) -> set[str]:
         """The places that hold ``rank`` as of the last ``update`` (k of n, or the sequential test)."""

@@ -1,5 +1,6 @@
 """Evidence that accumulates per iteration (analyzer/sequential.py, issue #22 item 1): the CUSUM's
 threshold from a false-alarm target, its update and reset, and what it changes in the verdict."""
+import dataclasses
 import math
 
 import numpy as np
@@ -173,3 +174,45 @@ def test_a_rank_with_fewer_iterations_than_its_peers_waits_for_k_of_n():
     v = merge("j", win(0), [kernel_finding(0, 5, 30.0, 40 * MS)], res, step_ns=400 * MS, iterations=its,
               persistence=Persistence(2, 3))
     assert not v.ranks and list(v.pending) == [5]
+
+
+def late_start(i, rank, late_collectives, impact_ns, members=range(16)):
+    """A collectives-level late start (Mycroft §5) as ``collectives._late_finding`` builds it."""
+    ev = {"function": f"late start to allreduce (group dp0, seq {100 * i + 7})", "late_start": True,
+          "late_collectives": late_collectives, "op": "allreduce", "group": "dp0"}
+    return Finding(level="collectives", kind="late_start", job_id="j", window=win(i), scope=Scope(group="collective"),
+                   suspects=(SuspectRank(rank, 3.0, ev, impact_ns=impact_ns, role="culprit"),),
+                   evidence={"communication": False, "group": "dp0", "rule": "Mycroft §5 late start",
+                             "members": list(members)})
+
+
+def test_a_device_timed_late_start_repeated_in_its_window_is_named_in_that_window():
+    """A rank that started its all-reduce last, 40 ms after its peers, in 5 iterations of a 400 ms step
+    (device-timed: a GPU job) carries 5 % of the step: its window's sum crosses h and it is named in
+    the first window, as a peer z would be. One late arrival in the window (one event), or the same
+    lateness timed by the host (a CPU job: a scheduler burst delays a rank for a whole window), waits
+    for a second window (k of n)."""
+    gpu = {r: dataclasses.replace(x, device=f"cuda:{r % 8}") for r, x in resources().items()}
+    cpu = {r: dataclasses.replace(x, device="cpu") for r, x in resources().items()}
+    its = {r: 10.0 for r in gpu}
+    v = merge("j", win(0), [late_start(0, 6, 5, 20 * MS)], gpu, step_ns=400 * MS, iterations=its,
+              persistence=Persistence(2, 3))
+    assert [s.rank for s in v.ranks] == [6], v.summary
+    for res, n in ((gpu, 1), (cpu, 5)):
+        p = Persistence(2, 3)
+        v = merge("j", win(0), [late_start(0, 6, n, 20 * MS)], res, step_ns=400 * MS, iterations=its, persistence=p)
+        assert not v.ranks and list(v.pending) == [6], (n, v.summary)
+        v = merge("j", win(1), [late_start(1, 6, n, 20 * MS)], res, step_ns=400 * MS, iterations=its, persistence=p)
+        assert [s.rank for s in v.ranks] == [6], (n, v.summary)      # the place held in 2 windows of 3
+
+
+def test_a_fault_that_makes_the_whole_step_vary_is_weighed_against_the_jobs_earlier_noise():
+    """Step 1b's noise is the smaller of the window's and the job's earlier windows' (median): an
+    intermittent delay on one rank makes every rank's step vary (they wait for it), and measured in its
+    own window the delay would be its own yardstick. The first window has no past; a calm window after
+    a noisy one keeps its own (smaller) noise."""
+    p = Persistence(2, 3)
+    assert p.step_noise(30 * MS) == 30 * MS
+    assert p.step_noise(1300 * MS) == 30 * MS                 # the faulty window against the calm one
+    assert p.step_noise(20 * MS) == 20 * MS
+    assert p.step_noise(900 * MS) == 30 * MS                  # median of 30, 1300, 20

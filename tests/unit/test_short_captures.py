@@ -95,6 +95,12 @@ def test_a_one_window_capture_names_what_it_flagged_but_not_an_iteration_spike()
                      suspects=(SuspectRank(9, 1.0, {}, impact_ns=6 * MS),))
     v = merge("j", win(0), [slow, jitter], res, step_ns=100 * MS, persistence=Persistence(2, 3), final=True)
     assert [s.rank for s in v.ranks] == [5], v.summary
+    # the spike's rank also waited in its collectives (a TP partner of a slow GPU): still not a culprit
+    waited = Finding(level="L2", kind="slow_group", job_id="j", window=win(0), scope=Scope(kernel="[communication]"),
+                     suspects=(SuspectRank(9, 1.0, {"direction": "slower"}, impact_ns=8 * MS),),
+                     evidence={"communication": True})
+    v = merge("j", win(0), [slow, jitter, waited], res, step_ns=100 * MS, persistence=Persistence(2, 3), final=True)
+    assert [s.rank for s in v.ranks if s.role == "culprit"] == [5], v.summary
 
 
 def test_a_group_finding_names_only_its_members_above_the_floor():
