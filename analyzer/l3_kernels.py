@@ -717,12 +717,12 @@ def _flag(t, seg_key, seg_group, dists, w1, x, se, comm, z_star, cfg, *, ranks=N
     z, med, scale = robust_z(x, se, floor)
     med, scale = med[:, 0], np.sqrt(np.maximum(scale[:, 0] ** 2 - 0.0, 0.0))
     slower = z >= z_star
-    if x_loo is not None and slower.any() and x_typ is None:
+    if x_loo is not None and slower.any():
         slower &= robust_z(x_loo, se, floor)[0] >= z_star
-    elif x_loo is not None and slower.any():
-        # device kernels, step 5c: slower in its typical call (a shift: a throttle, a slower kernel), or
-        # in its total without the largest call beyond the total's sampling error in a group of any size
-        # (a tail: ECC-like retries). The peers' MAD ignores the tail by design: a real stream's pinned
+    if x_typ is not None and slower.any():
+        # device kernels, step 5c, and further: slower in its typical call (a shift: a throttle, a slower
+        # kernel), or in its total without the largest call beyond the total's sampling error in a group
+        # of any size (a tail: ECC-like retries). The peers' MAD ignores the tail by design: a real stream's pinned
         # host-to-device copies (84 calls, a few ~10x the rest) drew 1.85x their 8 peers' on a healthy
         # rank of a 12-step capture, 1.41x without the largest call, p50 as theirs: z 13.7 against the
         # MAD, 1.7 against the sampling error
