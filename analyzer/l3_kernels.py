@@ -55,9 +55,10 @@ every (kernel, stream) their duration distributions should agree. Per
    the step, so one spike in a 5-step window passed the 1 % impact floor
    and persistence picked the rank up when it spiked again. A consistent
    slowdown, an ECC-like tail of many slow calls or a late arriver keep
-   their significance; the impact reported stays the full excess. That
-   test also takes the sampling error of the total (the peers' per-call
-   spread × √count) as a floor of the spread in a group of any size: the
+   their significance; the impact reported stays the full excess. A
+   device kernel must then also be slower in its typical call (count ×
+   p50) or, without its largest call, beyond the sampling error of its
+   total (the peers' per-call spread × √count) in a group of any size: the
    MAD ignores a heavy tail (docs/verdict.md, pinned copies).
    Host-timed operators (CPU operators of ranks sharing a host's cores)
    go further: a rank's value must stay significant as its *typical*
