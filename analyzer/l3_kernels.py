@@ -111,7 +111,7 @@ from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
 from trainscope.analyzer.sequential import MAD_SIGMA
 from trainscope.analyzer.significance import robust_z, small_group_threshold, z_threshold
 from trainscope.analyzer.topology import (
-    CATEGORIES, RoutingConfig, check_number, group_of, rank_to_group, resources_with,
+    CATEGORIES, RoutingConfig, check_number, cpu_only, group_of, rank_to_group, resources_with,
 )
 from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import records_pb2
@@ -631,10 +631,10 @@ def typical_cells(t: KernelTable, rank_group: np.ndarray, cfg: L3Config) -> np.n
 
 
 def _typical_ratios(t: KernelTable, order, seg_first, seg_n, scored, x_all, rank_pos, cat,
-                    cfg: L3Config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    cfg: L3Config) -> tuple[np.ndarray, np.ndarray]:
     """Step 5e, per (rank position, category): the median over the rank's device kernels of
-    ln(its time per iteration / the kernel's group median), that median's standard error (from the
-    spread of the rank's own ratios) and the number of kernels; NaN where fewer than
+    ln(its time per iteration / the kernel's group median) and that median's standard error (from the
+    spread of the rank's own ratios); NaN where fewer than
     ``typical_min_kernels``. Communication kernels are left out (their time is waiting)."""
     n_seg = seg_first.size
     seg_of = np.repeat(np.arange(n_seg), seg_n)
@@ -649,7 +649,6 @@ def _typical_ratios(t: KernelTable, order, seg_first, seg_n, scored, x_all, rank
     shape = (t.ranks.size, 3)
     m = np.full(shape, np.nan)
     se = np.full(shape, np.nan)
-    k = np.bincount(cell, minlength=t.ranks.size * 3).reshape(shape)
     if lr.size:
         o = np.lexsort((lr, cell))
         cs, ls = cell[o], lr[o]
@@ -666,7 +665,7 @@ def _typical_ratios(t: KernelTable, order, seg_first, seg_n, scored, x_all, rank
         mad = (dev[f + (n - 1) // 2] + dev[f + n // 2]) / 2
         # the standard error of a sample median: sqrt(pi/2) * sigma / sqrt(n)
         se.flat[cells] = 1.2533 * MAD_SIGMA * mad / np.sqrt(n)
-    return m, se, k
+    return m, se
 
 
 def _typical_outliers(typical, cat_x, cat_groups, found: list[Outliers], t: KernelTable, z_star: float,
@@ -674,7 +673,7 @@ def _typical_outliers(typical, cat_x, cat_groups, found: list[Outliers], t: Kern
     """Step 5e: a rank whose typical kernel of a category is significantly slower than its peers'
     typical kernel, where the category sum (5b) did not flag it; its impact is the category time
     it spends beyond its peers' pace (sum × (1 − e^(−shift)))."""
-    m, se, _ = typical
+    m, se = typical
     summed = {(o.group, o.category, int(r)) for o in found if o.key < 0 for r in o.ranks.tolist()}
     out = []
     for g, members in cat_groups:
@@ -875,7 +874,7 @@ def analyze_kernels(jw: JobWindow, cfg: L3Config = L3Config(), scale: WindowScal
     dim = cfg.routing.kernel_group_dim
     groups = group_of(resources_with(jw.resources, jw.kernels), dim)
     # CPU-operator "kernels" (the CPU fallback) are host-timed: ranks sharing cores are scheduled
-    host_timed = bool(jw.resources) and all(r.device in ("cpu", "") for r in jw.resources.values())
+    host_timed = cpu_only(jw.resources)
     return kernel_findings(jw.job_id, jw.window, flatten_kernels(jw.kernels), groups, cfg, dim,
                            scale if scale is not None else window_scale(jw), host_timed,
                            covered_iterations(jw.kernels))

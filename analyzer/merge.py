@@ -64,7 +64,7 @@ from trainscope.analyzer.attribution import LATE_START, Evidence, RankVerdict, S
 from trainscope.analyzer import sequential
 from trainscope.analyzer.model import CULPRIT, LINK, MISSING, WAITER, Finding, JobWindow
 from trainscope.analyzer.significance import Persistence
-from trainscope.analyzer.topology import group_index
+from trainscope.analyzer.topology import cpu_only, group_index
 from trainscope.proto.model import NIC_ATTRIBUTE, SWITCH_ATTRIBUTE, Resource
 from trainscope.proto.v1 import records_pb2
 
@@ -132,7 +132,7 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
         for r, rv in flagged.items():
             observed[r] = max(observed.get(r, 0.0), rv.score_ns)
         noise = persistence.step_noise(sequential.step_noise_ns(jw, step_ns, persistence.sequential))
-        device_timed = any(r.device not in ("", "cpu") for r in resources.values())
+        device_timed = bool(resources) and not cpu_only(resources)
         sums, n_its = _window_sums(flagged, iterations or {}, noise,
                                    [f for f in active if f.kind == LATE_START] if device_timed else ())
         h = sequential.threshold(len(resources) or len(flagged), step_ns / 1e9, persistence.sequential)

@@ -54,7 +54,7 @@ from trainscope.analyzer.l3_kernels import (
 from trainscope.analyzer.levels import WindowContext
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
 from trainscope.analyzer.significance import small_group_threshold, z_threshold
-from trainscope.analyzer.topology import CATEGORIES, group_index, group_of, has_coords, rank_to_group
+from trainscope.analyzer.topology import CATEGORIES, cpu_only, group_index, group_of, has_coords, rank_to_group
 from trainscope.processor.kernel_names import fill_names
 from trainscope.proto.model import Resource
 from trainscope.proto.v1 import records_pb2
@@ -143,7 +143,7 @@ def analyse_groups(job_id: str, window: records_pb2.Window, kernels: Mapping[int
     jw = JobWindow(job_id, window, dict(resources), dict(kernels))
     scale = window_scale(jw)
     groups = group_of(resources, dim)
-    host_timed = bool(resources) and all(r.device in ("cpu", "") for r in resources.values())
+    host_timed = cpu_only(resources)
     t = flatten_kernels(kernels)
     found = kernel_findings(job_id, window, t, groups, cfg, dim, scale, host_timed, covered_iterations(kernels))
     rg = rank_to_group(groups)

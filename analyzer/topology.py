@@ -148,6 +148,12 @@ def has_coords(resource: Resource) -> bool:
     return any((c.dp_size, c.tp_size, c.pp_size, c.ep_size, c.cp_size))
 
 
+def cpu_only(resources: Mapping[int, Resource]) -> bool:
+    """Every rank's device is the CPU (or unknown): its kernels are CPU operators and its phases and
+    collectives are timed by the host's clock, which the scheduler stretches (no device clock)."""
+    return bool(resources) and all(r.device in ("cpu", "") for r in resources.values())
+
+
 def group_of(resources: Mapping[int, Resource], dim: str) -> dict[int, list[int]]:
     """Comparison groups along ``dim``: {group index: sorted ranks} (steps 1-2).
 
