@@ -362,6 +362,9 @@ class StackDumper:
        entries, bounded), or why there is none (torch not loaded, recorder off), with how the
        read went (outcome ok | off | error, the entries torch's dump held, the read's wall time)
        for the processor's ``flight_recorder_*`` counters.
+    2c. A transient py-spy failure (the ``--nonblocking`` read races the interpreter, so py-spy may
+       fail to copy a frame; bad output) is run again, at most 3 runs within the command's timeout;
+       a permanent one (ptrace refused, no such process, timed out) is not.
     3. The dump (or the reason there is none: py-spy missing, ptrace refused, timeout, bad
        output) goes to the processor as a ``CollectiveBatch`` with one ``StackDump`` through the
        exporter's bounded queue (``submit``), like every other record of this rank.
@@ -380,7 +383,7 @@ class StackDumper:
         self._training = training_thread
         self._busy = threading.Lock()
         self.stats: collections.Counter[str] = collections.Counter()
-        """requests, busy, dumps, errors, submitted, dropped; fr_views, fr_missing (Flight Recorder)."""
+        """requests, busy, dumps, errors, retries, submitted, dropped; fr_views, fr_missing (Flight Recorder)."""
 
     def request(self, cmd) -> bool:
         """Start one dump for ``cmd`` (a ``StackDumpCommand``); False when one is running."""
@@ -419,21 +422,34 @@ class StackDumper:
             cmd_line = [self.py_spy, "dump", "--pid", str(pid), "--json",
                         *(["--nonblocking"] if self.nonblocking else [])]
             t0 = time.monotonic()
-            try:
-                rc, out, err = self._run(cmd_line, min(max(cmd.timeout_s or 5.0, 0.5), 30.0))
-                if rc != 0:
-                    lines = [ln.strip() for ln in err.splitlines() if ln.strip()]
-                    d.error = (next((ln for ln in lines if ln.lower().startswith("error")),
-                                    lines[0] if lines else f"py-spy exit status {rc}"))[:200]
-                else:
-                    d.threads.extend(parse_dump(out))
-            except (subprocess.TimeoutExpired, TimeoutError):
-                d.error = "py-spy timed out"
-            except (OSError, ValueError, TypeError, AttributeError) as e:
-                d.error = f"py-spy dump unreadable: {e}"[:200]
+            deadline = t0 + min(max(cmd.timeout_s or 5.0, 0.5), 30.0)
+            for attempt in range(_ATTEMPTS):
+                d.error = self._attempt(d, cmd_line, deadline - time.monotonic())
+                # 2c. a transient failure (a --nonblocking read racing the interpreter, a busy host)
+                # is tried again while the command's time lasts; a permanent one is not
+                if not d.error or _permanent(d.error) or deadline - time.monotonic() < _RETRY_MIN_S:
+                    break
+                self.stats["retries"] += 1
             d.took_s = round(time.monotonic() - t0, 4)
         self.stats["errors" if d.error else "dumps"] += 1
         return d
+
+    def _attempt(self, d: telemetry_pb2.StackDump, cmd_line: list[str], timeout_s: float) -> str:
+        """One py-spy run: its threads into ``d`` and "", or why there are none."""
+        try:
+            rc, out, err = self._run(cmd_line, max(timeout_s, 0.1))
+            if rc != 0:
+                lines = [ln.strip() for ln in err.splitlines() if ln.strip()]
+                return (next((ln for ln in lines if ln.lower().startswith("error")),
+                             lines[0] if lines else f"py-spy exit status {rc}"))[:200]
+            threads = parse_dump(out)
+        except (subprocess.TimeoutExpired, TimeoutError):
+            return "py-spy timed out"
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            return f"py-spy dump unreadable: {e}"[:200]
+        del d.threads[:]
+        d.threads.extend(threads)
+        return ""
 
     def _flight_recorder(self, d: telemetry_pb2.StackDump) -> None:
         """Step 2b: this process's Flight Recorder view (``flight_recorder.read_view``: in process, on this
@@ -459,6 +475,19 @@ class StackDumper:
         ok = self._submit(batch, batch.ByteSize())
         self.stats["submitted" if ok is not False else "dropped"] += 1
         return ok is not False
+
+
+_ATTEMPTS = 3
+"""py-spy runs per dump at most (step 2c), all within the command's timeout."""
+_RETRY_MIN_S = 0.5
+"""No new attempt with less than this left of the command's timeout."""
+_PERMANENT = ("permission denied", "operation not permitted", "no such process", "timed out", "not found")
+
+
+def _permanent(error: str) -> bool:
+    """A failure another py-spy run within the same second would repeat (rights, a gone process, time)."""
+    e = error.lower()
+    return any(p in e for p in _PERMANENT)
 
 
 def _run_py_spy(cmd: list[str], timeout_s: float) -> tuple[int, str, str]:

@@ -316,7 +316,7 @@ def test_a_hang_carries_the_stack_grid_that_sets_the_stuck_rank_apart(tmp_path):
             f.level == "collectives" and not f.informational and f.kind != "stall" for f in x.findings)]
         assert early == [], [x.summary for x in early]
         assert grid["trigger"] == "hang" and grid["group"] == "0" and grid["seq"] == 10 + 1
-        assert grid["ranks_dumped"] == WORLD and grid["missing"] == [] and grid["complete"]
+        assert grid["ranks_dumped"] == WORLD and grid["missing"] == [] and grid["complete"], grid["missing"]
         assert [int(r) for r in grid["odd_ranks"]] == [HANG_RANK]
         big, odd = grid["clusters"]
         assert [int(r) for r in big["ranks"]] == [0, 1, 3] and [int(r) for r in odd["ranks"]] == [HANG_RANK]
