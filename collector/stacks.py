@@ -443,6 +443,8 @@ class StackDumper:
                 return (next((ln for ln in lines if ln.lower().startswith("error")),
                              lines[0] if lines else f"py-spy exit status {rc}"))[:200]
             threads = parse_dump(out)
+            if not threads:
+                return "py-spy found no Python thread"
         except (subprocess.TimeoutExpired, TimeoutError):
             return "py-spy timed out"
         except (OSError, ValueError, TypeError, AttributeError) as e:
