@@ -58,7 +58,7 @@ import numpy as np
 from trainscope.analyzer.impact import WindowScale, window_scale
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
 from trainscope.analyzer.significance import (
-    MAD_SIGMA, SMALL_GROUP, robust_z, small_group_threshold, z_threshold,
+    MAD_SIGMA, SMALL_GROUP, robust_z, small_group_threshold, t_isf, z_threshold,
 )
 from trainscope.analyzer.topology import (
     RoutingConfig, check_number, group_of, rank_to_group, resources_with,
@@ -324,8 +324,6 @@ def _specific_phases(phases: list[_Phase], compute_ratio: dict, cfg: L2Config, m
     own: ratio ≥ ``specific_factor`` × the rank's host factor (the median of its ratios in its
     other host compute phases; 1 without any), and never to a phase that can hold a wait inside
     (``holds_collectives``). Returns {phase: rows flagged}."""
-    from scipy.stats import t as student_t
-
     holds = re.compile(cfg.holds_collectives, re.IGNORECASE)
     host = [ph for ph in phases if ph.host_timed and not ph.comm]
     out = {}
@@ -342,7 +340,7 @@ def _specific_phases(phases: list[_Phase], compute_ratio: dict, cfg: L2Config, m
         if df <= 0 or rel_pool <= 0:
             continue
         # 2. z against the pooled spread, Student t of the pooled degrees of freedom
-        t_star = float(student_t.isf(cfg.false_alarm / max(m_cmp, 1), df))
+        t_star = float(t_isf(cfg.false_alarm / max(m_cmp, 1), df))
         with np.errstate(divide="ignore", invalid="ignore"):
             zp = np.where(ph.st["median"] > 0, (ph.x - ph.st["median"]) / (rel_pool * ph.st["median"]), 0.0)
         # 3. the rank's host factor: its other host compute phases against their groups

@@ -145,3 +145,49 @@ def test_pace_config_is_validated():
         job_pace.PaceConfig(min_shift=0)
     with pytest.raises(ConfigError, match="pace.min_iterations"):
         job_pace.PaceConfig(min_iterations=1)
+    with pytest.raises(ConfigError, match="pace.batch_min_windows"):
+        job_pace.PaceConfig(batch_min_windows=1)
+
+
+def _synthetic(steps_ms: np.ndarray, per_window: int = 10, ranks: int = 4) -> tuple[list[JobWindow], JobSpec]:
+    """Iteration marks of ``ranks`` ranks sharing the step ``steps_ms`` (a synchronous job), cut into windows."""
+    spec = JobSpec(ranks=ranks, tp=1, pp=1, steps=len(steps_ms), seed=0, ranks_per_host=ranks)
+    ends = np.cumsum(steps_ms * 1e6).astype(np.int64)
+    starts = np.r_[0, ends[:-1]]
+    out = []
+    for idx in range(len(steps_ms) // per_window):
+        w = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=idx,
+                               first_iteration=idx * per_window, last_iteration=(idx + 1) * per_window - 1)
+        jw = JobWindow("j", w)
+        for r in range(ranks):
+            res = Resource(job_id="j", rank=r, world_size=ranks, host="h0",
+                           coords=coords_for_rank(r, ranks, tp=1, pp=1))
+            jw.resources[r] = res
+            rec = records_pb2.IterationWindow(resource=res.to_pb(), window=w)
+            for i in range(idx * per_window, (idx + 1) * per_window):
+                rec.marks.add(iteration=i, start_ns=int(starts[i]), end_ns=int(ends[i]))
+            jw.iterations[r] = rec
+        out.append(jw)
+    return out, spec
+
+
+def test_a_host_noise_burst_of_consecutive_steps_is_judged_against_how_far_healthy_windows_moved():
+    """Steps of one window are not independent (a busy neighbour slows a run of them): a healthy job
+    whose window medians wander by ±8 % and then has two windows +18 % is not "degraded", as the
+    window medians' own spread (batch means) bounds what one window's median says; a +40 % slowdown
+    still is. The price: on such a host a job-wide slowdown must exceed z* times that spread
+    (about +25 % here) to be named; on a steady host the steps' own spread sets the bar, as before."""
+    rng = np.random.default_rng(7)
+    level = np.repeat(36.0 * (1 + rng.uniform(-0.08, 0.08, 8)), 10)        # each window's host state
+    healthy = level * (1 + rng.normal(0, 0.04, level.size))               # and each step's own noise
+    burst = np.r_[healthy, np.repeat([36.0 * 1.18] * 2, 10) * (1 + rng.normal(0, 0.04, 20))]
+    jws, spec = _synthetic(burst)
+    vs = verdicts(jws, spec)
+    assert all(v.state in ("healthy", "unknown") for v in vs), [v.summary for v in vs]
+    # without the windows' spread, the steps' spread alone calls the burst a slowdown
+    iid = verdicts(jws, spec, job_pace.PaceConfig(batch_min_windows=10_000))
+    assert iid[-1].state == "degraded", [v.summary for v in iid]
+    big = np.r_[healthy, np.repeat([36.0 * 1.4] * 2, 10) * (1 + rng.normal(0, 0.04, 20))]
+    jws, spec = _synthetic(big)
+    v = verdicts(jws, spec)[-1]
+    assert v.state == "degraded" and not v.ranks and "not localized" in v.summary, v.summary
