@@ -19,6 +19,7 @@ call-time import is still a dependency) becomes an edge. The rules:
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -71,7 +72,11 @@ def _imports(name: str, path: pathlib.Path) -> set[str]:
     return {m for m in out if m != name}
 
 
-GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+@functools.cache
+def graph() -> dict[str, set[str]]:
+    """{module: the trainscope modules it imports}, parsed on first use: every pytest-xdist worker imports
+    this file to collect it; only the one that runs these tests reads the sources."""
+    return {name: _imports(name, path) for name, path in MODULES.items()}
 
 
 def _stage(module: str) -> str:
@@ -81,13 +86,13 @@ def _stage(module: str) -> str:
 def test_the_graph_is_read():
     """The walk finds the stages and real edges (a broken walk would pass every rule below)."""
     assert {_stage(m) for m in MODULES} == set(STAGES)
-    assert "trainscope.proto.env" in GRAPH["trainscope.collector.sdk"]
-    assert "trainscope.processor.daemon" in GRAPH["trainscope.deploy.embedded"]
+    assert "trainscope.proto.env" in graph()["trainscope.collector.sdk"]
+    assert "trainscope.processor.daemon" in graph()["trainscope.deploy.embedded"]
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_stage_imports_only_what_it_may(stage):
-    bad = sorted(f"{m} -> {d}" for m, deps in GRAPH.items() if _stage(m) == stage
+    bad = sorted(f"{m} -> {d}" for m, deps in graph().items() if _stage(m) == stage
                  for d in deps if _stage(d) != stage and _stage(d) not in ALLOWED[stage])
     assert not bad, f"{stage}/ may import only {sorted(ALLOWED[stage])}:\n" + "\n".join(bad)
 
@@ -145,7 +150,7 @@ def test_cycle_finder_finds_a_cycle():
 
 
 def test_no_import_cycles():
-    cycles = _cycles(GRAPH)
+    cycles = _cycles(graph())
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
