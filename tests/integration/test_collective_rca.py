@@ -325,7 +325,7 @@ def test_a_hang_carries_the_stack_grid_that_sets_the_stuck_rank_apart(tmp_path):
         assert odd["stack"][0].startswith("main (") and "train_collectives.py:" in odd["stack"][0], odd["stack"]
         assert not any("all_reduce" in f for f in odd["stack"])
         assert grid["summary"].startswith(f"rank {HANG_RANK}: 1 of {WORLD} ranks in `main ("), grid["summary"]
-        assert f"; ranks 0,1,3 in `" in grid["summary"]
+        assert "; ranks 0,1,3 in `" in grid["summary"]
         (culprit,) = [s for s in v.ranks if s.rank == HANG_RANK]
         assert "; stack grid: in `main (" in culprit.why, culprit.why
         # the replay contract's JSON (trainscope query verdict --json, replay --json) carries it too
@@ -340,7 +340,7 @@ def test_a_hang_carries_the_stack_grid_that_sets_the_stuck_rank_apart(tmp_path):
         assert {int(r["rank"]): int(r["newest_seq"]) for r in fr["ranks"]} == {0: 11, 1: 11, 2: 10, 3: 11}
         assert fr["summary"].startswith("ranks 0,1,3 entered allreduce seq 11 on group 0 (in flight, "), fr
         assert f"; rank {HANG_RANK}'s newest entry is seq 10 (allreduce, completed)" in fr["summary"], fr
-        assert f"; flight recorder: ranks 0,1,3 entered allreduce seq 11" in culprit.why, culprit.why
+        assert "; flight recorder: ranks 0,1,3 entered allreduce seq 11" in culprit.why, culprit.why
         assert js["evidence"]["flight_recorder"] == fr["summary"]
         m = job.proc.metrics
         assert m.get("stack_grid_requests", outcome="sent") == 1      # one grid per group and cool-down
