@@ -423,7 +423,7 @@ class StackDumper:
                         *(["--nonblocking"] if self.nonblocking else [])]
             t0 = time.monotonic()
             deadline = t0 + min(max(cmd.timeout_s or 5.0, 0.5), 30.0)
-            for attempt in range(_ATTEMPTS):
+            for _ in range(_ATTEMPTS):
                 d.error = self._attempt(d, cmd_line, deadline - time.monotonic())
                 # 2c. a transient failure (a --nonblocking read racing the interpreter, a busy host)
                 # is tried again while the command's time lasts; a permanent one is not
@@ -449,8 +449,7 @@ class StackDumper:
             return "py-spy timed out"
         except (OSError, ValueError, TypeError, AttributeError) as e:
             return f"py-spy dump unreadable: {e}"[:200]
-        del d.threads[:]
-        d.threads.extend(threads)
+        d.threads.extend(threads)     # only a successful run gets here, and it ends the attempts
         return ""
 
     def _flight_recorder(self, d: telemetry_pb2.StackDump) -> None:
