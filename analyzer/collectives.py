@@ -64,6 +64,25 @@ member, clock-free:
    the binomial tail P(X >= k; n, 1/m) at most ``last_alpha`` / (m x positions),
    is a culprit too, where it synchronises only in that group (as 3b); its
    impact is those latenesses per iteration.
+3e. The late member of a pair on a busy host: 3d needs three members (in a pair
+   either one is last by chance), and beside a busy process the pair's
+   collective slows as 3d says, so a member 15 ms late every step is under
+   ``late_factor`` transfer times in most iterations (a two-group gloo job
+   with one rank's forward slower: the tensor-parallel partner's lateness to
+   its data-parallel all-reduce, inherited, was all that was named). In a
+   pair the question is a paired one: at the same position of each
+   iteration, d_i = how late member a entered against b (negative when b was
+   last). With no late member the sign of d_i is a coin and its size the
+   scheduler's, symmetric; Wilcoxon's signed-rank statistic W+ (the sum of
+   the ranks of |d_i| over d_i > 0) has an exact null distribution, and a
+   member is a culprit when P(W+ ≥ w) ≤ ``last_alpha`` / (2 × positions),
+   it was last by at least ``min_late_ms`` in ``min_share`` of those
+   iterations, and its median lateness there is at least ``min_late_ms``
+   (Wilcoxon 1945; Hollander & Wolfe, *Nonparametric Statistical Methods*
+   §3.1). Its impact is those latenesses per iteration. A member of several
+   groups may have inherited its lateness (its partner in another group made
+   it wait): the finding stands, and attribution follows its measured wait
+   to the rank it waited for (``attribution.py`` step 3).
 4. Slow transfer (network side): no rank late, but the group's transfer time of
    these collectives ``slow_factor`` times its own earlier median for the same
    (op, size class): reported as evidence (informational: gloo gives no
@@ -313,6 +332,25 @@ def _binomial_tail(k: int, n: int, p: float) -> float:
     return float(sum(math.comb(n, j) * p ** j * (1 - p) ** (n - j) for j in range(k, n + 1)))
 
 
+def _signed_rank_tail(d: np.ndarray) -> float:
+    """Step 3e: one-sided P(W+ >= w) of Wilcoxon's signed-rank statistic for the differences ``d``
+    (zeros dropped; ranks of |d| ordinal: ties between nanosecond timings are rare), exact: the null
+    distribution of W+ over n ranks is that of a sum of a random subset of 1..n (n a window's
+    iterations, small)."""
+    d = d[d != 0]
+    n = d.size
+    if n == 0:
+        return 1.0
+    ranks = np.empty(n, dtype=np.int64)
+    ranks[np.argsort(np.abs(d), kind="stable")] = np.arange(1, n + 1)
+    w = int(ranks[d > 0].sum())
+    counts = np.zeros(n * (n + 1) // 2 + 1)
+    counts[0] = 1.0
+    for k in range(1, n + 1):          # subsets of 1..k: add k to every subset of 1..k-1
+        counts[k:] = counts[k:] + counts[:-k].copy()
+    return float(counts[w:].sum() / 2.0 ** n)
+
+
 def _in_window(row: Mapping[int, tuple], window: records_pb2.Window) -> bool:
     """The collective belongs to this window or an earlier one: by iteration for iteration windows
     (the hooks number iterations as the marks do), else by its members' enqueue times."""
@@ -476,6 +514,8 @@ class CollectiveState:
             last_waits: dict[tuple[int, int], dict[int, list[float]]] = collections.defaultdict(
                 lambda: collections.defaultdict(list))
             per_position: collections.Counter = collections.Counter()
+            # step 3e (pairs): position -> [(d: how late ranks[0] entered against ranks[1], ns; seq)]
+            paired: dict[int, list[tuple[float, int]]] = collections.defaultdict(list)
             basis_its: set[int] = set()
             position, prev_it = 0, None
             for k, s in enumerate(done):
@@ -489,6 +529,8 @@ class CollectiveState:
                 if s in basis_set:
                     basis_its.add(it_now)
                     per_position[position] += 1
+                    if len(members) == 2:
+                        paired[position].append((lateness if i == 0 else -lateness, s))
                     if len(members) >= 3 and lateness >= cfg.min_late_ms * 1e6:
                         last_at[(ranks[i], position)].append((it_now, lateness, s))
                         for j, m in enumerate(ranks):
@@ -552,6 +594,28 @@ class CollectiveState:
                                                "iterations": n, "p_value": float(f"{p:.3g}")})
                     found = True
                     named.add(r)
+            if len(members) == 2 and len(basis_its) >= cfg.min_collectives:
+                # step 3e: the member of a pair late to the same collective of its iterations (signed ranks)
+                tests = 2 * max(len(paired), 1)
+                for pos, rows in sorted(paired.items()):
+                    d = np.array([x for x, _ in rows], dtype=np.float64)
+                    for sign, r in ((1.0, ranks[0]), (-1.0, ranks[1])):
+                        lates = [(sign * x, s_) for x, s_ in rows if sign * x >= cfg.min_late_ms * 1e6]
+                        if (r in named or len(rows) < cfg.min_collectives or len(lates) < cfg.min_share * len(rows)
+                                or float(np.median([x for x, _ in lates])) < cfg.min_late_ms * 1e6):
+                            continue
+                        p = _signed_rank_tail(sign * d)
+                        if p > cfg.last_alpha / tests:
+                            continue
+                        other = ranks[1] if r == ranks[0] else ranks[0]
+                        first = min(s_ for _, s_ in lates)
+                        out += self._late_finding(job_id, window, gid, grp, r, [x for x, _ in lates], len(basis),
+                                                  med_transfer, (first, grp.seqs[first][r][0]),
+                                                  {other: [x for x, _ in lates]}, iterations,
+                                                  {"paired": True, "position": pos, "last_iterations": len(lates),
+                                                   "iterations": len(rows), "p_value": float(f"{p:.3g}")})
+                        found = True
+                        named.add(r)
             if len(members) >= 3 and step_ns > 0 and late_of:
                 # step 3c: an intermittent late start (a stall one step in five)
                 for r, first, lates in self._intermittent(late_of, named, first_late, at_position, basis_its,

@@ -4,8 +4,9 @@
 
 Each job is ``tests/support/train_collectives.py`` (4 ranks, CPU, gloo on
 127.0.0.1) under ``trainscope run`` against a real processor, with a live
-analyzer on its bus (``tests/support/livejob.py``; 10-iteration windows),
-``--steps`` steps. Faults on one rank from step 10 on:
+analyzer on its bus (``tests/support/livejob.py``; 10-iteration windows; the
+analyzer thread at nice 10, as a service that runs off the training hosts would
+not take the job's cores), ``--steps`` steps. Faults on one rank from step 10 on:
 
 - ``slow forward``: ``--slow-ms`` of extra busy work inside the forward;
 - ``late start``: a sleep between forward and backward (plain: before the
@@ -45,6 +46,9 @@ from support.livejob import LiveJob, torchrun  # noqa: E402
 from trainscope.analyzer.merge import merge_windows  # noqa: E402
 
 RANK = 2
+#: The live analyzer's niceness: deployed, it runs off the training hosts; here it shares the job's two cores,
+#: and its per-window work (a burst of CPU-seconds at each window close) would slow the job it judges.
+ANALYZER_NICE = 10
 SCENARIOS = {
     "healthy": [],
     "slow forward": ["--slow-rank", str(RANK), "--slow-ms", "15"],
@@ -68,9 +72,11 @@ GROUP_SCENARIOS = {
 
 def run_job(tmp: pathlib.Path, mode: str, extra: list[str], steps: int):
     if mode == "groups":
-        job = LiveJob(tmp, "bench-groups", command=torchrun("--steps", str(steps), *extra, script=GROUPS))
+        job = LiveJob(tmp, "bench-groups", command=torchrun("--steps", str(steps), *extra, script=GROUPS),
+                      analyzer_nice=ANALYZER_NICE)
     else:
-        job = LiveJob(tmp, f"bench-{mode}", "--mode", mode, "--steps", str(steps), *extra)
+        job = LiveJob(tmp, f"bench-{mode}", "--mode", mode, "--steps", str(steps), *extra,
+                      analyzer_nice=ANALYZER_NICE)
     try:
         out = job.finish(timeout_s=300)
     finally:

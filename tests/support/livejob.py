@@ -37,8 +37,13 @@ class LiveJob:
     """A processor, a live analyzer on its bus, and one job under ``trainscope run``."""
 
     def __init__(self, tmp: Path, job_id: str, *args: str, analyzer: AnalyzerConfig | None = None, world: int = 4,
-                 command: list[str] | None = None,
+                 command: list[str] | None = None, analyzer_nice: int = 0,
                  **processor) -> None:
+        """``analyzer_nice``: the analyzer thread's niceness. A deployed analyzer runs off the training
+        hosts (a central service, deploy/); here it shares the job's cores, and a benchmark that judges
+        a healthy job against its own pace runs it at a lower priority so that its own work does not
+        slow the job it judges (the processor, which does run on the job's host, keeps its priority)."""
+        self.analyzer_nice = analyzer_nice
         self.proc = start_processor(window=WindowConfig(iterations=10, lateness_s=1), **processor)
         self.analyzer = Analyzer(analyzer or AnalyzerConfig(), BusSource(self.proc.bus), [])
         self.verdicts: list = []
@@ -55,6 +60,11 @@ class LiveJob:
                                     text=True, start_new_session=True)
 
     def _run(self) -> None:
+        if self.analyzer_nice:
+            try:        # this thread only (Linux: a thread's id is a PRIO_PROCESS target)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.analyzer_nice)
+            except OSError:
+                pass
         while not self._stop.is_set():
             out = self.analyzer.step(0.2)
             with self._lock:
