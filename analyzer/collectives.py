@@ -78,8 +78,14 @@ member, clock-free:
    member is a culprit when P(W+ ≥ w) ≤ ``last_alpha`` / (2 × positions),
    it was last by at least ``min_late_ms`` in ``min_share`` of those
    iterations, and its median lateness there is at least ``min_late_ms``
-   (Wilcoxon 1945; Hollander & Wolfe, *Nonparametric Statistical Methods*
-   §3.1). Its impact is those latenesses per iteration. A member of several
+   and the collective's median transfer time (Wilcoxon 1945; Hollander &
+   Wolfe, *Nonparametric Statistical Methods* §3.1). The test says who is
+   last more than chance allows; the size, what it costs against the
+   collective itself (step 1 asks ``late_factor`` transfers of each
+   collective; the consistency earns half of that): a scheduler beside a
+   busy process can keep one member of a healthy pair a few ms behind its
+   partner for whole windows (a healthy two-group job: 2.7 ms against a
+   ~10 ms all-reduce, named before this bound). Its impact is those latenesses per iteration. A member of several
    groups may have inherited its lateness (its partner in another group made
    it wait): the finding stands, and attribution follows its measured wait
    to the rank it waited for (``attribution.py`` step 3).
@@ -602,7 +608,7 @@ class CollectiveState:
                     for sign, r in ((1.0, ranks[0]), (-1.0, ranks[1])):
                         lates = [(sign * x, s_) for x, s_ in rows if sign * x >= cfg.min_late_ms * 1e6]
                         if (r in named or len(rows) < cfg.min_collectives or len(lates) < cfg.min_share * len(rows)
-                                or float(np.median([x for x, _ in lates])) < cfg.min_late_ms * 1e6):
+                                or float(np.median([x for x, _ in lates])) < max(cfg.min_late_ms * 1e6, med_transfer)):
                             continue
                         p = _signed_rank_tail(sign * d)
                         if p > cfg.last_alpha / tests:

@@ -174,7 +174,9 @@ def test_the_late_member_of_a_pair_on_a_busy_host_is_named_by_its_signed_ranks()
     """Step 3e: in a pair either member is last by chance (step 3d needs three), but a member 15 ms late
     every step on a busy host (the all-reduce ~10 ms, entries +-3 ms) is late by more, and more often,
     than a coin and the scheduler give: Wilcoxon's signed ranks name it, with its partner as the waiter.
-    Healthy busy pairs (30 seeds) name nobody, nor does a member 1 ms late (under min_late_ms)."""
+    Healthy busy pairs (30 seeds) name nobody, nor does a member 1 ms late (under min_late_ms), nor one
+    kept 3 ms behind every step (consistently last, but a third of the 10 ms collective: a scheduler's
+    preference on a busy host, not a cost the pair's transfer does not dwarf)."""
     busy = dict(transfer_ms=10.0, noise_ms=3.0, steps=10)
     for seed in range(5):
         st = state_of(job_batches(ranks=2, late_rank=1, late_ms=15, seed=seed, **busy))
@@ -186,10 +188,10 @@ def test_the_late_member_of_a_pair_on_a_busy_host_is_named_by_its_signed_ranks()
         (waiters,) = [f for f in found if f.kind == "collective_wait"]
         assert [(w.rank, w.waited_for) for w in waiters.suspects] == [(0, 1)]
     for seed in range(30):
-        for late in (None, 1):
-            st = state_of(job_batches(ranks=2, seed=seed, late_rank=late, late_ms=1.0, **busy))
+        for late, ms in ((None, 0.0), (1, 1.0), (1, 3.0)):
+            st = state_of(job_batches(ranks=2, seed=seed, late_rank=late, late_ms=ms, **busy))
             assert [f for f in st.late_starts("j", W, {r: 10.0 for r in range(2)}, 65 * MS)
-                    if not f.informational] == [], (seed, late)
+                    if not f.informational] == [], (seed, late, ms)
 
 
 def test_a_late_member_of_a_pair_is_compared_with_its_partner():
