@@ -85,10 +85,11 @@ member, clock-free:
    collective; the consistency earns half of that): a scheduler beside a
    busy process can keep one member of a healthy pair a few ms behind its
    partner for whole windows (a healthy two-group job: 2.7 ms against a
-   ~10 ms all-reduce, named before this bound). Its impact is those latenesses per iteration. A member of several
-   groups may have inherited its lateness (its partner in another group made
-   it wait): the finding stands, and attribution follows its measured wait
-   to the rank it waited for (``attribution.py`` step 3).
+   ~10 ms all-reduce, named before this bound). Its impact is those
+   latenesses per iteration. A member of several groups may have inherited
+   its lateness (its partner in another group made it wait): the finding
+   stands, and attribution follows its measured wait to the rank it waited
+   for (``attribution.py`` step 3).
 4. Slow transfer (network side): no rank late, but the group's transfer time of
    these collectives ``slow_factor`` times its own earlier median for the same
    (op, size class): reported as evidence (informational: gloo gives no
@@ -197,6 +198,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import time
 from typing import Callable, Mapping
@@ -349,12 +351,20 @@ def _signed_rank_tail(d: np.ndarray) -> float:
         return 1.0
     ranks = np.empty(n, dtype=np.int64)
     ranks[np.argsort(np.abs(d), kind="stable")] = np.arange(1, n + 1)
-    w = int(ranks[d > 0].sum())
+    return float(_signed_rank_null(n)[int(ranks[d > 0].sum()):].sum())
+
+
+@functools.lru_cache(maxsize=64)
+def _signed_rank_null(n: int) -> np.ndarray:
+    """P(W+ = w), w = 0 .. n(n+1)/2: the number of subsets of 1..n summing to w, over 2^n (built once
+    per n: both members of every pair, every position and window ask for the same few n)."""
     counts = np.zeros(n * (n + 1) // 2 + 1)
     counts[0] = 1.0
     for k in range(1, n + 1):          # subsets of 1..k: add k to every subset of 1..k-1
         counts[k:] = counts[k:] + counts[:-k].copy()
-    return float(counts[w:].sum() / 2.0 ** n)
+    out = counts / 2.0 ** n
+    out.flags.writeable = False
+    return out
 
 
 def _in_window(row: Mapping[int, tuple], window: records_pb2.Window) -> bool:
@@ -604,10 +614,12 @@ class CollectiveState:
                 # step 3e: the member of a pair late to the same collective of its iterations (signed ranks)
                 tests = 2 * max(len(paired), 1)
                 for pos, rows in sorted(paired.items()):
+                    if len(rows) < cfg.min_collectives:
+                        continue
                     d = np.array([x for x, _ in rows], dtype=np.float64)
                     for sign, r in ((1.0, ranks[0]), (-1.0, ranks[1])):
                         lates = [(sign * x, s_) for x, s_ in rows if sign * x >= cfg.min_late_ms * 1e6]
-                        if (r in named or len(rows) < cfg.min_collectives or len(lates) < cfg.min_share * len(rows)
+                        if (r in named or len(lates) < cfg.min_share * len(rows)
                                 or float(np.median([x for x, _ in lates])) < max(cfg.min_late_ms * 1e6, med_transfer)):
                             continue
                         p = _signed_rank_tail(sign * d)

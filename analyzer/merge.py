@@ -155,7 +155,7 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
                                    [f for f in active if f.kind == LATE_START] if device_timed else ())
         h = sequential.threshold(len(resources) or len(flagged), step_ns / 1e9, persistence.sequential)
         bar = 0.0 if device_timed else COUNT_Z * noise / max(n_its, 1.0) ** 0.5      # step 3b
-        counted = {r: p for r, p in places.items() if r < 0 or r not in flagged or flagged[r].score_ns >= bar}
+        counted = {r: p for r, p in places.items() if r not in flagged or flagged[r].score_ns >= bar}   # JOB keys too
         confirmed = persistence.update(int(window.index), counted,
                                        {r: rv.score_ns for r, rv in flagged.items()}, final=final,
                                        observed=observed, sums=sums, iterations=n_its, h=h)
@@ -190,8 +190,7 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     # (followed along chains, to a fixed point: a two-group job on a busy host named rank 3 "waiter"
     # alone, waiting for rank 1, itself a waiter of a rank that stayed pending)
     while True:
-        alone = {r for r in confirmed if flagged[r].role == WAITER
-                 and (flagged[r].waited_for == r or flagged[r].waited_for not in confirmed)}
+        alone = {r for r in confirmed if flagged[r].role == WAITER and flagged[r].waited_for not in confirmed}
         if not alone:
             break
         confirmed -= alone

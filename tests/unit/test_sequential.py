@@ -144,20 +144,27 @@ def test_a_huge_z_that_costs_one_percent_of_the_step_does_not_name_at_once():
     assert [s.rank for s in v.ranks] == [2]
 
 
-def test_step_noise_is_the_iteration_times_spread_with_a_floor():
+def noisy_window(i, sd_pct, world=16, step_ms=100.0, seed=0):
+    """A JobWindow whose ranks' iteration marks vary by ``sd_pct`` % of the step (a shared host's noise)."""
     from trainscope.analyzer.model import JobWindow
-    from trainscope.analyzer.sequential import step_noise_ns
-    cfg = SequentialConfig()
-    jw = JobWindow(job_id="j", window=win(0))
-    rng = np.random.default_rng(0)
-    for r in range(8):
+    rng = np.random.default_rng(seed * 100 + i)
+    jw = JobWindow(job_id="j", window=win(i))
+    for r in range(world):
         iw = records_pb2.IterationWindow()
         t = 0
-        for i in range(10):
-            d = int((100 + rng.normal(0, 5)) * MS)
-            iw.marks.add(iteration=i, start_ns=t, end_ns=t + d)
+        for it in range(10 * i, 10 * i + 10):
+            d = int(step_ms * MS * (1 + rng.normal(0, sd_pct / 100)))
+            iw.marks.add(iteration=it, start_ns=t, end_ns=t + d)
             t += d
         jw.iterations[r] = iw
+    return jw
+
+
+
+def test_step_noise_is_the_iteration_times_spread_with_a_floor():
+    from trainscope.analyzer.sequential import step_noise_ns
+    cfg = SequentialConfig()
+    jw = noisy_window(0, 5.0, world=8)
     noise = step_noise_ns(jw, 100 * MS, cfg)
     assert 3.5 * MS < noise < 6.5 * MS                     # about the 5 ms it was drawn with
     assert step_noise_ns(None, 100 * MS, cfg) == pytest.approx(1 * MS)     # no marks: the 1 % floor
@@ -218,22 +225,6 @@ def test_a_fault_that_makes_the_whole_step_vary_is_weighed_against_the_jobs_earl
     assert p.step_noise(900 * MS) == 30 * MS                  # median of 30, 1300, 20
 
 
-def noisy_window(i, sd_pct, world=16, step_ms=100.0, seed=0):
-    """A JobWindow whose ranks' iteration marks vary by ``sd_pct`` % of the step (a shared host's noise)."""
-    from trainscope.analyzer.model import JobWindow
-    rng = np.random.default_rng(seed * 100 + i)
-    jw = JobWindow(job_id="j", window=win(i))
-    for r in range(world):
-        iw = records_pb2.IterationWindow()
-        t = 0
-        for it in range(10 * i, 10 * i + 10):
-            d = int(step_ms * MS * (1 + rng.normal(0, sd_pct / 100)))
-            iw.marks.add(iteration=it, start_ns=t, end_ns=t + d)
-            t += d
-        jw.iterations[r] = iw
-    return jw
-
-
 def test_a_flag_the_steps_own_noise_explains_does_not_repeat_into_a_suspect():
     """Merge step 3b: beside a busy process a CPU job's steps vary by 8 %; a host-timed finding costing
     3 % of the step (σ/√10 = 2.5 %: within two standard errors of the window's mean step) in two
@@ -250,7 +241,7 @@ def test_a_flag_the_steps_own_noise_explains_does_not_repeat_into_a_suspect():
         assert named or list(v.pending) == [5]
 
 
-def test_a_waiter_whose_chain_ends_at_a_pending_rank_is_not_named():
+def test_a_waiter_whose_chain_ends_at_a_pending_rank_is_not_named(monkeypatch):
     """Merge step 3: a waiter is named only with the rank it waited for, along chains: rank 3 waited for
     rank 1 (measured), rank 1 for rank 0 in another group, and rank 0 is flagged for the first time
     (pending). Rank 1 is pending with it, and so is rank 3: nobody is named alone."""
@@ -262,13 +253,9 @@ def test_a_waiter_whose_chain_ends_at_a_pending_rank_is_not_named():
         e = Evidence(r, "collectives", "collective_wait", f"wait{r}", True, True, 2.0, 9 * MS, waited_for=on)
         return RankVerdict(r, "waiter", 9 * MS, 9 * MS, waited_for=on, evidence=[e])
     flagged = {0: RankVerdict(0, "culprit", 10 * MS, 10 * MS), 1: waiter(1, 0), 3: waiter(3, 1)}
-    real = merge_mod.attribute
-    merge_mod.attribute = lambda *a, **k: list(flagged.values())
-    try:
-        p = Persistence(2, 3)
-        places = {r: merge_mod._places_of(rv) for r, rv in flagged.items() if r != 0}
-        p.update(0, places)                                       # the waiters were flagged before: held
-        v = merge("j", win(1), [kernel_finding(1, 0, 3.0, 10 * MS)], res, step_ns=100 * MS, persistence=p)
-    finally:
-        merge_mod.attribute = real
+    monkeypatch.setattr(merge_mod, "attribute", lambda *a, **k: list(flagged.values()))
+    p = Persistence(2, 3)
+    places = {r: merge_mod._places_of(rv) for r, rv in flagged.items() if r != 0}
+    p.update(0, places)                                           # the waiters were flagged before: held
+    v = merge("j", win(1), [kernel_finding(1, 0, 3.0, 10 * MS)], res, step_ns=100 * MS, persistence=p)
     assert not v.ranks and sorted(v.pending) == [0, 1, 3], v.summary
