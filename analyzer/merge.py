@@ -38,6 +38,10 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
    their stage and personality (a replay of a real stream: a 1.3x rank
    costing 5 % of the step sat under the bar in every window), and the
    CUSUM bounds its own input by the noise already (``sequential`` 1b).
+   The step's noise bounds a phase's from above, loosely: a rank slow in
+   its median occurrence of a phase, against that phase's own spread, also
+   counts (``_median_phase_excess``; a 4-rank DDP job's data loader 30 ms
+   slower in every iteration sat under a bar of a third of its 133 ms step).
 4. Aggregation: when the suspects' impact sits mostly (≥ 2/3) on one host
    and at least two suspects share it, the verdict names the host first
    (a degraded NVLink, NIC or PCIe switch slows every GPU behind it); the
@@ -155,7 +159,8 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
                                    [f for f in active if f.kind == LATE_START] if device_timed else ())
         h = sequential.threshold(len(resources) or len(flagged), step_ns / 1e9, persistence.sequential)
         bar = 0.0 if device_timed else COUNT_Z * noise / max(n_its, 1.0) ** 0.5      # step 3b
-        counted = {r: p for r, p in places.items() if r not in flagged or flagged[r].score_ns >= bar}   # JOB keys too
+        counted = {r: p for r, p in places.items()     # JOB keys too
+                   if r not in flagged or flagged[r].score_ns >= bar or _median_phase_excess(flagged[r], jw)}
         confirmed = persistence.update(int(window.index), counted,
                                        {r: rv.score_ns for r, rv in flagged.items()}, final=final,
                                        observed=observed, sums=sums, iterations=n_its, h=h)
@@ -353,6 +358,49 @@ def _window_sums(flagged: Mapping[int, RankVerdict], iterations: Mapping[int, fl
                 key = (e.rank, _SEQ.sub(")", e.where))
                 sums[key] = max(sums.get(key, 0.0), n * e.impact_ns / noise_ns)
     return sums, typical
+
+
+def _median_phase_excess(rv: RankVerdict, jw: JobWindow | None) -> bool:
+    """Step 3b's second test, for a phase the rank itself was slow in (an L2 culprit): its median
+    occurrence is over its peers' median by ``COUNT_Z`` standard errors of that phase's own spread.
+
+    The step's noise bounds a phase's noise from above; beside a busy process it is a third of the step
+    (steps of 35 to 250 ms around 85 ms), and a data loader 30 ms slower in every iteration sat under
+    COUNT_Z·σ/√n in some windows. The scheduler's delays land on a few occurrences of a phase and move
+    its mean, not its median; a slow phase moves both. Per phase, from the window's PhaseStats:
+    1. excess = p50 of the rank − median over its peers of their p50;
+    2. σ of each rank's occurrences from its spread above the median, (max − p50) / E[max of n
+       standard normals] (Blom's score Φ⁻¹((n − 0.375)/(n + 0.25))): bursts make it large, never small;
+    3. the excess counts when ≥ COUNT_Z · 1.2533·√(σ_rank² + σ_peers²)/√n (1.2533σ/√n: the standard
+       error of a median; σ_peers the median of the peers').
+    """
+    if jw is None or rv.role != CULPRIT:
+        return False
+    for e in rv.evidence:
+        if e.level != "L2" or e.rank != rv.rank or e.role != CULPRIT:
+            continue
+        own, peers = None, []
+        for rank, pw in jw.phases.items():
+            st = next((p for p in pw.phases if p.phase == e.where and p.count > 1), None)
+            if st is not None:
+                if rank == rv.rank:
+                    own = st
+                else:
+                    peers.append(st)
+        if own is None or not peers:
+            continue
+        excess = own.p50_ns - statistics.median(p.p50_ns for p in peers)                     # 1
+        spread = statistics.median(_phase_sigma(p) for p in peers)
+        se = 1.2533 * (_phase_sigma(own) ** 2 + spread ** 2) ** 0.5 / own.count ** 0.5       # 3
+        if excess > 0 and excess >= COUNT_Z * se:
+            return True
+    return False
+
+
+def _phase_sigma(st: records_pb2.PhaseStats) -> float:
+    """Step 3b's step 2: σ of one rank's occurrences of a phase from its spread above the median."""
+    n = int(st.count)
+    return max(st.max_ns - st.p50_ns, 0.0) / statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
 
 
 def _places_of(rv: RankVerdict) -> set[str]:
