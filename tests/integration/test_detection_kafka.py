@@ -22,7 +22,7 @@ from trainscope.analyzer.store import DiagnosisStore
 
 pytestmark = pytest.mark.integration
 
-RANKS, ITERATIONS, PER_WINDOW = 32, 30, 10
+RANKS, ITERATIONS, PER_WINDOW = 16, 30, 10
 CULPRIT = 13
 # job id -> (fault spec or None, what must be right: "top1", "phase", "kernel", "L1")
 SCENARIOS = {
