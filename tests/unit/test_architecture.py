@@ -56,7 +56,7 @@ def _imports(name: str, path: pathlib.Path) -> set[str]:
     """The trainscope modules ``name`` imports (a package's ``from pkg import mod`` names the module)."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.startswith("trainscope."))
         elif isinstance(node, ast.ImportFrom):
@@ -215,7 +215,13 @@ def _sources(*, tests: bool = False):
     if tests:
         paths += [p for p in (ROOT / "tests").rglob("*.py") if p.resolve() != pathlib.Path(__file__).resolve()]
     for p in paths:
-        yield p.relative_to(ROOT), ast.parse(p.read_text(), str(p))
+        yield p.relative_to(ROOT), _tree(p)
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(path: pathlib.Path) -> ast.Module:
+    """One parse per file per test process (six checks read every source; the trees are not modified)."""
+    return ast.parse(path.read_text(), str(path))
 
 
 def _strings(tree):
