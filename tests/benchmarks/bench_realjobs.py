@@ -92,6 +92,24 @@ def judge(v, fault: bool, culprit: int) -> bool:
     return bool(named) and named[0][0] == culprit and blamed == {culprit}
 
 
+def explain(windows, ranks: set[int], width: int = 220) -> list[str]:
+    """A wrong job's evidence, to study without rerunning it: every window's findings that name
+    ``ranks`` (level/kind, place, the suspect's evidence: rule, lateness, p-value, ...)."""
+    out = []
+    for w in windows:
+        for f in w.findings:
+            if f.informational:
+                continue
+            for s in f.suspects:
+                if s.rank in ranks:
+                    ev = {k: (round(x, 4) if isinstance(x, float) else x) for k, x in dict(s.evidence).items()
+                          if k not in ("stack_grid", "flight_recorder")}
+                    out.append(f"w{w.window.index} rank {s.rank} {s.role} {f.level}/{f.kind} "
+                               f"{f.scope.phase or f.scope.kernel or f.scope.group} "
+                               f"{s.impact_s * 1e3:.2f} ms: {ev}"[:width])
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", nargs="+", default=["plain", "ddp", "fsdp", "groups"],
@@ -123,6 +141,8 @@ def main(argv=None) -> int:
                           f"{time.perf_counter() - t0:5.1f} s", flush=True)
                     if not ok and v is not None:
                         print(f"       {v.summary[:240]}", flush=True)
+                        for line in explain(job.seen(), {s.rank for s in v.ranks}):
+                            print(f"         {line}", flush=True)
     finally:
         if busy is not None:
             busy.kill()
