@@ -56,6 +56,7 @@ import numpy as np
 
 from trainscope.analyzer.impact import WindowScale
 from trainscope.analyzer.model import Finding, JobWindow, Scope
+from trainscope.analyzer.sequential import MEDIAN_SE
 from trainscope.analyzer.significance import MAD_SIGMA, z_threshold
 from trainscope.analyzer.topology import check_number
 
@@ -145,7 +146,7 @@ def analyze_pace(jw: JobWindow, scale: WindowScale, baseline: Baseline, steps: n
         return [], 0
     b, now = float(np.median(base)), float(np.median(steps))
     spread = max(MAD_SIGMA * float(np.median(np.abs(base - b))), cfg.rel_floor * b)
-    se = spread * np.sqrt(np.pi / 2) * np.sqrt(1 / steps.size + 1 / base.size)
+    se = spread * MEDIAN_SE * np.sqrt(1 / steps.size + 1 / base.size)
     medians = baseline.window_medians(cfg.min_iterations)
     se_windows = 0.0
     if medians.size >= cfg.batch_min_windows:     # batch means: how far a healthy window's median moved

@@ -108,7 +108,7 @@ from trainscope.analyzer.cdf import (
 from trainscope.analyzer.impact import WindowScale, window_scale
 from trainscope.analyzer.kernel_columns import WireError, kernel_columns
 from trainscope.analyzer.model import Finding, JobWindow, Scope, SuspectRank
-from trainscope.analyzer.sequential import MAD_SIGMA
+from trainscope.analyzer.sequential import MAD_SIGMA, MEDIAN_SE
 from trainscope.analyzer.significance import robust_z, small_group_threshold, z_threshold
 from trainscope.analyzer.topology import (
     CATEGORIES, RoutingConfig, check_number, cpu_only, group_of, rank_to_group, resources_with,
@@ -664,7 +664,7 @@ def _typical_ratios(t: KernelTable, order, seg_first, seg_n, scored, x_all, rank
         dev = dev[o2]
         mad = (dev[f + (n - 1) // 2] + dev[f + n // 2]) / 2
         # the standard error of a sample median: sqrt(pi/2) * sigma / sqrt(n)
-        se.flat[cells] = 1.2533 * MAD_SIGMA * mad / np.sqrt(n)
+        se.flat[cells] = MEDIAN_SE * MAD_SIGMA * mad / np.sqrt(n)
     return m, se
 
 

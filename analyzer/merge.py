@@ -391,7 +391,7 @@ def _median_phase_excess(rv: RankVerdict, jw: JobWindow | None) -> bool:
             continue
         excess = own.p50_ns - statistics.median(p.p50_ns for p in peers)                     # 1
         spread = statistics.median(_phase_sigma(p) for p in peers)
-        se = 1.2533 * (_phase_sigma(own) ** 2 + spread ** 2) ** 0.5 / own.count ** 0.5       # 3
+        se = sequential.MEDIAN_SE * (_phase_sigma(own) ** 2 + spread ** 2) ** 0.5 / own.count ** 0.5   # 3
         if excess > 0 and excess >= COUNT_Z * se:
             return True
     return False

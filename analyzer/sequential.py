@@ -80,6 +80,8 @@ from trainscope.analyzer.topology import check_number
 #: A MAD as a Gaussian σ, 1 / Φ⁻¹(0.75) (scipy.stats' scale="normal"; scipy costs 0.5 s to import);
 #: ``significance`` and every level read it from here.
 MAD_SIGMA = 1.4826
+#: A sample median's standard error in units of σ/√n under Gaussian noise, √(π/2) ≈ 1.2533.
+MEDIAN_SE = math.sqrt(math.pi / 2)
 #: Siegmund's correction for the overshoot of a Gaussian random walk at the boundary (ρ ≈ 0.583, ×2).
 _SIEGMUND = 1.166
 #: Levels whose z is a window mean against its peers (step 1's √n mapping holds for these).

@@ -160,7 +160,6 @@ def noisy_window(i, sd_pct, world=16, step_ms=100.0, seed=0):
     return jw
 
 
-
 def test_step_noise_is_the_iteration_times_spread_with_a_floor():
     from trainscope.analyzer.sequential import step_noise_ns
     cfg = SequentialConfig()
