@@ -179,7 +179,9 @@ def _peer_z(f: Finding, s) -> float:
     if f.level not in PEER_LEVELS or f.comparison != "peers" or ev.get("host_timed"):
         return 0.0
     z = ev.get("significance_z", ev.get("z", 0.0))
-    return abs(float(z)) if isinstance(z, (int, float)) and math.isfinite(z) else 0.0
+    z = abs(float(z)) if isinstance(z, (int, float)) and math.isfinite(z) else 0.0
+    own = ev.get("own_z")      # L3 step 5f: against its own calls' sampling error where that is larger
+    return min(z, abs(float(own))) if isinstance(own, (int, float)) and math.isfinite(own) else z
 
 
 class SyncPartners:

@@ -90,6 +90,13 @@ every (kernel, stream) their duration distributions should agree. Per
    few large kernels and each kernel (5, 5d) has its own. Impact: the
    category time beyond the peers' pace, sum × (1 − e^(−shift)). Not for
    host-timed operators (a preempted rank is slower everywhere at once).
+5f. Against its own noise (evidence for the sequential test, not the
+   decision): each flagged rank's ``own_z``, its excess over the larger of
+   the peers' spread and its own sampling error (its calls' standard
+   deviation × √count per iteration). The decision keeps the peers' error
+   (an ECC-like tail must not widen its own yardstick); the CUSUM, which
+   treats a window's iterations as independent draws, must not read a
+   noisy rank's wide window as many small excesses (``sequential.py`` 1c).
 6. A key present on ≥ ``missing_min_present`` of a group's ranks and absent
    on the others is evidence too (e.g. a hang: the culprit stops entering a
    collective): kind ``missing_kernel``, the absent ranks as suspects. A
@@ -436,6 +443,7 @@ class Outliers:
     w1_fence: float          # ARGUS eq. 4 over the segment's W1 scores (evidence)
     category: str = ""
     rule: str = ""           # "typical": step 5e (median_ns is the rank's category time at its peers' pace)
+    z_own: np.ndarray | None = None   # their z with their own sampling error where it is the larger (step 5f)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -520,10 +528,13 @@ def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Conf
     null_sd = t.dist_sd_ns.copy()
     null_sd[order] = seg_sd[seg_of_pos]
     se2_all = (null_sd ** 2) * t.dist_count / dist_iters ** 2
+    own2_all = (t.dist_sd_ns ** 2) * t.dist_count / dist_iters ** 2    # step 5f: its own calls' error
     cat_x = np.zeros((t.ranks.size, 3))
     cat_v = np.zeros((t.ranks.size, 3))
+    cat_own = np.zeros((t.ranks.size, 3))
     np.add.at(cat_x, (rank_pos, cat[t.dist_key]), x_all)
     np.add.at(cat_v, (rank_pos, cat[t.dist_key]), se2_all)
+    np.add.at(cat_own, (rank_pos, cat[t.dist_key]), own2_all)
     # step 5c: the same totals with each rank's largest call replaced by its typical one; host-timed:
     # its typical call times its calls, nothing from fewer than HOST_TYPICAL_MIN_CALLS calls
     if host_timed:
@@ -589,7 +600,8 @@ def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Conf
             scores = acc / (n - 1)
             outliers += _flag(t, seg_key[chunk], seg_group[chunk], d2, scores, x_all[d2],
                               np.sqrt(se2_all[d2]), comm_key[seg_key[chunk]], z_for(n), cfg,
-                              x_loo=loo_all[d2], x_typ=None if host_timed else typ_all[d2])
+                              x_loo=loo_all[d2], x_typ=None if host_timed else typ_all[d2],
+                              se_own=np.sqrt(own2_all[d2]))
     for g, m in cat_groups:
         for c in range(3):
             x = cat_x[m, c]
@@ -598,7 +610,8 @@ def score_kernels(t: KernelTable, rank_group: np.ndarray, cfg: L3Config = L3Conf
             outliers += _flag(t, np.array([-1 - c]), np.array([g]), np.full((1, m.size), -1), None,
                               x[None, :], np.sqrt(cat_v[m, c])[None, :], np.array([c == 2]), z_for(m.size), cfg,
                               ranks=t.ranks[m][None, :], category=CATEGORIES[c], x_loo=cat_loo[m, c][None, :],
-                              x_typ=None if host_timed else cat_typ[m, c][None, :])
+                              x_typ=None if host_timed else cat_typ[m, c][None, :],
+                              se_own=np.sqrt(cat_own[m, c])[None, :])
     if typical is not None:
         outliers += _typical_outliers(typical, cat_x, cat_groups, outliers, t, z_star, cfg)
     outliers.sort(key=lambda o: -float(np.abs(o.x_ns - o.median_ns).max()))
@@ -709,12 +722,17 @@ def _largest_call_excess(t: KernelTable) -> np.ndarray:
 
 
 def _flag(t, seg_key, seg_group, dists, w1, x, se, comm, z_star, cfg, *, ranks=None,
-          category: str = "", x_loo=None, x_typ=None) -> list[Outliers]:
+          category: str = "", x_loo=None, x_typ=None, se_own=None) -> list[Outliers]:
     """Step 5 for a batch of segments: rows of ``x`` (time per iteration) are peer groups;
     ``x_loo`` the same with each rank's largest call replaced by a typical one (step 5c); ``x_typ``
-    (device kernels) each rank's typical call times its calls."""
+    (device kernels) each rank's typical call times its calls; ``se_own`` each value's sampling
+    error from its own calls (step 5f)."""
     floor = cfg.category_rel_floor if category else cfg.rel_floor
     z, med, scale = robust_z(x, se, floor)
+    if se_own is not None:      # step 5f: the yardstick is the larger of the peers' spread and its own error
+        with np.errstate(divide="ignore", invalid="ignore"):
+            own_scale = np.maximum(np.broadcast_to(scale, x.shape), se_own)
+            z_own = np.where(own_scale > 0, (x - med) / own_scale, 0.0)
     med, scale = med[:, 0], np.sqrt(np.maximum(scale[:, 0] ** 2 - 0.0, 0.0))
     slower = z >= z_star
     if x_loo is not None and slower.any():
@@ -747,7 +765,8 @@ def _flag(t, seg_key, seg_group, dists, w1, x, se, comm, z_star, cfg, *, ranks=N
             w1[i, j] if w1 is not None else np.full(j.size, np.nan), float(med[i]),
             float(np.hypot(mad_scale, floor * med[i])), z_star, int(x.shape[1]),
             float(p50_med[i]) if w1 is not None else 0.0, float(mean_med[i]) if w1 is not None else 0.0,
-            float(fence[i]) if w1 is not None else float("nan"), category))
+            float(fence[i]) if w1 is not None else float("nan"), category,
+            z_own=z_own[i, j] if se_own is not None else None))
     return out
 
 
@@ -783,6 +802,8 @@ def kernel_findings(job_id: str, window: records_pb2.Window, t: KernelTable,
                   "ratio": x / o.median_ns if o.median_ns > 0 else 0.0,
                   "z": float(o.z[k]), "z_threshold": o.z_star,
                   "direction": "slower" if slower else "faster"}
+            if o.z_own is not None:
+                ev["own_z"] = float(o.z_own[k])
             if host_timed:   # CPU operators: scheduler bursts span whole windows (sequential.py: k of n)
                 ev["host_timed"] = True
             if d >= 0:

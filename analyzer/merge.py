@@ -335,6 +335,8 @@ def _window_sums(flagged: Mapping[int, RankVerdict], iterations: Mapping[int, fl
     (``sequential.py`` step 1b; no peer z, the comparison is the order of arrival). Host-timed
     lateness (CPU jobs, where the scheduler delays a rank for a whole window) keeps k of n."""
     sums: dict[tuple[int, str], float] = {}
+    work: dict[int, float] = {}          # per rank: the largest sum of its own (non-collective) work
+    late_sums: list[tuple[tuple[int, str], float]] = []
     its = sorted(float(v) for v in iterations.values() if v > 0)
     typical = its[len(its) // 2] if its else 1.0
     for r, rv in flagged.items():
@@ -346,7 +348,12 @@ def _window_sums(flagged: Mapping[int, RankVerdict], iterations: Mapping[int, fl
         for e in rv.evidence:
             if e.z > 0 and e.rank == r and e.role == CULPRIT:   # its own slow work, not a wait
                 key = (r, _SEQ.sub(")", e.where))
-                sums[key] = max(sums.get(key, 0.0), sequential.window_sum(e.z, n, e.impact_ns, noise_ns))
+                y = sequential.window_sum(e.z, n, e.impact_ns, noise_ns)
+                if e.communication:     # a collective the others waited in: it arrived late (L3 step 5)
+                    late_sums.append((key, y))
+                    continue
+                sums[key] = max(sums.get(key, 0.0), y)
+                work[r] = max(work.get(r, 0.0), y)
     if noise_ns > 0:
         for f in late:
             for e, s in zip(evidence_of(f), f.suspects):
@@ -355,8 +362,12 @@ def _window_sums(flagged: Mapping[int, RankVerdict], iterations: Mapping[int, fl
                 if (rv is None or rv.role != CULPRIT or e.role != CULPRIT or n < typical
                         or int(s.evidence.get("late_collectives", 0)) < 2):
                     continue
-                key = (e.rank, _SEQ.sub(")", e.where))
-                sums[key] = max(sums.get(key, 0.0), n * e.impact_ns / noise_ns)
+                late_sums.append(((e.rank, _SEQ.sub(")", e.where)), n * e.impact_ns / noise_ns))
+    for key, y in late_sums:
+        # step 1d: lateness is as strong as what made the rank late, where that is its own device work
+        # flagged in this window (a noisy rank's spikes in one kernel made it last in one window)
+        y = min(y, work[key[0]]) if key[0] in work else y
+        sums[key] = max(sums.get(key, 0.0), y)
     return sums, typical
 
 

@@ -29,6 +29,19 @@ names the first after one window and still asks the second to repeat.
    Σ y_i = min(√n·z, n·excess/noise). A rank costing 5 % of a steady step
    adds 5 per iteration and is named within a window; one costing 1 %
    adds no more than the allowance takes away.
+1c. Its own noise, not only its peers'. L3 judges a kernel under the null that
+   the rank's calls behave like its peers' (their spread is the yardstick).
+   A rank whose own calls spread wider (a noisier GPU, a window of heavy
+   spikes) has a window mean that wanders further than its peers' spread
+   says; for this test its z is taken against the larger of the peers'
+   spread and its own sampling error (L3 step 5f, ``own_z``,
+   ``attribution._peer_z``). A throttle shifts every call and keeps its z.
+1d. Lateness as strong as its cause. A rank late to a collective (a
+   collective kernel shorter than its peers', a late start) was late for a
+   reason; where its own device work was flagged in the same window, the
+   lateness adds no more than that work's sum (``merge._window_sums``). A
+   noisy rank's spikes in one kernel (2σ of its own calls) made it last to
+   its reduce-scatter for one window (z 13); alone it crossed h.
 2. Where a level found nothing at a place (z below its threshold), z = 0 is
    used: the window adds −n·k, so the statistic falls back and resets when
    the rank recovers (conservative: a z between 0 and the threshold would

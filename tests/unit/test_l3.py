@@ -152,6 +152,23 @@ def test_tail_only_inflation_is_found_ecc_like():
     assert ev["time_per_iteration_ns"] > ev["group_median_ns"] and ev["direction"] == "slower"
 
 
+def test_own_z_keeps_a_shift_and_discounts_a_tail():
+    """Step 5f: every flagged rank carries ``own_z``, its excess against the larger of the peers'
+    spread and its own calls' sampling error. A 1.3x shift moves every call and keeps its z; a tail
+    of 4 calls 10x the rest (still flagged: the decision keeps the peers' error) is within a few of
+    its own standard errors, so the sequential test does not read it as ten iterations of evidence."""
+    def shift(r, k, cl):
+        return [(c, p50 * 1.3, p99 * 1.3) for c, p50, p99 in cl] if (r, k) == (13, 0) else cl
+
+    def tail(r, k, cl):
+        return cl + [(4, cl[0][1] * 10, cl[0][1] * 12)] if (r, k) == (5, 1) else cl
+    [s] = [f.suspects[0] for f in analyze_kernels(job(24, edit=shift)) if f.kind == "degraded_kernel"]
+    assert s.rank == 13 and s.evidence["own_z"] == pytest.approx(s.evidence["z"], rel=0.1)
+    [s] = [f.suspects[0] for f in analyze_kernels(job(24, edit=tail)) if f.kind == "degraded_kernel"]
+    assert s.rank == 5 and s.evidence["z"] >= s.evidence["z_threshold"]
+    assert 0 < s.evidence["own_z"] < s.evidence["z"] / 2
+
+
 def test_host_timed_operators_need_a_slower_typical_call():
     """Step 5c for CPU operators (host-timed): the scheduler preempts a rank at any call, often at
     two in one window. Two preempted calls of 14 (each ~20x the typical call, the rank 1.5x its

@@ -212,6 +212,33 @@ def test_a_device_timed_late_start_repeated_in_its_window_is_named_in_that_windo
         assert [s.rank for s in v.ranks] == [6], (n, v.summary)      # the place held in 2 windows of 3
 
 
+def late_arrival(i, rank, z, own_z, impact_ns):
+    """An L3 late arrival: the rank's reduce-scatter shorter than its peers' (they waited in it)."""
+    ev = {"direction": "faster", "ratio": 0.52, "z": -z, "own_z": -own_z, "z_threshold": 4.9}
+    return Finding(level="L3", kind="late_arrival", job_id="j", window=win(i),
+                   scope=Scope(kernel="ncclDevKernel_ReduceScatter_Sum_f32_RING_LL"),
+                   evidence={"communication": True}, suspects=(SuspectRank(rank, z, ev, impact_ns=impact_ns),))
+
+
+def test_a_window_the_ranks_own_noise_explains_waits_for_k_of_n():
+    """Steps 1c-1d: a kernel slower than its peers' from a few 3-4x calls (z 7.5 against the peers, 2.1
+    against its own calls: a noisy rank's window, as in a simulated healthy 64-rank job, seed 319) is
+    not named in its first window, nor is the late arrival to the reduce-scatter those calls caused (z 13);
+    the same late arrival with no slow work of its own (a host delay before the collective) is, and so
+    is a kernel whose own calls agree with its peers' verdict."""
+    res = resources()
+    its = {r: 10.0 for r in res}
+
+    def first(findings):
+        v = merge("j", win(0), findings, res, step_ns=400 * MS, iterations=its, persistence=Persistence(2, 3))
+        return [s.rank for s in v.ranks], list(v.pending)
+    noisy = kernel_finding(0, 5, 7.5, 25 * MS, kernel="flash_bwd", own_z=2.1)
+    assert first([noisy, late_arrival(0, 5, 13.0, 8.1, 40 * MS)]) == ([], [5])
+    assert first([noisy]) == ([], [5])
+    assert first([late_arrival(0, 5, 13.0, 8.1, 40 * MS)]) == ([5], [])
+    assert first([kernel_finding(0, 5, 9.0, 25 * MS, kernel="flash_bwd", own_z=9.0)]) == ([5], [])
+
+
 def test_a_fault_that_makes_the_whole_step_vary_is_weighed_against_the_jobs_earlier_noise():
     """Step 1b's noise is the smaller of the window's and the job's earlier windows' (median): an
     intermittent delay on one rank makes every rank's step vary (they wait for it), and measured in its
