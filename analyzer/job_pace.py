@@ -32,7 +32,15 @@ analysed window (NVRx's "individual" score, for the whole job):
    ``batch_min_windows`` baseline windows of ``min_iterations`` steps,
    s_w = 1.4826·MAD of their medians, and the error of a new window's
    median against b is s_w·√(1 + 1/m) (m windows); the test uses the larger
-   of the two errors. Flagged when
+   of the two errors. A job timed by the host's clock (CPU ranks: the
+   scheduler sets its pace) is not judged before its baseline has
+   ``batch_min_windows`` windows: until then nothing says how far a healthy
+   window's median moves, and the first window is no better a baseline
+   than the second (an idle 4-rank DDP gloo job, two ranks per core, read
+   +11 % from its window 1 on against its window 0, and a window held out
+   of the baseline as slower kept it there for the rest of the job). Those
+   windows all enter the baseline. Device-timed steps keep the test from
+   the first window: a GPU's step is set by its kernels. Flagged when
    z ≥ Φ⁻¹(1 − ``false_alarm``), d ≥ ``min_shift`` of the baseline, and each
    side has at least ``min_iterations`` steps.
 4. The finding (level ``pace``, kind ``job_slowdown``) names no rank: its
@@ -135,19 +143,20 @@ def job_step_series(jw: JobWindow, first_iteration: dict[int, int], warmup: int)
 
 
 def analyze_pace(jw: JobWindow, scale: WindowScale, baseline: Baseline, steps: np.ndarray,
-                 cfg: PaceConfig = PaceConfig()) -> tuple[list[Finding], int]:
+                 cfg: PaceConfig = PaceConfig(), host_timed: bool = False) -> tuple[list[Finding], int]:
     """Steps 2-4 on this window's job steps (``job_steps``); records an unflagged window into the
-    baseline. Returns (findings, comparisons made: 1 when the job was judged)."""
+    baseline. ``host_timed``: the ranks' steps are timed by the host (CPU ranks, step 3). Returns
+    (findings, comparisons made: 1 when the job was judged)."""
     if steps.size < cfg.min_iterations:
         return [], 0
     base = baseline.steps()
-    if base.size < cfg.min_iterations:
+    medians = baseline.window_medians(cfg.min_iterations)
+    if base.size < cfg.min_iterations or (host_timed and medians.size < cfg.batch_min_windows):
         baseline.add(jw.window.index, steps)
         return [], 0
     b, now = float(np.median(base)), float(np.median(steps))
     spread = max(MAD_SIGMA * float(np.median(np.abs(base - b))), cfg.rel_floor * b)
     se = spread * MEDIAN_SE * np.sqrt(1 / steps.size + 1 / base.size)
-    medians = baseline.window_medians(cfg.min_iterations)
     se_windows = 0.0
     if medians.size >= cfg.batch_min_windows:     # batch means: how far a healthy window's median moved
         se_windows = MAD_SIGMA * float(np.median(np.abs(medians - np.median(medians)))) * np.sqrt(1 + 1 / medians.size)

@@ -23,7 +23,7 @@ from trainscope.analyzer import (
 )
 from trainscope.analyzer.impact import WindowScale
 from trainscope.analyzer.model import Finding, JobWindow
-from trainscope.analyzer.topology import group_of, resources_with
+from trainscope.analyzer.topology import cpu_only, group_of, resources_with
 from trainscope.proto.v1 import records_pb2
 
 
@@ -224,7 +224,8 @@ class JobPace:
         if ctx.scale.short or not ctx.jw.iterations or not expected <= set(ctx.jw.iterations):
             return []
         steps = job_pace.job_steps(ctx.jw, getattr(state, "first_iteration", {}), self.warmup)
-        found, n = job_pace.analyze_pace(ctx.jw, ctx.scale, base, steps, self.cfg)
+        found, n = job_pace.analyze_pace(ctx.jw, ctx.scale, base, steps, self.cfg,
+                                         host_timed=cpu_only(ctx.jw.resources))
         if n:     # counted only once judged: a job's first windows build the baseline
             ctx.comparisons[self.level] = n
         return found

@@ -45,7 +45,8 @@ def windows(marks: dict[int, list], spec: JobSpec, *, drop=()) -> list[JobWindow
             if (idx, r) in drop:
                 continue
             res = Resource(job_id="j", rank=r, world_size=spec.ranks, host=f"host{r // spec.ranks_per_host}",
-                           coords=coords_for_rank(r, spec.ranks, tp=spec.tp, pp=spec.pp))
+                           coords=coords_for_rank(r, spec.ranks, tp=spec.tp, pp=spec.pp),
+                           device=f"cuda:{r % spec.ranks_per_host}")      # GPU streams: device-timed steps
             jw.resources[r] = res
             rec = records_pb2.IterationWindow(resource=res.to_pb(), window=w)
             for m in ms[idx * PER_WINDOW:(idx + 1) * PER_WINDOW]:
@@ -149,8 +150,10 @@ def test_pace_config_is_validated():
         job_pace.PaceConfig(batch_min_windows=1)
 
 
-def _synthetic(steps_ms: np.ndarray, per_window: int = 10, ranks: int = 4) -> tuple[list[JobWindow], JobSpec]:
-    """Iteration marks of ``ranks`` ranks sharing the step ``steps_ms`` (a synchronous job), cut into windows."""
+def _synthetic(steps_ms: np.ndarray, per_window: int = 10, ranks: int = 4,
+               device: str = "cpu") -> tuple[list[JobWindow], JobSpec]:
+    """Iteration marks of ``ranks`` ranks sharing the step ``steps_ms`` (a synchronous job), cut into
+    windows; ``device`` "cpu": host-timed steps (gloo CPU ranks), "cuda": device-timed."""
     spec = JobSpec(ranks=ranks, tp=1, pp=1, steps=len(steps_ms), seed=0, ranks_per_host=ranks)
     ends = np.cumsum(steps_ms * 1e6).astype(np.int64)
     starts = np.r_[0, ends[:-1]]
@@ -161,7 +164,8 @@ def _synthetic(steps_ms: np.ndarray, per_window: int = 10, ranks: int = 4) -> tu
         jw = JobWindow("j", w)
         for r in range(ranks):
             res = Resource(job_id="j", rank=r, world_size=ranks, host="h0",
-                           coords=coords_for_rank(r, ranks, tp=1, pp=1))
+                           coords=coords_for_rank(r, ranks, tp=1, pp=1),
+                           device="cpu" if device == "cpu" else f"cuda:{r}")
             jw.resources[r] = res
             rec = records_pb2.IterationWindow(resource=res.to_pb(), window=w)
             for i in range(idx * per_window, (idx + 1) * per_window):
@@ -184,10 +188,28 @@ def test_a_host_noise_burst_of_consecutive_steps_is_judged_against_how_far_healt
     jws, spec = _synthetic(burst)
     vs = verdicts(jws, spec)
     assert all(v.state in ("healthy", "unknown") for v in vs), [v.summary for v in vs]
-    # without the windows' spread, the steps' spread alone calls the burst a slowdown
-    iid = verdicts(jws, spec, job_pace.PaceConfig(batch_min_windows=10_000))
+    # without the windows' spread (the same steps timed on a device, batch means off), the steps'
+    # spread alone calls the burst a slowdown
+    iid = verdicts(_synthetic(burst, device="cuda")[0], spec, job_pace.PaceConfig(batch_min_windows=10_000))
     assert iid[-1].state == "degraded", [v.summary for v in iid]
     big = np.r_[healthy, np.repeat([36.0 * 1.4] * 2, 10) * (1 + rng.normal(0, 0.04, 20))]
     jws, spec = _synthetic(big)
     v = verdicts(jws, spec)[-1]
+    assert v.state == "degraded" and not v.ranks and "not localized" in v.summary, v.summary
+
+
+def test_a_host_timed_job_is_not_judged_against_its_pace_before_its_windows_spread_is_known():
+    """A CPU job's first window is no better a baseline than its second: an idle 4-rank DDP gloo job
+    (two ranks per core) ran window 1 on +11 % slower than window 0 and read "degraded, not
+    localized" for the rest of the job, as a window held out of the baseline kept it there. Host-timed
+    steps are judged once 4 windows give the windows' spread; the same steps timed on a device are
+    judged from the second window, and a CPU job +40 % slower after its baseline still is named."""
+    rng = np.random.default_rng(3)
+    step = np.r_[np.full(10, 36.0), np.full(70, 36.0 * 1.11)] * (1 + rng.normal(0, 0.02, 80))
+    host = verdicts(*_synthetic(step))
+    assert all(v.state != "degraded" for v in host), [v.summary for v in host]
+    jws, spec = _synthetic(step, device="cuda")
+    assert verdicts(jws, spec)[-1].state == "degraded"
+    slow = np.r_[np.full(50, 36.0), np.full(30, 36.0 * 1.4)] * (1 + rng.normal(0, 0.02, 80))
+    v = verdicts(*_synthetic(slow))[-1]
     assert v.state == "degraded" and not v.ranks and "not localized" in v.summary, v.summary
