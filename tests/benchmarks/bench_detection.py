@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from trainscope.analyzer.evaluate import evaluate, load_truth
+from trainscope.analyzer.evaluate import LINK_FAULTS, evaluate, load_truth
 from trainscope.collector.sim import sim_config
 from trainscope.deploy.embedded import run_sim_embedded
 from trainscope.deploy.embedded import SimAnalysis
@@ -229,6 +229,41 @@ def _wrong_names(verdicts, truth: dict, f) -> int:
                and v.ranks[0].rank not in ranks and not (v.host and v.host in hosts))
 
 
+def precision_and_impact(verdicts, truth: dict, ranks: int, seed: int, iterations: int) -> tuple[int, int, list]:
+    """Issue #22 items 4-5 for a single-fault run: (windows from the onset on, those naming anyone but
+    the fault's element as culprit or link, [the named element's impact / what the job lost in that
+    window]). The element: the fault's ranks, its hosts' ranks, and for an NVLink fault its TP pair.
+    What the job lost: the window's mean step (iterations from the onset on) minus the healthy twin's
+    over the same iterations (``true_cost_pct``'s twin)."""
+    import numpy as np
+    faults = truth.get("faults", [])
+    onsets = [x.get("onset_iteration") for x in faults if x.get("onset_iteration") is not None]
+    if not onsets or truth.get("hung") or (ranks, seed, iterations) not in _TWINS:
+        return 0, 0, []
+    onset = min(onsets)
+    element = {r for x in faults for r in x.get("ranks", [])}
+    hosts = {h for x in faults for h in x.get("host_names", [])}
+    for x in faults:
+        if x.get("type") in LINK_FAULTS:
+            element |= {r for g in x.get("peer_groups", {}).get("tp", []) if element & set(g) for r in g}
+    healthy, faulty = _TWINS[(ranks, seed, iterations)], _durations(truth)
+    after = extra = 0
+    ratios = []
+    for v in verdicts:
+        if v.window.last_iteration < onset:
+            continue
+        after += 1
+        named = [s for s in v.ranks if s.role in ("culprit", "link")]
+        mine = [s for s in named if s.rank in element or (s.host and s.host in hosts)]
+        extra += len(mine) < len(named)
+        a, b = max(int(v.window.first_iteration), onset), min(int(v.window.last_iteration) + 1, healthy.size, faulty.size)
+        ok = np.isfinite(healthy[a:b]) & np.isfinite(faulty[a:b])
+        loss = float(faulty[a:b][ok].mean() - healthy[a:b][ok].mean()) if ok.any() else 0.0
+        if mine and loss > 0.01 * float(np.nanmedian(healthy)):     # a loss at least the impact floor
+            ratios.append(sum(s.impact_s for s in mine) / loss)
+    return after, extra, ratios
+
+
 def _healthy_job(job: tuple, iterations: int) -> tuple[int, int, float, str]:
     """One healthy simulated job: (windows, false-alarm windows, simulated seconds, printed line)."""
     ranks, tp, pp, seed, noise, iteration_s = job
@@ -347,8 +382,9 @@ def _fault_run(label: str, ranks: int, specs: list[str], iterations: int, combo:
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         _row(label if combo else specs[0], ranks, f, cost, lat_s)
+    prec = precision_and_impact(verdicts, truth, ranks, 7, iterations) if not combo else (0, 0, [])
     return (label, ranks, f, (label, ev.false_alarm_windows, ev.healthy_windows), cost,
-            _wrong_names(verdicts, truth, f), buf.getvalue().rstrip("\n"), (lat_s, lat_it))
+            _wrong_names(verdicts, truth, f), buf.getvalue().rstrip("\n"), (lat_s, lat_it), prec)
 
 
 def _map(fn, tasks: list[tuple], workers: int):
@@ -417,7 +453,9 @@ def main(argv=None) -> int:
     if args.combos:
         tasks += [(label, 64, specs, 50, True) for label, specs in COMBOS.items()]
     lats = []                # (label, onset -> first right verdict in simulated s, cost %, iterations)
-    for label, ranks, f, pre_row, cost, wrong, printed, (lat_s, lat_it) in _map(_fault_run, tasks, args.workers):
+    precision = []           # (label, windows after onset, naming another element, impact / loss ratios)
+    for label, ranks, f, pre_row, cost, wrong, printed, (lat_s, lat_it), prec in _map(_fault_run, tasks, args.workers):
+        precision.append((label, *prec))
         rows.append((label, ranks, f))
         pre.append(pre_row)
         costs.append((cost, wrong))
@@ -457,6 +495,22 @@ def main(argv=None) -> int:
             print(f"faults costing >= 5 % of the step ({big.size} runs): onset -> first right verdict median "
                   f"{np.median(big):.0f} iterations, p90 {np.percentile(big, 90):.0f} iterations "
                   f"(target: median <= 10, p90 <= 20)")
+    single = [(lab, w, x, r) for (lab, w, x, r), (_, _, f) in zip(precision, rows) if w and f.right]
+    if single:
+        import numpy as np
+        bad = [(lab, x, w) for lab, w, x, _ in single if x]
+        print(f"single-fault runs named right ({len(single)}): windows from the onset on naming anyone else as "
+              f"culprit or link: {sum(x for _, _, x, _ in single)}/{sum(w for _, w, _, _ in single)}"
+              + (" (" + ", ".join(f"{lab} {x}/{w}" for lab, x, w in bad) + ")" if bad else "")
+              + " (target: 0)")
+        med = [float(np.median(r)) for _, _, _, r in single if r]
+        if med:
+            inside = sum(0.5 <= m <= 1.5 for m in med)
+            over = sum(1 for _, _, _, r in single for x in r if x > 1.5)
+            print(f"impact of the named element / what the job lost in the window: median over runs "
+                  f"{np.median(med):.2f}x (runs' medians {min(med):.2f}-{max(med):.2f}x), within 0.5-1.5x in "
+                  f"{inside}/{len(med)} runs; windows priced over 1.5x the loss: {over}/"
+                  f"{sum(len(r) for _, _, _, r in single)} (target: 0.5-1.5x)")
     stable = [f.stable for _, _, f in rows if f.right]
     if stable:
         print(f"top suspect stable after the first right verdict: median {sorted(stable)[len(stable) // 2]:.0%}, "
