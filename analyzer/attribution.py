@@ -33,7 +33,10 @@ evidence and attributes the waiting to the member that made the others wait.
    5 follows the chain to the culprit (issue #22: lateness followed across
    groups; before, the DP peers of a slow GPU's TP partner were named as
    slow links). Otherwise each waiter points at the partner with culprit
-   evidence whose impact is largest (``waited_for``). The other way round
+   evidence whose impact is largest (``waited_for``); without one, at a
+   partner that is a waiter whose chain ends at a culprit (followed to a
+   fixed point: a host's slow ranks make their next pipeline stage late,
+   and that stage's DP peers wait for it in their all-reduce). The other way round
    too: a rank whose only culprit evidence is lateness, measured waiting
    for a culprit in another group by at least ``INHERIT_SHARE`` of that
    lateness, passed the wait on (rank 3 waits for its DP peer 1 and then
@@ -182,6 +185,20 @@ def _peer_z(f: Finding, s) -> float:
     z = abs(float(z)) if isinstance(z, (int, float)) and math.isfinite(z) else 0.0
     own = ev.get("own_z")      # L3 step 5f: against its own calls' sampling error where that is larger
     return min(z, abs(float(own))) if isinstance(own, (int, float)) and math.isfinite(own) else z
+
+
+def _chain_culprit(out: Mapping[int, "RankVerdict"], rank: int) -> int | None:
+    """The culprit a waiter's chain of ``waited_for`` ends at, or None (no culprit, or a cycle)."""
+    seen = set()
+    while rank in out and rank not in seen:
+        rv = out[rank]
+        if rv.role == CULPRIT:
+            return rank
+        if rv.role != WAITER or rv.waited_for < 0:
+            return None
+        seen.add(rank)
+        rank = rv.waited_for
+    return None
 
 
 class SyncPartners:
@@ -427,6 +444,7 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
     # late start: in a data-parallel all-reduce, the member that came late because it waited in its
     # tensor-parallel one; step 5 follows that chain to the culprit), else at a culprit partner
     iterations = iterations or {}
+    unresolved = []
     for rv in list(out.values()):
         if rv.role != WAITER or rv.waited_for >= 0:
             continue
@@ -437,6 +455,29 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
         parts = partners.of(rv.rank)
         cands = [p for ps in parts.values() for p in ps if p in out and out[p].role == CULPRIT]
         if cands:
+            rv.waited_for = max(cands, key=lambda p: (out[p].impact_ns, -p))
+            continue
+        unresolved.append(rv)
+    # step 3: a partner that waited for a culprit passes the wait on (a host's slow ranks make their next
+    # pipeline stage late, and that stage's DP peers wait for it in their all-reduce: a simulated 32-rank
+    # job named those peers, on another host, slow links); followed to a fixed point, chains to a culprit only
+    changed = True
+    while changed:
+        changed = False
+        for rv in unresolved:
+            if rv.waited_for >= 0:
+                continue
+            cands = [p for ps in partners.of(rv.rank).values() for p in ps
+                     if p in out and out[p].role == WAITER and _chain_culprit(out, p) is not None]
+            if cands:
+                rv.waited_for = max(cands, key=lambda p: (out[p].impact_ns, -p))
+                changed = True
+    for rv in unresolved:
+        if rv.waited_for >= 0:
+            continue
+        parts = partners.of(rv.rank)
+        cands = [p for ps in parts.values() for p in ps if p in out and out[p].role == CULPRIT]
+        if cands:       # a culprit by dependency found for an earlier waiter
             rv.waited_for = max(cands, key=lambda p: (out[p].impact_ns, -p))
             continue
         w = max((e for e in rv.evidence if e.role == WAITER), key=lambda e: e.impact_ns)

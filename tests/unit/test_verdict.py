@@ -456,3 +456,25 @@ def test_a_waiters_places_do_not_make_its_one_late_arrival_persistent():
     culprits = [s.rank for s in v.ranks if s.role == "culprit"]
     assert culprits == [1], v.summary
     assert 2 in v.pending or 2 not in {s.rank for s in v.ranks}, v.summary
+
+
+def test_the_dp_peers_of_a_stage_that_waited_for_a_slow_rank_wait_for_it_too_and_are_no_link():
+    """Attribution step 3, waiters of waiters: rank 5 is slow; its pipeline neighbour waits for it in
+    pp-recv, and that neighbour's DP peers (no partner of rank 5's, on other hosts) wait for the
+    neighbour in their DP all-reduce. They are waiters whose chain ends at rank 5, not slow links (a
+    simulated 32-rank job with one host's CPU contended named a whole other host "link")."""
+    res = {r: Resource(job_id="j", rank=r, world_size=16, host=f"h{r // 4}",
+                       coords=coords_for_rank(r, 16, tp=2, pp=2)) for r in range(16)}
+    neighbour = sync_partners(5, res)["pp"][0]
+    mine = {p for ps in sync_partners(5, res).values() for p in ps} | {5}
+    peers = [p for p in sync_partners(neighbour, res)["dp"] if p not in mine][:2]
+    assert peers
+    comp = finding("L2", "straggler", "mlp", [(5, "slower", 8 * MS)])
+    recv = finding("L2", "slow_communication", "pp-recv", [(neighbour, "slower", 8 * MS)])
+    allreduce = finding("L2", "slow_communication", "dp-allreduce", [(p, "slower", 7 * MS) for p in peers])
+    v = merge("j", WIN, [comp, recv, allreduce], res, step_ns=100 * MS)
+    roles = {s.rank: (s.role, s.waited_for) for s in v.ranks}
+    assert v.ranks[0].rank == 5 and roles[5][0] == "culprit", v.summary
+    assert roles[neighbour] == ("waiter", 5)
+    assert all(roles[p] == ("waiter", neighbour) for p in peers), roles
+    assert "link" not in {r for r, _ in roles.values()}
