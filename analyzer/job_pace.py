@@ -16,8 +16,10 @@ analysed window (NVRx's "individual" score, for the whole job):
    window are neither judged nor used as baseline.
 2. The baseline: the per-iteration steps of the last ``baseline_windows``
    windows that were neither flagged nor suspect (z ≥ 2 and half of
-   ``min_shift`` slower): the job's recent pace while it was healthy, so a
-   slow stretch never becomes its own baseline.
+   ``min_shift`` slower), nor named a rank in their verdict (the service
+   discards those after the merge: a rank 1.3 % of the step slower is under
+   this level's threshold and not the job's healthy pace): the job's recent
+   pace while it was healthy, so a slow stretch never becomes its own baseline.
 3. The test (robust): d = median(now) − median(baseline); the baseline's
    spread s = 1.4826·MAD, floored at ``rel_floor`` of its median (a handful
    of steps can have a MAD near 0); z = d / (s·√(π/2)·√(1/n_now + 1/n_base))
@@ -50,6 +52,13 @@ analysed window (NVRx's "individual" score, for the whole job):
    it). ``merge`` makes the job
    ``degraded`` ("not localized") once it holds in k of the last n windows,
    and only when no rank explains it.
+
+5. What the job lost, flagged or not: d, at least ``rel_floor`` of the step (the
+   resolution of a step; ``Baseline.loss``), the most the window's culprits can cost
+   together (``merge._loss_share``). A rank's
+   excess in its own kernels is not the job's loss where the step absorbs it: a
+   degraded NVLink pair priced at 0.4 s/iteration each, ECC retries at 0.3-0.5 s, in
+   simulated jobs that lost 0.04-0.1 s/iteration, under this level's 5 % threshold.
 
 Assumption: the job's step is stationary while healthy, to within
 ``min_shift`` (a curriculum that lengthens sequences, an evaluation phase
@@ -105,10 +114,19 @@ class Baseline:
     def __init__(self, n: int) -> None:
         self.windows: collections.deque[np.ndarray] = collections.deque(maxlen=n)
         self.indices: collections.deque[int] = collections.deque(maxlen=n)   # their window indices
+        #: Step 5: the last judged window's (index, loss bound ns, the baseline's last window index).
+        self.loss: tuple[int, float, int] | None = None
 
     def add(self, index: int, steps: np.ndarray) -> None:
         self.windows.append(steps)
         self.indices.append(index)
+
+    def discard(self, index: int) -> None:
+        """Step 2: window ``index`` is not the job's healthy pace after all (its verdict named a rank)."""
+        if index in self.indices:
+            i = list(self.indices).index(index)
+            del self.windows[i]
+            del self.indices[i]
 
     def steps(self) -> np.ndarray:
         return np.concatenate(list(self.windows)) if self.windows else np.empty(0)
@@ -164,6 +182,7 @@ def analyze_pace(jw: JobWindow, scale: WindowScale, baseline: Baseline, steps: n
     d = now - b
     z = d / se if se > 0 else 0.0
     z_star = z_threshold(cfg.false_alarm, 1)
+    baseline.loss = (int(jw.window.index), max(d, cfg.rel_floor * b), int(baseline.indices[-1]))     # step 5
     if not (z >= z_star and d >= cfg.min_shift * b):
         if not (z >= SUSPECT_Z and d >= cfg.min_shift / 2 * b):
             baseline.add(jw.window.index, steps)   # a window already half-way slower stays out of the baseline

@@ -38,6 +38,7 @@ class WindowContext:
     comparisons: dict[str, int] = dataclasses.field(default_factory=dict)
     reported: set = dataclasses.field(default_factory=set)   # the job's L1 anomalies already reported
     job_state: object = None      # the service's per-job state, for detectors that keep history
+    job_loss: tuple[float, int] | None = None   # JobPace: (loss bound ns, baseline's last window), merge step 5b
 
 
 class Detector(Protocol):
@@ -226,6 +227,8 @@ class JobPace:
         steps = job_pace.job_steps(ctx.jw, getattr(state, "first_iteration", {}), self.warmup)
         found, n = job_pace.analyze_pace(ctx.jw, ctx.scale, base, steps, self.cfg,
                                          host_timed=cpu_only(ctx.jw.resources))
+        if base.loss is not None and base.loss[0] == int(ctx.jw.window.index):
+            ctx.job_loss = base.loss[1:]
         if n:     # counted only once judged: a job's first windows build the baseline
             ctx.comparisons[self.level] = n
         return found

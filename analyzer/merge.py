@@ -108,8 +108,12 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
           resources: Mapping[int, Resource] | None = None, *, jw: JobWindow | None = None,
           step_ns: float = 0.0, iterations: Mapping[int, float] | None = None,
           persistence: Persistence | None = None, comparisons: Mapping[str, int] | None = None,
-          partial: bool = False, final: bool = False) -> records_pb2.Verdict:
+          partial: bool = False, final: bool = False,
+          job_loss: tuple[float, int] | None = None) -> records_pb2.Verdict:
     """One verdict for one window of one job (module steps 1-7).
+
+    ``job_loss``: the pace level's bound on what the job lost this window, flagged or not
+    (ns per iteration, and the last window of the baseline it was measured against; step 5b).
 
     ``comparisons``: per level, how many rank comparisons it could make
     (0 everywhere → ``unknown``); None when not counted (treated as made).
@@ -221,7 +225,7 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
         v.switch_name = _shared(suspects, resources, lambda res: res.attributes.get(SWITCH_ATTRIBUTE, ""))
     v.group = _shared_group(suspects, resources, active)
     first = {rv.rank: persistence.since(rv.rank) for rv in suspects} if persistence is not None else {}
-    share = _loss_share(suspects, active, first)
+    share = _loss_share(suspects, active, first, job_loss)
     for rv in suspects:
         res = resources.get(rv.rank)
         # a hung rank costs the whole step (unknown: 0), not its peers' wait (that is in its why)
@@ -494,19 +498,25 @@ def _hang_wait_ns(rv: RankVerdict) -> float:
 
 
 def _loss_share(suspects: list[RankVerdict], active: Sequence[Finding],
-                first: dict[int, int | None] | None = None) -> float:
+                first: dict[int, int | None] | None = None, job_loss: tuple[float, int] | None = None) -> float:
     """Step 5b: the factor (≤ 1) that keeps the culprits' and links' impacts together within what the
     job lost against its own healthy pace, where the pace level measured that loss (a rank the
     others wait for is priced by their wait, which counts the same lost second once per waiter).
     A suspect already flagged in the pace baseline's last window (``first``: its first flagged
     window) was slow inside that baseline: the pace loss is a later change, not its price, and
     the cap does not apply (a loaded host slowed a job whose data loader had cost 30 ms since
-    its first window by 7 ms more)."""
+    its first window by 7 ms more). Where the pace level judged the window without flagging it
+    (``job_loss``: the loss it measured, at least 1 % of the step), that bound caps the impacts too:
+    a kernel's excess the step absorbs is not the job's loss (a degraded NVLink pair priced at
+    0.4 s/iteration each in a simulated job that lost 0.04 s)."""
     pace = [f for f in active if f.level == "pace" and f.job_impact_ns > 0]
-    if not pace:
+    if pace:
+        loss = max(f.job_impact_ns for f in pace)
+        last = min(int(f.evidence.get("baseline_last_window", -1)) for f in pace)
+    elif job_loss is not None and job_loss[0] > 0:
+        loss, last = job_loss
+    else:
         return 1.0
-    loss = max(f.job_impact_ns for f in pace)
-    last = min(int(f.evidence.get("baseline_last_window", -1)) for f in pace)
     priced = [rv for rv in suspects if rv.role in (CULPRIT, LINK) and _hang_wait_ns(rv) <= 0]
     since = [(first or {}).get(rv.rank) for rv in priced]
     if any(i is not None and i <= last for i in since):

@@ -409,7 +409,11 @@ class Analyzer:
                 findings.append(dataclasses.replace(hang, step_ns=scale.step_ns))
         verdict = merge(job.job_id, jw.window, findings, jw.resources, jw=jw, step_ns=scale.step_ns,
                         iterations=scale.iterations, persistence=job.persistence,
-                        comparisons=ctx.comparisons, partial=missing is not None, final=last)
+                        comparisons=ctx.comparisons, partial=missing is not None, final=last,
+                        job_loss=ctx.job_loss)
+        base = getattr(job, "pace_baseline", None)
+        if base is not None and any(s.role in ("culprit", "link") for s in verdict.ranks):
+            base.discard(int(jw.window.index))     # job_pace step 2: a window that named a rank is no healthy pace
         self._publish(list(verdict.findings), verdict)
         self.metrics.counters["windows_analyzed"] += 1
         return verdict

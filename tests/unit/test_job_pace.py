@@ -213,3 +213,26 @@ def test_a_host_timed_job_is_not_judged_against_its_pace_before_its_windows_spre
     slow = np.r_[np.full(50, 36.0), np.full(30, 36.0 * 1.4)] * (1 + rng.normal(0, 0.02, 80))
     v = verdicts(*_synthetic(slow))[-1]
     assert v.state == "degraded" and not v.ranks and "not localized" in v.summary, v.summary
+
+
+def test_what_the_job_lost_caps_its_culprits_price_flagged_or_not():
+    """Step 5 and merge step 5b: a rank 0.4 s/iteration slower in its NVLink kernels, in a window the
+    pace level judged 0.04 s/iteration slower than the job's healthy pace (under its 5 % threshold:
+    not flagged), costs the job 0.04 s, not 0.4 s; without a judged window its own excess stands. A
+    window whose verdict named a rank leaves the baseline (it is not the job's healthy pace)."""
+    from trainscope.analyzer.model import Finding, Scope, SuspectRank
+    res = {r: Resource(job_id="j", rank=r, world_size=8, host="h0", device=f"cuda:{r}",
+                       coords=coords_for_rank(r, 8, tp=1, pp=1)) for r in range(8)}
+    w = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=3, first_iteration=30, last_iteration=39)
+    slow = Finding(level="L3", kind="degraded_kernel", job_id="j", window=w, scope=Scope(kernel="nvlink_copy"),
+                   suspects=(SuspectRank(5, 9.0, {"direction": "slower", "ratio": 1.5}, impact_ns=400e6),))
+    priced = merge("j", w, [slow], res, step_ns=3e9, job_loss=(40e6, 2))
+    assert [(s.rank, round(s.impact_s, 3)) for s in priced.ranks] == [(5, 0.04)], priced.summary
+    alone = merge("j", w, [slow], res, step_ns=3e9)
+    assert [(s.rank, round(s.impact_s, 3)) for s in alone.ranks] == [(5, 0.4)]
+    base = job_pace.Baseline(8)
+    for i in range(3):
+        base.add(i, np.full(10, 3e9))
+    base.discard(1)
+    base.discard(7)         # never in it: nothing happens
+    assert list(base.indices) == [0, 2] and base.steps().size == 20
