@@ -384,3 +384,18 @@ def test_a_raising_detector_is_counted_and_the_other_levels_still_name_the_rank(
         publish(bus, r, 1)
     (v1,) = settle(a, clock)
     assert a.metrics.detector_failures["broken"] == 2 and not v1.ranks
+
+
+def test_a_window_whose_verdict_named_a_rank_leaves_the_jobs_pace_baseline(tmp_path):
+    """job_pace step 2: the service discards from the job's pace baseline a window whose verdict
+    named a rank (a rank slower than its peers by less than the pace level's threshold is not the
+    job's healthy pace); healthy windows stay in it."""
+    a, bus, clock, store = make(tmp_path)
+    for idx in range(4):
+        for r in range(8):
+            publish(bus, r, idx, slow=1.4 if (r == 5 and idx == 2) else 1.0)
+    verdicts = settle(a, clock) + a.finish()
+    named = sorted(v.window.index for v in verdicts if v.ranks)
+    assert named == [2], [v.summary for v in verdicts]
+    base = a._jobs["j"].pace_baseline
+    assert 2 not in base.indices and {1, 3} <= set(base.indices), list(base.indices)
