@@ -187,6 +187,13 @@ def _peer_z(f: Finding, s) -> float:
     return min(z, abs(float(own))) if isinstance(own, (int, float)) and math.isfinite(own) else z
 
 
+def _strongest_partner(out: Mapping[int, "RankVerdict"], parts: Mapping[str, list[int]], keep) -> int | None:
+    """Step 3: of the partners in ``out`` that ``keep(p)`` accepts, the one with the largest impact
+    (the lowest rank on a tie), or None."""
+    cands = [p for ps in parts.values() for p in ps if p in out and keep(p)]
+    return max(cands, key=lambda p: (out[p].impact_ns, -p)) if cands else None
+
+
 def _chain_culprit(out: Mapping[int, "RankVerdict"], rank: int) -> int | None:
     """The culprit a waiter's chain of ``waited_for`` ends at, or None (no culprit, or a cycle)."""
     seen = set()
@@ -452,10 +459,9 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
         if measured:
             rv.waited_for = _most_waited_for(measured)
             continue
-        parts = partners.of(rv.rank)
-        cands = [p for ps in parts.values() for p in ps if p in out and out[p].role == CULPRIT]
-        if cands:
-            rv.waited_for = max(cands, key=lambda p: (out[p].impact_ns, -p))
+        best = _strongest_partner(out, partners.of(rv.rank), lambda p: out[p].role == CULPRIT)
+        if best is not None:
+            rv.waited_for = best
             continue
         unresolved.append(rv)
     # step 3: a partner that waited for a culprit passes the wait on (a host's slow ranks make their next
@@ -467,18 +473,18 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
         for rv in unresolved:
             if rv.waited_for >= 0:
                 continue
-            cands = [p for ps in partners.of(rv.rank).values() for p in ps
-                     if p in out and out[p].role == WAITER and _chain_culprit(out, p) is not None]
-            if cands:
-                rv.waited_for = max(cands, key=lambda p: (out[p].impact_ns, -p))
+            best = _strongest_partner(out, partners.of(rv.rank),
+                                      lambda p: out[p].role == WAITER and _chain_culprit(out, p) is not None)
+            if best is not None:
+                rv.waited_for = best
                 changed = True
     for rv in unresolved:
         if rv.waited_for >= 0:
             continue
         parts = partners.of(rv.rank)
-        cands = [p for ps in parts.values() for p in ps if p in out and out[p].role == CULPRIT]
-        if cands:       # a culprit by dependency found for an earlier waiter
-            rv.waited_for = max(cands, key=lambda p: (out[p].impact_ns, -p))
+        best = _strongest_partner(out, parts, lambda p: out[p].role == CULPRIT)
+        if best is not None:       # a culprit by dependency found for an earlier waiter
+            rv.waited_for = best
             continue
         w = max((e for e in rv.evidence if e.role == WAITER), key=lambda e: e.impact_ns)
         late = _tp_last_arriver(jw, w, parts.get("tp", []) + parts.get("cp", []), iterations)

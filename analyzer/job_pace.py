@@ -54,7 +54,7 @@ analysed window (NVRx's "individual" score, for the whole job):
    and only when no rank explains it.
 
 5. What the job lost, flagged or not: d, at least ``rel_floor`` of the step (the
-   resolution of a step; ``Baseline.loss``), the most the window's culprits can cost
+   resolution of a step; returned by ``analyze_pace``), the most the window's culprits can cost
    together (``merge._loss_share``). A rank's
    excess in its own kernels is not the job's loss where the step absorbs it: a
    degraded NVLink pair priced at 0.4 s/iteration each, ECC retries at 0.3-0.5 s, in
@@ -114,8 +114,6 @@ class Baseline:
     def __init__(self, n: int) -> None:
         self.windows: collections.deque[np.ndarray] = collections.deque(maxlen=n)
         self.indices: collections.deque[int] = collections.deque(maxlen=n)   # their window indices
-        #: Step 5: the last judged window's (index, loss bound ns, the baseline's last window index).
-        self.loss: tuple[int, float, int] | None = None
 
     def add(self, index: int, steps: np.ndarray) -> None:
         self.windows.append(steps)
@@ -161,17 +159,19 @@ def job_step_series(jw: JobWindow, first_iteration: dict[int, int], warmup: int)
 
 
 def analyze_pace(jw: JobWindow, scale: WindowScale, baseline: Baseline, steps: np.ndarray,
-                 cfg: PaceConfig = PaceConfig(), host_timed: bool = False) -> tuple[list[Finding], int]:
-    """Steps 2-4 on this window's job steps (``job_steps``); records an unflagged window into the
+                 cfg: PaceConfig = PaceConfig(),
+                 host_timed: bool = False) -> tuple[list[Finding], int, tuple[float, int] | None]:
+    """Steps 2-5 on this window's job steps (``job_steps``); records an unflagged window into the
     baseline. ``host_timed``: the ranks' steps are timed by the host (CPU ranks, step 3). Returns
-    (findings, comparisons made: 1 when the job was judged)."""
+    (findings, comparisons made: 1 when the job was judged, step 5's (loss bound ns, the
+    baseline's last window index) when judged, else None)."""
     if steps.size < cfg.min_iterations:
-        return [], 0
+        return [], 0, None
     base = baseline.steps()
     medians = baseline.window_medians(cfg.min_iterations)
     if base.size < cfg.min_iterations or (host_timed and medians.size < cfg.batch_min_windows):
         baseline.add(jw.window.index, steps)
-        return [], 0
+        return [], 0, None
     b, now = float(np.median(base)), float(np.median(steps))
     spread = max(MAD_SIGMA * float(np.median(np.abs(base - b))), cfg.rel_floor * b)
     se = spread * MEDIAN_SE * np.sqrt(1 / steps.size + 1 / base.size)
@@ -182,11 +182,11 @@ def analyze_pace(jw: JobWindow, scale: WindowScale, baseline: Baseline, steps: n
     d = now - b
     z = d / se if se > 0 else 0.0
     z_star = z_threshold(cfg.false_alarm, 1)
-    baseline.loss = (int(jw.window.index), max(d, cfg.rel_floor * b), int(baseline.indices[-1]))     # step 5
+    loss = (max(d, cfg.rel_floor * b), int(baseline.indices[-1]))     # step 5
     if not (z >= z_star and d >= cfg.min_shift * b):
         if not (z >= SUSPECT_Z and d >= cfg.min_shift / 2 * b):
             baseline.add(jw.window.index, steps)   # a window already half-way slower stays out of the baseline
-        return [], 1
+        return [], 1, loss
     return [Finding(level=LEVEL, kind=KIND, job_id=jw.job_id, window=jw.window, scope=Scope(group="job"),
                     severity=float(z), comparison="own_pace", job_impact_ns=d,
                     evidence={"step_now_s": round(now / 1e9, 6), "step_baseline_s": round(b / 1e9, 6),
@@ -196,4 +196,4 @@ def analyze_pace(jw: JobWindow, scale: WindowScale, baseline: Baseline, steps: n
                               "iterations_now": int(steps.size), "iterations_baseline": int(base.size),
                               "baseline_windows": len(baseline.windows),
                               "baseline_last_window": int(baseline.indices[-1]),
-                              "ranks": len(jw.iterations)})], 1
+                              "ranks": len(jw.iterations)})], 1, loss

@@ -225,10 +225,8 @@ class JobPace:
         if ctx.scale.short or not ctx.jw.iterations or not expected <= set(ctx.jw.iterations):
             return []
         steps = job_pace.job_steps(ctx.jw, getattr(state, "first_iteration", {}), self.warmup)
-        found, n = job_pace.analyze_pace(ctx.jw, ctx.scale, base, steps, self.cfg,
-                                         host_timed=cpu_only(ctx.jw.resources))
-        if base.loss is not None and base.loss[0] == int(ctx.jw.window.index):
-            ctx.job_loss = base.loss[1:]
+        found, n, ctx.job_loss = job_pace.analyze_pace(ctx.jw, ctx.scale, base, steps, self.cfg,
+                                                       host_timed=cpu_only(ctx.jw.resources))
         if n:     # counted only once judged: a job's first windows build the baseline
             ctx.comparisons[self.level] = n
         return found

@@ -54,7 +54,7 @@ from trainscope.analyzer.levels import (
     WindowContext,
 )
 from trainscope.analyzer.merge import merge
-from trainscope.analyzer.model import MISSING, Finding, JobWindow, Scope, SuspectRank
+from trainscope.analyzer.model import CULPRIT, LINK, MISSING, Finding, JobWindow, Scope, SuspectRank
 from trainscope.analyzer.sequential import SequentialConfig
 from trainscope.analyzer.significance import Persistence
 from trainscope.analyzer.metrics import AnalyzerMetrics
@@ -412,7 +412,7 @@ class Analyzer:
                         comparisons=ctx.comparisons, partial=missing is not None, final=last,
                         job_loss=ctx.job_loss)
         base = getattr(job, "pace_baseline", None)
-        if base is not None and any(s.role in ("culprit", "link") for s in verdict.ranks):
+        if base is not None and any(s.role in (CULPRIT, LINK) for s in verdict.ranks):
             base.discard(int(jw.window.index))     # job_pace step 2: a window that named a rank is no healthy pace
         self._publish(list(verdict.findings), verdict)
         self.metrics.counters["windows_analyzed"] += 1
