@@ -58,6 +58,10 @@ evidence and attributes the waiting to the member that made the others wait.
    ``LATE_Z`` × ``PERSONALITY`` × sqrt(2 ln n) of the step (the expected maximum of n
    normal draws, n its largest sync group). Some replica is always the last; a
    healthy one is last by a few per cent.
+   3d. Late arrivers with no work of their own (a rank whose NCCL proxy delays its
+   collectives, its TP partner, their pipeline neighbours): one that waited, where no finding
+   measured whom for, in a collective a late partner did not wait in, passed that partner's
+   lateness on and is its waiter (``_passed_on``).
 4. Waiters left without a culprit: one whose work outside collectives is
    short against its DP peers by at least ``EARLY_SHARE`` of its wait was
    early, not slowed (a rank's step is its work plus its wait, and a fast
@@ -194,12 +198,13 @@ def _strongest_partner(out: Mapping[int, "RankVerdict"], parts: Mapping[str, lis
     return max(cands, key=lambda p: (out[p].impact_ns, -p)) if cands else None
 
 
-def _chain_culprit(out: Mapping[int, "RankVerdict"], rank: int) -> int | None:
-    """The culprit a waiter's chain of ``waited_for`` ends at, or None (no culprit, or a cycle)."""
+def _chain_culprit(out: Mapping[int, "RankVerdict"], rank: int, ends: tuple[str, ...] = (CULPRIT,)) -> int | None:
+    """The culprit (or another role in ``ends``) a waiter's chain of ``waited_for`` ends at, or None
+    (no such end, or a cycle)."""
     seen = set()
     while rank in out and rank not in seen:
         rv = out[rank]
-        if rv.role == CULPRIT:
+        if rv.role in ends:
             return rank
         if rv.role != WAITER or rv.waited_for < 0:
             return None
@@ -364,6 +369,56 @@ def _culprit_only(rv: RankVerdict, kind) -> bool:
     return bool(cul) and all(kind(e) for e in cul)
 
 
+def _passed_on(out: dict[int, RankVerdict], root: Mapping[int, int], partners: SyncPartners) -> None:
+    """Step 3d: a rank late with no work of its own that waited in a collective its partner did not
+    wait in passed that partner's lateness on.
+
+    A rank whose NCCL proxy delays its entry into collectives has no slow work for step 3 to follow:
+    its TP partner waits in the TP all-reduce inside the forward, then arrives late to the DP
+    reduce-scatter; its pipeline neighbours wait in their send/recv and arrive late too. All of them
+    are "late arrivals" with forward slower; only the waits tell them apart (Mycroft §5: the rank
+    that waited did not cause the wait). Per rank, to a fixed point:
+    1. the subject is a culprit whose culprit evidence is all lateness (late starts, shortened
+       collectives, forward/backward that hold TP collectives), and which waited, where no finding
+       measured whom for, at least ``INHERIT_SHARE`` of its lateness;
+    2. the candidates are its sync partners with culprit evidence, or waiters whose chain ends at a
+       culprit, that did not wait at any place where it waited, and its partners named a slow link
+       (a degraded NIC slows their send/recv; the pipeline neighbour on the other side waits there
+       and arrives late to its DP reduce-scatter: a simulated 32-rank job named both neighbours
+       culprits beside the NIC's ranks);
+    3. it becomes a waiter of the strongest candidate, unless that closes a loop of waits.
+    """
+    changed = True
+    while changed:
+        changed = False
+        for rv in sorted(out.values(), key=lambda v: (v.impact_ns, v.rank)):
+            if rv.role != CULPRIT or rv.rank in root or any(e.own for e in rv.evidence):
+                continue
+            late = max((e.impact_ns for e in rv.evidence if e.role == CULPRIT), default=0.0)        # 1
+            places = {e.where for e in rv.evidence if e.role == WAITER and e.waited_for < 0
+                      and e.impact_ns >= INHERIT_SHARE * late}
+            if not places:
+                continue
+
+            def did_not_wait_there(p: int) -> bool:                                                  # 2
+                c = out[p]
+                if c.role == LINK:
+                    return True
+                if c.role == WAITER and _chain_culprit(out, p, (CULPRIT, LINK)) in (None, rv.rank):
+                    return False
+                return (any(e.role == CULPRIT for e in c.evidence)
+                        and not any(e.role == WAITER and e.where in places for e in c.evidence))
+
+            best = _strongest_partner(out, partners.of(rv.rank), did_not_wait_there)
+            if best is None:
+                continue
+            rv.role, rv.waited_for = WAITER, best                                                   # 3
+            if _chain_culprit(out, rv.rank, (CULPRIT, LINK)) is None:
+                rv.role, rv.waited_for = CULPRIT, -1
+                continue
+            changed = True
+
+
 def _late_only(rv: RankVerdict) -> bool:
     """Step 3c's subject: every piece of culprit evidence is a shortened collective (a late arrival)."""
     return _culprit_only(rv, lambda e: e.communication and not e.slower)
@@ -447,6 +502,7 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
                   and e.impact_ns >= INHERIT_SHARE * late]
         if waited:
             rv.role, rv.waited_for = WAITER, _most_waited_for(waited)
+    _passed_on(out, root, partners)
     # step 3: waiters point at the rank a finding measured them waiting for (the collectives level's
     # late start: in a data-parallel all-reduce, the member that came late because it waited in its
     # tensor-parallel one; step 5 follows that chain to the culprit), else at a culprit partner
@@ -466,18 +522,22 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
         unresolved.append(rv)
     # step 3: a partner that waited for a culprit passes the wait on (a host's slow ranks make their next
     # pipeline stage late, and that stage's DP peers wait for it in their all-reduce: a simulated 32-rank
-    # job named those peers, on another host, slow links); followed to a fixed point, chains to a culprit only
-    changed = True
-    while changed:
-        changed = False
-        for rv in unresolved:
-            if rv.waited_for >= 0:
-                continue
-            best = _strongest_partner(out, partners.of(rv.rank),
-                                      lambda p: out[p].role == WAITER and _chain_culprit(out, p) is not None)
-            if best is not None:
-                rv.waited_for = best
-                changed = True
+    # job named those peers, on another host, slow links); followed to a fixed point, chains to a culprit
+    # only; then the same for a partner named a slow link (its send/recv partner across a degraded NIC
+    # waited on that link: a simulated 64-rank job named the pipeline neighbours of a NIC's ranks links)
+    for ends in ((CULPRIT,), (CULPRIT, LINK)):
+        changed = True
+        while changed:
+            changed = False
+            for rv in unresolved:
+                if rv.waited_for >= 0:
+                    continue
+                best = _strongest_partner(out, partners.of(rv.rank), lambda p: (
+                    (LINK in ends and out[p].role == LINK)
+                    or (out[p].role == WAITER and _chain_culprit(out, p, ends) is not None)))
+                if best is not None:
+                    rv.waited_for = best
+                    changed = True
     for rv in unresolved:
         if rv.waited_for >= 0:
             continue

@@ -53,6 +53,8 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
    the smallest group (tp, ep, cp, pp, dp) holding ≥ 2/3 of the impact in
    at least two suspects and at least half its members (a whole TP pair
    behind one NVLink).
+3c. A host-timed job's jitter that no rank carries, with its pace unchanged, is not held
+   (``_scheduler_jitter``).
 5. State: ``stalled`` (a stall finding), ``degraded`` (a confirmed suspect,
    an L1 regression, or L1 jitter in k of the last n windows), ``unknown`` (no comparison could be
    made: groups too small and no history yet; or a partial window missing more ranks than it
@@ -144,9 +146,9 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     flagged = {rv.rank: rv for rv in ranked if rv.role in (CULPRIT, LINK, WAITER)}
     l1 = [f for f in active if f.level == "L1" and f.kind in ("jitter", "regression")]
     places = {r: _places_of(rv) for r, rv in flagged.items()}
-    if any(f.kind == "jitter" for f in l1):
-        places[JOB] = {"jitter"}          # a job-level jitter must recur too (one spike is not a state)
     pace = [f for f in active if f.level == "pace"]
+    if any(f.kind == "jitter" for f in l1) and not _scheduler_jitter(l1, pace, resources):
+        places[JOB] = {"jitter"}          # a job-level jitter must recur too (one spike is not a state)
     if pace:
         places[JOB_PACE] = {"pace"}       # slower than its own pace: must hold too (a checkpoint window)
     if persistence is not None:
@@ -263,6 +265,18 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     v.confidence = _confidence(v.state, suspects, resources, host, persistence, comparisons, pending)
     v.summary = summarize(job_id, v, findings, resources)
     return v
+
+
+def _scheduler_jitter(l1: Sequence[Finding], pace: Sequence[Finding], resources: Mapping[int, Resource]) -> bool:
+    """Step 3c: in a job timed on the host (CPU ranks), slow single iterations that no rank carries and
+    that leave the window's pace where it was are the host's scheduler, not a state of the job. Such a
+    job's iteration times are heavy-tailed (a rank descheduled for a few time slices adds 20-30 ms to a
+    36 ms step, 7 robust σ: L1's Gaussian bound), and an idle healthy 4-rank job read "degraded" in 1
+    of 12 runs from two such spikes 20 iterations apart. A fault that makes the job lose time shows in
+    its pace or names the rank that carries it."""
+    if pace or not resources or not cpu_only(resources):
+        return False
+    return all(f.kind != "jitter" or not f.suspects for f in l1)
 
 
 def _urgent_evidence(rv: RankVerdict) -> bool:

@@ -1,6 +1,13 @@
 """Verdicts on real PyTorch jobs: plain all-reduce, DDP and FSDP2 on gloo, healthy and with one fault each.
 
     python tests/benchmarks/bench_realjobs.py [--modes plain ddp fsdp groups] [--seeds 1] [--busy] [--only late]
+        [--record DIR]
+    python tests/benchmarks/bench_realjobs.py --reanalyze DIR
+
+``--record DIR`` keeps each job's bus (every record the live analyzer read, one
+``<mode>-<scenario>-<seed>.bus`` file each); ``--reanalyze DIR`` judges those
+records again with the analyzer as it is now, in seconds and without timing
+(what a rule change does to the same jobs; the live run stays the measure).
 
 Each job is ``tests/support/train_collectives.py`` (4 ranks, CPU, gloo on
 127.0.0.1) under ``trainscope run`` against a real processor, with a live
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -44,6 +52,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from support.livejob import LiveJob, torchrun  # noqa: E402
 
 from trainscope.analyzer.merge import merge_windows  # noqa: E402
+from trainscope.analyzer.service import Analyzer, AnalyzerConfig  # noqa: E402
+from trainscope.analyzer.sources import BusSource  # noqa: E402
+from trainscope.processor.bus import EmbeddedBus  # noqa: E402
 
 RANK = 2
 #: The live analyzer's niceness: deployed, it runs off the training hosts; here it shares the job's two cores,
@@ -84,6 +95,29 @@ def run_job(tmp: pathlib.Path, mode: str, extra: list[str], steps: int):
     return job, out
 
 
+def save_bus(bus: EmbeddedBus, path: pathlib.Path) -> None:
+    """Every record of every topic on the job's bus (``--record``)."""
+    topics = {t: [(r.key, r.value) for r in bus.poll(t, 0, max_records=10**9)] for t in list(bus._logs)}
+    path.write_bytes(pickle.dumps(topics))
+    path.chmod(0o600)
+
+
+def reanalyze(path: pathlib.Path) -> list:
+    """The verdicts of a recorded job's windows with the analyzer as it is now (``--reanalyze``)."""
+    bus = EmbeddedBus(max_records=10**9)
+    for topic, recs in pickle.loads(path.read_bytes()).items():
+        for key, value in recs:
+            bus.publish(topic, key, value)
+    an = Analyzer(AnalyzerConfig(), BusSource(bus), [])
+    out = []
+    while True:
+        got = an.step(0.0)
+        if not got:
+            break
+        out += got
+    return out + [v for v in an.finish() if v not in out]
+
+
 def judge(v, fault: bool, culprit: int) -> bool:
     named = [(s.rank, s.role) for s in v.ranks] if v else []
     if not fault:
@@ -118,7 +152,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--busy", action="store_true", help="a CPU-hungry process beside every job")
     ap.add_argument("--only", default="", help="scenarios whose name contains this")
+    ap.add_argument("--record", type=pathlib.Path, help="keep each job's bus records in this folder")
+    ap.add_argument("--reanalyze", type=pathlib.Path, help="judge the jobs recorded in this folder again")
     args = ap.parse_args(argv)
+    if args.reanalyze:
+        return replay_all(args.reanalyze, args.only)
+    if args.record:
+        args.record.mkdir(parents=True, exist_ok=True)
     busy = None
     if args.busy:
         busy = subprocess.Popen(["nice", "-n", "10", sys.executable, "-c", "while True: pass"])
@@ -132,6 +172,8 @@ def main(argv=None) -> int:
                     t0 = time.perf_counter()
                     with tempfile.TemporaryDirectory() as tmp:
                         job, out = run_job(pathlib.Path(tmp), mode, extra, args.steps)
+                    if args.record:
+                        save_bus(job.proc.bus, args.record / f"{mode}-{name.replace(' ', '_')}-{seed}.bus")
                     v = merge_windows(job.seen())
                     ok = judge(v, bool(extra), GROUP_RANK if mode == "groups" else RANK)
                     rows.append((mode, name, ok, job.job.returncode, bool(v and v.ranks)))
@@ -140,18 +182,50 @@ def main(argv=None) -> int:
                           f"{(v.state if v else 'none'):<10} named [{named}]  exit {job.job.returncode}  "
                           f"{time.perf_counter() - t0:5.1f} s", flush=True)
                     if not ok and v is not None:
-                        print(f"       {v.summary[:240]}", flush=True)
-                        for line in explain(job.seen(), {s.rank for s in v.ranks}):
-                            print(f"         {line}", flush=True)
+                        report(v, job.seen())
     finally:
         if busy is not None:
             busy.kill()
+    totals(rows, 'beside a busy process' if args.busy else 'idle machine')
+    return 0
+
+
+def report(v, windows) -> None:
+    print(f"       {v.summary[:240]}", flush=True)
+    for line in explain(windows, {s.rank for s in v.ranks}):
+        print(f"         {line}", flush=True)
+
+
+def totals(rows, where: str) -> None:
     faulty = [ok for _, n, ok, _, _ in rows if n != "healthy"]
     healthy = [ok for _, n, ok, _, _ in rows if n == "healthy"]
     nobody = [not named for _, n, _, _, named in rows if n == "healthy"]
-    print(f"{'beside a busy process' if args.busy else 'idle machine'}: faulty right (top-1, nobody else "
-          f"blamed) {sum(faulty)}/{len(faulty)}; healthy: named nobody {sum(nobody)}/{len(nobody)}, "
-          f"state healthy {sum(healthy)}/{len(healthy)}")
+    print(f"{where}: faulty right (top-1, nobody else blamed) {sum(faulty)}/{len(faulty)}; healthy: named "
+          f"nobody {sum(nobody)}/{len(nobody)}, state healthy {sum(healthy)}/{len(healthy)}")
+
+
+def replay_all(folder: pathlib.Path, only: str) -> int:
+    files = sorted(folder.glob("*.bus"))
+    if not files:
+        print(f"bench_realjobs: no recorded jobs (*.bus) in {folder}; record some with --record {folder}",
+              file=sys.stderr)
+        return 2
+    rows = []
+    for f in files:
+        mode, name, seed = f.stem.split("-")
+        name = name.replace("_", " ")
+        if only and only not in name:
+            continue
+        windows = reanalyze(f)
+        v = merge_windows(windows)
+        ok = judge(v, name != "healthy", GROUP_RANK if mode == "groups" else RANK)
+        rows.append((mode, name, ok, 0, bool(v and v.ranks)))
+        named = ",".join(f"{s.rank}{s.role[0]}" for s in v.ranks[:6]) if v else ""
+        print(f"{'ok' if ok else 'WRONG':>5}  {mode:<5} {name:<19} seed {seed}  "
+              f"{(v.state if v else 'none'):<10} named [{named}]", flush=True)
+        if not ok and v is not None:
+            report(v, windows)
+    totals(rows, f"re-analysed ({folder})")
     return 0
 
 
