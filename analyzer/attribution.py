@@ -369,7 +369,19 @@ def _culprit_only(rv: RankVerdict, kind) -> bool:
     return bool(cul) and all(kind(e) for e in cul)
 
 
-def _passed_on(out: dict[int, RankVerdict], root: Mapping[int, int], partners: SyncPartners) -> None:
+def _measured_waiters(out: Mapping[int, RankVerdict]) -> dict[int, set[int]]:
+    """{rank: the ranks a finding measured waiting for it} (the collectives level's late start lists
+    each waiter with the late member, Mycroft §5)."""
+    measured: dict[int, set[int]] = collections.defaultdict(set)
+    for rv in out.values():
+        for e in rv.evidence:
+            if e.role == WAITER and e.waited_for >= 0 and e.waited_for != rv.rank:
+                measured[e.waited_for].add(rv.rank)
+    return measured
+
+
+def _passed_on(out: dict[int, RankVerdict], root: Mapping[int, int], partners: SyncPartners,
+               measured: Mapping[int, set[int]]) -> None:
     """Step 3d: a rank late with no work of its own that waited in a collective its partner did not
     wait in passed that partner's lateness on.
 
@@ -379,9 +391,12 @@ def _passed_on(out: dict[int, RankVerdict], root: Mapping[int, int], partners: S
     are "late arrivals" with forward slower; only the waits tell them apart (Mycroft §5: the rank
     that waited did not cause the wait). Per rank, to a fixed point:
     1. the subject is a culprit whose culprit evidence is all lateness (late starts, shortened
-       collectives, forward/backward that hold TP collectives), and which waited, where no finding
-       measured whom for, at least ``INHERIT_SHARE`` of its lateness;
-    2. the candidates are its sync partners with culprit evidence, or waiters whose chain ends at a
+       collectives, forward/backward that hold TP collectives), which no finding measured anyone
+       waiting for (the collectives level's late start names the rank the others waited for: a real
+       DDP job's slower forward on a busy host was turned into a waiter of a rank measured waiting
+       for it), and which waited, where no finding measured whom for, at least ``INHERIT_SHARE``
+       of its lateness;
+    2. the candidates are its sync partners late to a collective, or waiters whose chain ends at a
        culprit, that did not wait at any place where it waited, and its partners named a slow link
        (a degraded NIC slows their send/recv; the pipeline neighbour on the other side waits there
        and arrives late to its DP reduce-scatter: a simulated 32-rank job named both neighbours
@@ -392,7 +407,8 @@ def _passed_on(out: dict[int, RankVerdict], root: Mapping[int, int], partners: S
     while changed:
         changed = False
         for rv in sorted(out.values(), key=lambda v: (v.impact_ns, v.rank)):
-            if rv.role != CULPRIT or rv.rank in root or any(e.own for e in rv.evidence):
+            if (rv.role != CULPRIT or rv.rank in root or measured.get(rv.rank)
+                    or any(e.own for e in rv.evidence)):
                 continue
             late = max((e.impact_ns for e in rv.evidence if e.role == CULPRIT), default=0.0)        # 1
             places = {e.where for e in rv.evidence if e.role == WAITER and e.waited_for < 0
@@ -406,7 +422,7 @@ def _passed_on(out: dict[int, RankVerdict], root: Mapping[int, int], partners: S
                     return True
                 if c.role == WAITER and _chain_culprit(out, p, (CULPRIT, LINK)) in (None, rv.rank):
                     return False
-                return (any(e.role == CULPRIT for e in c.evidence)
+                return (any(e.role == CULPRIT and (e.kind == LATE_START or e.communication) for e in c.evidence)
                         and not any(e.role == WAITER and e.where in places for e in c.evidence))
 
             best = _strongest_partner(out, partners.of(rv.rank), did_not_wait_there)
@@ -426,8 +442,19 @@ def _late_only(rv: RankVerdict) -> bool:
 
 def _late_start_only(rv: RankVerdict) -> bool:
     """Every piece of the rank's culprit evidence is lateness to collectives (the collectives level's late
-    start, or a shortened collective), none of it work of its own."""
-    return _culprit_only(rv, lambda e: e.kind == LATE_START or (e.communication and not e.slower))
+    start, or a shortened collective), or a slower iteration its measured waits explain; none of it work
+    of its own."""
+    return _culprit_only(rv, lambda e: e.kind == LATE_START or (e.communication and not e.slower)
+                         or _wait_in_iteration(rv, e))
+
+
+def _wait_in_iteration(rv: RankVerdict, e: Evidence) -> bool:
+    """An L1 finding carried by the rank (its iterations slower than the others') is no work of its own
+    where a finding measured it waiting for another rank at least as long: a rank's iteration holds its
+    waits (a real 4-rank job on a busy host: the rank that waited 21 ms for the late one carried that
+    iteration's spike, and was named its owner and a culprit)."""
+    return e.level == "L1" and any(w.role == WAITER and 0 <= w.waited_for != rv.rank and w.impact_ns >= e.impact_ns
+                                   for w in rv.evidence)
 
 
 def _most_waited_for(waits: list[Evidence]) -> int:
@@ -472,10 +499,11 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
         out[r] = rv
     # step 3: lateness inherited from a partner that was slow on its own, transitively (a pipeline
     # neighbour of a TP partner of the slow rank is late too): follow partners to the owner
-    owners = {r for r, rv in out.items() if any(e.own for e in rv.evidence)}
+    owners = {r for r, rv in out.items() if any(e.own and not _wait_in_iteration(rv, e) for e in rv.evidence)}
     if jw is not None:
         owners |= _own_work_tiebreak(out, owners, resources, jw, partners)
     root: dict[int, int] = {r: r for r in owners}
+    measured = _measured_waiters(out)
     changed = True
     while changed:
         changed = False
@@ -483,7 +511,9 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
             if rv.role != CULPRIT or rv.rank in root:
                 continue
             parts = partners.of(rv.rank)
-            cands = [p for ps in parts.values() for p in ps if p in root
+            # never a partner measured waiting for this rank (a real 4-rank job on a busy host: the rank
+            # that waited for the late one spiked an iteration, and that spike was made its lateness' owner)
+            cands = [p for ps in parts.values() for p in ps if p in root and p not in measured.get(rv.rank, ())
                      and out[root[p]].impact_ns >= INHERIT_SHARE * rv.impact_ns]
             if cands:
                 best = max(cands, key=lambda p: (out[root[p]].impact_ns, -p))
@@ -502,7 +532,7 @@ def attribute(evidence: Iterable[Evidence], resources: Mapping[int, Resource],
                   and e.impact_ns >= INHERIT_SHARE * late]
         if waited:
             rv.role, rv.waited_for = WAITER, _most_waited_for(waited)
-    _passed_on(out, root, partners)
+    _passed_on(out, root, partners, measured)
     # step 3: waiters point at the rank a finding measured them waiting for (the collectives level's
     # late start: in a data-parallel all-reduce, the member that came late because it waited in its
     # tensor-parallel one; step 5 follows that chain to the culprit), else at a culprit partner

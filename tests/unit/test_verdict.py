@@ -564,3 +564,25 @@ def test_a_host_timed_jobs_uncarried_jitter_at_its_pace_is_the_scheduler_and_a_d
     assert run("cpu", False) == "healthy"
     assert run("cuda:0", False) == "degraded"
     assert run("cpu", True) == "degraded"
+
+
+def test_a_rank_whose_slow_iteration_its_measured_wait_explains_is_a_waiter_not_the_late_ranks_owner():
+    """Attribution step 3: a rank's iteration holds its waits. In a real 4-rank job on a busy host rank 2
+    was late to the all-reduce (the collectives level measured ranks 0, 1, 3 waiting ~15-21 ms for it) and
+    rank 0 carried that window's iteration-time spike (L1, 9 ms): the spike was taken for slow work of
+    rank 0's own, made the owner of rank 2's lateness, and rank 0 was named culprit, rank 2 its waiter."""
+    res = resources(4, tp=1, per_host=4)
+    late = Finding(level="collectives", kind="late_start", job_id="j", window=WIN, scope=Scope(group="collective"),
+                   evidence={"communication": False, "group": "0", "seq": 51},
+                   suspects=(SuspectRank(2, 3.0, {"function": "late start to allreduce (group 0, seq 51)"},
+                                         impact_ns=14 * MS, role="culprit"),))
+    waits = Finding(level="collectives", kind="collective_wait", job_id="j", window=WIN,
+                    scope=Scope(group="collective"), evidence={"communication": True, "waited_for": 2, "seq": 51},
+                    suspects=tuple(SuspectRank(r, 1.0, {}, impact_ns=i * MS, role="waiter", waited_for=2)
+                                   for r, i in ((0, 21), (1, 14), (3, 15))))
+    jitter = Finding(level="L1", kind="jitter", job_id="j", window=WIN, job_impact_ns=9 * MS,
+                     suspects=(SuspectRank(0, 2.97, {"own_ratio": 2.97}, impact_ns=9 * MS),))
+    v = merge("j", WIN, [late, waits, jitter], res, step_ns=60 * MS)
+    roles = {s.rank: (s.role, s.waited_for) for s in v.ranks}
+    assert [r for r, (role, _) in roles.items() if role == "culprit"] == [2], v.summary
+    assert roles[0] == ("waiter", 2), roles
