@@ -55,6 +55,12 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
    behind one NVLink).
 3c. A host-timed job's jitter that no rank carries, with its pace unchanged, is not held
    (``_scheduler_jitter``).
+3d. A host-timed job's warm-up window (its first iterations: processes starting, connections,
+   allocators, lazy imports; steps of a 4-rank gloo job twice the later ones) counts toward no
+   k of n: its flags are pending. Beside a busy process a healthy two-group job had its rank 3
+   late to its TP pair in window 0 and window 1 and was named at window 1. A capture judged as
+   one window (``final``) keeps them, and so does a device-timed job, whose CUSUM bounds its
+   input by the noise already.
 5. State: ``stalled`` (a stall finding), ``degraded`` (a confirmed suspect,
    an L1 regression, or L1 jitter in k of the last n windows), ``unknown`` (no comparison could be
    made: groups too small and no history yet; or a partial window missing more ranks than it
@@ -111,8 +117,10 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
           step_ns: float = 0.0, iterations: Mapping[int, float] | None = None,
           persistence: Persistence | None = None, comparisons: Mapping[str, int] | None = None,
           partial: bool = False, final: bool = False,
-          job_loss: tuple[float, int] | None = None) -> records_pb2.Verdict:
+          job_loss: tuple[float, int] | None = None, warmup: bool = False) -> records_pb2.Verdict:
     """One verdict for one window of one job (module steps 1-7).
+
+    ``warmup``: the window holds the job's warm-up iterations (step 3d).
 
     ``job_loss``: the pace level's bound on what the job lost this window, flagged or not
     (ns per iteration, and the last window of the baseline it was measured against; step 5b).
@@ -167,6 +175,8 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
         bar = 0.0 if device_timed else COUNT_Z * noise / max(n_its, 1.0) ** 0.5      # step 3b
         counted = {r: p for r, p in places.items()     # JOB keys too
                    if r not in flagged or flagged[r].score_ns >= bar or _median_phase_excess(flagged[r], jw)}
+        if warmup and not device_timed and not final:
+            counted = {}                                                                  # step 3d
         confirmed = persistence.update(int(window.index), counted,
                                        {r: rv.score_ns for r, rv in flagged.items()}, final=final,
                                        observed=observed, sums=sums, iterations=n_its, h=h)

@@ -120,7 +120,8 @@ class AnalyzerConfig:
     history_iterations: int = 4096
     """Iteration durations kept per rank for L1."""
     warmup_iterations: int = 5
-    """A rank's first iterations are warm-up (allocation, compilation): kept out of L1's history."""
+    """A rank's first iterations are warm-up (allocation, compilation): kept out of L1's history; a CPU job's
+    window holding them names nobody by persistence (merge step 3d)."""
     max_jobs: int = 1000
     """Jobs tracked at once; the least recently seen is forgotten beyond it."""
     max_open_windows: int = 64
@@ -257,6 +258,12 @@ class Analyzer:
         if w.end_ns > job.watermark.get(res.rank, 0):
             job.watermark[res.rank] = w.end_ns
         self.metrics.counters["records_in"] += 1
+
+    def _warmup(self, job: _Job, window) -> bool:
+        """The iterations window holds some of the job's first ``warmup_iterations`` (merge step 3d)."""
+        if window.kind != records_pb2.WINDOW_KIND_ITERATIONS or not job.first_iteration:
+            return False
+        return int(window.first_iteration) < min(job.first_iteration.values()) + self.config.warmup_iterations
 
     def _note_iterations(self, job: _Job, rec, now: float) -> None:
         """Iteration history (L1) and progress (stall rule); late records count too."""
@@ -410,7 +417,7 @@ class Analyzer:
         verdict = merge(job.job_id, jw.window, findings, jw.resources, jw=jw, step_ns=scale.step_ns,
                         iterations=scale.iterations, persistence=job.persistence,
                         comparisons=ctx.comparisons, partial=missing is not None, final=last,
-                        job_loss=ctx.job_loss)
+                        job_loss=ctx.job_loss, warmup=self._warmup(job, jw.window))
         base = getattr(job, "pace_baseline", None)
         if base is not None and any(s.role in (CULPRIT, LINK) for s in verdict.ranks):
             base.discard(int(jw.window.index))     # job_pace step 2: a window that named a rank is no healthy pace

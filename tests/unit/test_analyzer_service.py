@@ -73,9 +73,11 @@ def settle(a, clock):
 
 
 def make(tmp_path, **cfg):
-    """An analyzer on the embedded bus. Single-window tests name suspects at once (persist_k=1);
-    the default persistence (2 of 3 windows) has its own test."""
+    """An analyzer on the embedded bus. Single-window tests name suspects at once (persist_k=1) from
+    their window 0, which a CPU job's warm-up would hold back (merge step 3d, its own test); the
+    default persistence (2 of 3 windows) has its own test."""
     cfg.setdefault("persist_k", 1)
+    cfg.setdefault("warmup_iterations", 0)
     bus, clock = EmbeddedBus(), Clock()
     store = DiagnosisStore(str(tmp_path / "store.sqlite"))
     a = Analyzer(AnalyzerConfig(**cfg), BusSource(bus), [StoreDiagnosisSink(store), BusDiagnosisSink(bus)],
@@ -399,3 +401,18 @@ def test_a_window_whose_verdict_named_a_rank_leaves_the_jobs_pace_baseline(tmp_p
     assert named == [2], [v.summary for v in verdicts]
     base = a._jobs["j"].pace_baseline
     assert 2 not in base.indices and {1, 3} <= set(base.indices), list(base.indices)
+
+
+def test_a_cpu_jobs_warm_up_window_names_nobody_by_persistence_and_its_next_window_does(tmp_path):
+    """Merge step 3d: a job timed on the host (no device) flags rank 5 in its window 0, which holds its
+    first ``warmup_iterations``: pending, nobody named (beside a busy process a healthy two-group gloo job
+    had a rank late to its pair in windows 0 and 1 and was named at window 1). The same evidence in the
+    next window is counted as before (persist_k=1 here: named at once)."""
+    a, bus, clock, store = make(tmp_path, warmup_iterations=5)
+    for index in (0, 1):
+        for r in range(8):
+            publish(bus, r, index, slow=1.4 if r == 5 else 1.0)
+    verdicts = sorted(settle(a, clock) + a.step(0), key=lambda v: v.window.index)
+    assert [v.window.index for v in verdicts] == [0, 1]
+    assert not verdicts[0].ranks and 5 in verdicts[0].pending and verdicts[0].state == "suspected"
+    assert verdicts[1].ranks[0].rank == 5 and verdicts[1].ranks[0].role == "culprit"
