@@ -392,10 +392,9 @@ def _passed_on(out: dict[int, RankVerdict], root: Mapping[int, int], partners: S
     that waited did not cause the wait). Per rank, to a fixed point:
     1. the subject is a culprit whose culprit evidence is all lateness (late starts, shortened
        collectives, forward/backward that hold TP collectives), which no finding measured anyone
-       waiting for (the collectives level's late start names the rank the others waited for: a real
-       DDP job's slower forward on a busy host was turned into a waiter of a rank measured waiting
-       for it), and which waited, where no finding measured whom for, at least ``INHERIT_SHARE``
-       of its lateness;
+       waiting for (a measured wait says whom the others waited for; such a rank is followed by the
+       measured waits of step 3, never by a guess from unmeasured ones), and which waited, where no
+       finding measured whom for, at least ``INHERIT_SHARE`` of its lateness;
     2. the candidates are its sync partners late to a collective, or waiters whose chain ends at a
        culprit, that did not wait at any place where it waited, and its partners named a slow link
        (a degraded NIC slows their send/recv; the pipeline neighbour on the other side waits there
