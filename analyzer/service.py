@@ -5,8 +5,9 @@ Steps, continuously (``step`` / ``run``):
    under (job, window) with its rank; remember each rank's iteration times
    (bounded history) and when iterations last arrived.
 2. A window is analysed once every rank of the job has reported it in every
-   signal the job sends (stacks excepted) and ``grace_s`` passed without more
-   records for it, or once most ranks are
+   signal the job sends (stacks excepted), each rank's collective records
+   have reached the window's end, and ``grace_s`` passed without more
+   records for it, or once (its collectives in too) most ranks are
    ``progress_windows`` windows further on (not while the source says
    records still wait to be read: a Kafka backlog is read partition by
    partition), or ``window_timeout_s`` after its
@@ -114,6 +115,9 @@ class AnalyzerConfig:
     grace_s: float = 0.5
     """Wait this long after a complete window's last record before analysing it."""
     window_timeout_s: float = 60.0
+    collectives_wait_s: float = 10.0
+    """Wait at most this long after a window's last record for its ranks' collective records to reach its
+    end (they trail the other signals by the processor's collective window; a job may pause its collectives)."""
     """Analyse a window this long after its first record even if ranks are missing."""
     progress_windows: int = 2
     """...or once more than half the ranks are this many windows further on."""
@@ -137,7 +141,7 @@ class AnalyzerConfig:
         bad = [lv for lv in self.levels if lv not in LEVEL_NAMES]
         if bad:
             raise ConfigError("analyzer.levels", self.levels, f"only {', '.join(LEVEL_NAMES)}")
-        for f in ("grace_s", "window_timeout_s", "stall_factor", "min_stall_s", "forget_after_s"):
+        for f in ("grace_s", "window_timeout_s", "collectives_wait_s", "stall_factor", "min_stall_s", "forget_after_s"):
             if not getattr(self, f) > 0:
                 raise ConfigError(f"analyzer.{f}", getattr(self, f), "must be > 0")
         if not (isinstance(self.persist_k, int) and isinstance(self.persist_n, int)
@@ -357,14 +361,35 @@ class Analyzer:
         if now - o.first_seen < self.config.window_timeout_s and self.window_gate is not None \
                 and not self.window_gate(job.job_id, jw, o.first_seen):
             return None
-        if job.world_size and now - o.last_seen >= self.config.grace_s and self._complete(job, o):
+        caught_up = now - o.last_seen >= self.config.collectives_wait_s or self._collectives_caught_up(job, o)
+        if job.world_size and now - o.last_seen >= self.config.grace_s and self._complete(job, o) and caught_up:
             return "complete"
         ahead = sum(1 for r, idx in job.latest.items() if idx >= o.jw.window.index + self.config.progress_windows)
-        if job.world_size and ahead * 2 > job.world_size and not behind:
+        if job.world_size and ahead * 2 > job.world_size and not behind and caught_up:
             return "progress"
         if now - o.first_seen >= self.config.window_timeout_s:
             return "timeout"
         return None
+
+    @staticmethod
+    def _collectives_caught_up(job: _Job, o: _Open) -> bool:
+        """Every rank that sends collective records (and has not ended) has sent them up to the end of
+        its part of the window (step 2): they travel in the processor's own short windows, seconds behind
+        the phases and iterations, and a window judged without them judges its collectives with the
+        next window's, or not at all (a live analyzer beside a busy process missed an FSDP2 rank's late
+        all-gathers that the same records, judged once all were in, named)."""
+        state = job.collectives
+        if state is None or not state.now_ns:
+            return True
+        jw = o.jw
+        for rank, seen in state.now_ns.items():
+            if rank in job.ended:
+                continue
+            end = max((getattr(jw, sig)[rank].window.end_ns for sig in _WINDOWED if rank in getattr(jw, sig)),
+                      default=0)
+            if seen < end:
+                return False
+        return True
 
     @staticmethod
     def _complete(job: _Job, o: _Open) -> bool:

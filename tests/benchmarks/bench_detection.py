@@ -511,6 +511,9 @@ def main(argv=None) -> int:
                   f"{np.median(med):.2f}x (runs' medians {min(med):.2f}-{max(med):.2f}x), within 0.5-1.5x in "
                   f"{inside}/{len(med)} runs; windows priced over 1.5x the loss: {over}/"
                   f"{sum(len(r) for _, _, _, r in single)} (target: 0.5-1.5x)")
+            off = [(lab, float(np.median(r))) for lab, _, _, r in single if r and not 0.5 <= np.median(r) <= 1.5]
+            if off:
+                print("  runs outside 0.5-1.5x: " + "; ".join(f"{lab} {m:.2f}x" for lab, m in off))
     stable = [f.stable for _, _, f in rows if f.right]
     if stable:
         print(f"top suspect stable after the first right verdict: median {sorted(stable)[len(stable) // 2]:.0%}, "

@@ -416,3 +416,45 @@ def test_a_cpu_jobs_warm_up_window_names_nobody_by_persistence_and_its_next_wind
     assert [v.window.index for v in verdicts] == [0, 1]
     assert not verdicts[0].ranks and 5 in verdicts[0].pending and verdicts[0].state == "suspected"
     assert verdicts[1].ranks[0].rank == 5 and verdicts[1].ranks[0].role == "culprit"
+
+
+def test_a_window_waits_for_its_ranks_collective_records_to_reach_its_end(tmp_path):
+    """Step 2: collective records travel in the processor's own short windows, seconds behind the
+    phases and iterations. A window whose phases, kernels and iterations are all in waits (past the
+    grace period, and while most ranks are further on) until every rank's collective records have
+    reached the window's end (its clock ``now_ns``), so that its collectives are judged with it (a live
+    analyzer beside a busy process missed an FSDP2 rank's late all-gathers that the same records, all
+    in, named). A rank that said it ended owes nothing more."""
+    a, bus, clock, store = make(tmp_path)
+
+    def collectives(rank, now_ns, seq):
+        cw = records_pb2.CollectiveWindow(resource=res(rank), now_ns=now_ns,
+                                          window=records_pb2.Window(kind=records_pb2.WINDOW_KIND_TIME, index=seq))
+        cw.groups.add(id="world", members=list(range(8)))
+        cw.records.add(group=0, seq=seq, op="allreduce", bytes=1 << 20, enqueue_ns=now_ns - 5 * MS, end_ns=now_ns,
+                       iteration=0)
+        bus.publish(topic_for("collectives"), b"j", cw.SerializeToString())
+
+    for r in range(8):
+        collectives(r, 5 * 10**8, 1)          # half-way through window 0 (it ends at 1 s)
+    for index in (0, 1, 2):                   # window 0 complete, and every rank two windows further on
+        for r in range(8):
+            publish(bus, r, index, slow=1.4 if r == 5 else 1.0)
+    assert [v.window.index for v in settle(a, clock)] == []
+    clock.t += 5
+    assert [v.window.index for v in a.step(0)] == []
+    for r in range(8):
+        collectives(r, 10**9 + 1, 2)          # every rank's collectives past window 0's end
+    clock.t += 1
+    got = sorted(v.window.index for v in settle(a, clock))
+    assert got and got[0] == 0
+    # a job that pauses its collectives (an evaluation pass): the window waits collectives_wait_s, no more
+    b, bus2, clock2, _ = make(tmp_path / "b", collectives_wait_s=10.0)
+    bus = bus2
+    for r in range(8):
+        collectives(r, 5 * 10**8, 1)
+    for r in range(8):
+        publish(bus, r, 0)
+    assert settle(b, clock2) == []
+    clock2.t += 10
+    assert [v.window.index for v in b.step(0)] == [0]
