@@ -40,8 +40,10 @@ wall time here) and the totals. No job is run twice.
 from __future__ import annotations
 
 import argparse
+import base64
+import json
+import os
 import pathlib
-import pickle
 import subprocess
 import sys
 import tempfile
@@ -96,18 +98,21 @@ def run_job(tmp: pathlib.Path, mode: str, extra: list[str], steps: int):
 
 
 def save_bus(bus: EmbeddedBus, path: pathlib.Path) -> None:
-    """Every record of every topic on the job's bus (``--record``)."""
-    topics = {t: [(r.key, r.value) for r in bus.poll(t, 0, max_records=10**9)] for t in list(bus._logs)}
-    path.write_bytes(pickle.dumps(topics))
-    path.chmod(0o600)
+    """Every record of every topic on the job's bus (``--record``): JSON, keys and values in base64 (data, never
+    code: a recorded file is safe to read back), written 0600 and never over an existing file."""
+    topics = {t: [[base64.b64encode(r.key).decode(), base64.b64encode(r.value).decode()]
+                  for r in bus.poll(t, 0, max_records=10**9)] for t in list(bus._logs)}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(topics, f)
 
 
 def reanalyze(path: pathlib.Path) -> list:
     """The verdicts of a recorded job's windows with the analyzer as it is now (``--reanalyze``)."""
     bus = EmbeddedBus(max_records=10**9)
-    for topic, recs in pickle.loads(path.read_bytes()).items():
+    for topic, recs in json.loads(path.read_text()).items():
         for key, value in recs:
-            bus.publish(topic, key, value)
+            bus.publish(str(topic), base64.b64decode(key), base64.b64decode(value))
     an = Analyzer(AnalyzerConfig(), BusSource(bus), [])
     out = []
     while True:
@@ -212,11 +217,20 @@ def replay_all(folder: pathlib.Path, only: str) -> int:
         return 2
     rows = []
     for f in files:
-        mode, name, seed = f.stem.split("-")
+        parts = f.stem.split("-")
+        if len(parts) != 3:
+            print(f"bench_realjobs: {f.name} is not named <mode>-<scenario>-<seed>.bus; skipped", file=sys.stderr)
+            continue
+        mode, name, seed = parts
         name = name.replace("_", " ")
         if only and only not in name:
             continue
-        windows = reanalyze(f)
+        try:
+            windows = reanalyze(f)
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            print(f"bench_realjobs: {f} is not a job this benchmark recorded ({type(e).__name__}: {e}); skipped",
+                  file=sys.stderr)
+            continue
         v = merge_windows(windows)
         ok = judge(v, name != "healthy", GROUP_RANK if mode == "groups" else RANK)
         rows.append((mode, name, ok, 0, bool(v and v.ranks)))
