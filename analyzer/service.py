@@ -115,10 +115,10 @@ class AnalyzerConfig:
     grace_s: float = 0.5
     """Wait this long after a complete window's last record before analysing it."""
     window_timeout_s: float = 60.0
+    """Analyse a window this long after its first record even if ranks are missing."""
     collectives_wait_s: float = 10.0
     """Wait at most this long after a window's last record for its ranks' collective records to reach its
     end (they trail the other signals by the processor's collective window; a job may pause its collectives)."""
-    """Analyse a window this long after its first record even if ranks are missing."""
     progress_windows: int = 2
     """...or once more than half the ranks are this many windows further on."""
     history_iterations: int = 4096
@@ -361,11 +361,13 @@ class Analyzer:
         if now - o.first_seen < self.config.window_timeout_s and self.window_gate is not None \
                 and not self.window_gate(job.job_id, jw, o.first_seen):
             return None
-        caught_up = now - o.last_seen >= self.config.collectives_wait_s or self._collectives_caught_up(job, o)
-        if job.world_size and now - o.last_seen >= self.config.grace_s and self._complete(job, o) and caught_up:
+        def caught_up() -> bool:      # read only where the window is otherwise ready
+            return now - o.last_seen >= self.config.collectives_wait_s or self._collectives_caught_up(job, o)
+
+        if job.world_size and now - o.last_seen >= self.config.grace_s and self._complete(job, o) and caught_up():
             return "complete"
         ahead = sum(1 for r, idx in job.latest.items() if idx >= o.jw.window.index + self.config.progress_windows)
-        if job.world_size and ahead * 2 > job.world_size and not behind and caught_up:
+        if job.world_size and ahead * 2 > job.world_size and not behind and caught_up():
             return "progress"
         if now - o.first_seen >= self.config.window_timeout_s:
             return "timeout"
