@@ -251,6 +251,8 @@ def test_bad_config_names_the_setting():
         AnalyzerConfig(levels=("L9",))
     with pytest.raises(ConfigError, match="analyzer.grace_s"):
         AnalyzerConfig(grace_s=0)
+    with pytest.raises(ConfigError, match="analyzer.collectives_wait_s"):
+        AnalyzerConfig(collectives_wait_s=float("nan"))
 
 
 def test_a_job_that_ended_normally_is_not_a_stall_and_is_forgotten(tmp_path):
