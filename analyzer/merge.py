@@ -53,8 +53,8 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
    the smallest group (tp, ep, cp, pp, dp) holding ≥ 2/3 of the impact in
    at least two suspects and at least half its members (a whole TP pair
    behind one NVLink).
-3c. A host-timed job's jitter that no rank carries, with its pace unchanged, is not held
-   (``_scheduler_jitter``).
+3c. A host-timed job's jitter, or its L1 regression, that no rank carries, with its pace unchanged,
+   is not held and makes no state (``_scheduler_noise``).
 3d. A host-timed job's warm-up window (its first iterations: processes starting, connections,
    allocators, lazy imports; steps of a 4-rank gloo job twice the later ones) counts toward no
    k of n: its flags are pending. Beside a busy process a healthy two-group job had its rank 3
@@ -62,7 +62,7 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
    one window (``final``) keeps them, and so does a device-timed job, whose CUSUM bounds its
    input by the noise already.
 5. State: ``stalled`` (a stall finding), ``degraded`` (a confirmed suspect,
-   an L1 regression, or L1 jitter in k of the last n windows), ``unknown`` (no comparison could be
+   an L1 regression (not step 3c's), or L1 jitter in k of the last n windows), ``unknown`` (no comparison could be
    made: groups too small and no history yet; or a partial window missing more ranks than it
    holds, such as 2 of 128 ranks replayed), ``suspected`` (ranks flagged but not yet persistent:
    listed in ``pending``, never "healthy"), else ``healthy``.
@@ -85,7 +85,7 @@ import dataclasses
 import re
 import statistics
 import time
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from trainscope.analyzer.attribution import LATE_START, Evidence, RankVerdict, SyncPartners, attribute, evidence_of
 from trainscope.analyzer import sequential
@@ -155,7 +155,8 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     l1 = [f for f in active if f.level == "L1" and f.kind in ("jitter", "regression")]
     places = {r: _places_of(rv) for r, rv in flagged.items()}
     pace = [f for f in active if f.level == "pace"]
-    if any(f.kind == "jitter" for f in l1) and not _scheduler_jitter(l1, pace, resources):
+    host_noise = {k for k in ("jitter", "regression") if _scheduler_noise(l1, pace, resources, k)}
+    if any(f.kind == "jitter" for f in l1) and "jitter" not in host_noise:
         places[JOB] = {"jitter"}          # a job-level jitter must recur too (one spike is not a state)
     if pace:
         places[JOB_PACE] = {"pace"}       # slower than its own pace: must hold too (a checkpoint window)
@@ -257,13 +258,13 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     v.pending.extend(pending)
     v.phases.extend(_places(suspects, active, "phase"))
     v.kernels.extend(_places(suspects, active, "kernel"))
-    v.findings.extend(f.to_pb() for f in _named_only(findings, confirmed | stalled_ranks, pace_held))
+    v.findings.extend(f.to_pb() for f in _named_only(findings, confirmed | stalled_ranks, pace_held, host_noise))
     # step 5: state; step 6: confidence
     made = None if comparisons is None else sum(comparisons.values())
     present, missing = len(resources), _missing_ranks(findings)
     if any(f.kind == "stall" for f in active):
         v.state = STALLED
-    elif suspects or any(f.kind == "regression" for f in l1) or jitter_held or pace_held:
+    elif suspects or jitter_held or pace_held or any(f.kind == "regression" and f.kind not in host_noise for f in l1):
         v.state = DEGRADED
     elif (made == 0 and not pending) or (partial and missing > present):
         v.state = UNKNOWN           # no comparison, or most of the job absent (2 of 128 ranks)
@@ -277,16 +278,22 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
     return v
 
 
-def _scheduler_jitter(l1: Sequence[Finding], pace: Sequence[Finding], resources: Mapping[int, Resource]) -> bool:
-    """Step 3c: in a job timed on the host (CPU ranks), slow single iterations that no rank carries and
-    that leave the window's pace where it was are the host's scheduler, not a state of the job. Such a
-    job's iteration times are heavy-tailed (a rank descheduled for a few time slices adds 20-30 ms to a
-    36 ms step, 7 robust σ: L1's Gaussian bound), and an idle healthy 4-rank job read "degraded" in 1
-    of 12 runs from two such spikes 20 iterations apart. A fault that makes the job lose time shows in
-    its pace or names the rank that carries it."""
+def _scheduler_noise(l1: Sequence[Finding], pace: Sequence[Finding], resources: Mapping[int, Resource],
+                     kind: str) -> bool:
+    """Step 3c: in a job timed on the host (CPU ranks), slow iterations that no rank carries and that
+    leave the window's pace where it was are the host's scheduler, not a state of the job.
+
+    1. Jitter: such a job's iteration times are heavy-tailed (a rank descheduled for a few time slices
+       adds 20-30 ms to a 36 ms step, 7 robust σ: L1's Gaussian bound), and an idle healthy 4-rank job
+       read "degraded" in 1 of 12 runs from two such spikes 20 iterations apart.
+    2. Regression: ARGUS §6.1's level shift (μR/μL ≥ 1.1, each side steady) is tested on the job's
+       recent points only; an idle healthy two-group job stepped from 30 to 34-36 ms for a stretch of
+       iterations with every rank alike, its pace (the whole window against the job's own baseline,
+       ``job_pace``) within its noise, and read "degraded, not localized".
+    A fault that makes the job lose time shows in its pace or names the rank that carries it."""
     if pace or not resources or not cpu_only(resources):
         return False
-    return all(f.kind != "jitter" or not f.suspects for f in l1)
+    return all(f.kind != kind or not f.suspects for f in l1)
 
 
 def _urgent_evidence(rv: RankVerdict) -> bool:
@@ -321,12 +328,18 @@ def _host_evidence(active: Sequence[Finding], evidence: list[Evidence],
     return out
 
 
-def _named_only(findings: Sequence[Finding], named: set[int], pace_held: bool = False) -> list[Finding]:
+def _named_only(findings: Sequence[Finding], named: set[int], pace_held: bool = False,
+                host_noise: Collection[str] = ()) -> list[Finding]:
     """Findings as published: a suspect the verdict does not name (not yet persistent) is moved to
     the evidence's candidates, and a finding left naming nobody is informational (step 3), as is
-    a job slower than its own pace until it held."""
+    a job slower than its own pace until it held, and an L1 finding of a kind step 3c took for the
+    host's scheduler (``host_noise``)."""
     out = []
     for f in findings:
+        if f.level == "L1" and f.kind in host_noise and not f.informational:
+            out.append(dataclasses.replace(f, informational=True, evidence={
+                **f.evidence, "reason": "host scheduler: carried by no rank, the job's pace unchanged"}))
+            continue
         if f.level == "pace" and not f.informational and not pace_held:
             out.append(dataclasses.replace(f, informational=True,
                                            evidence={**f.evidence, "reason": "not yet persistent"}))

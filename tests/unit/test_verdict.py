@@ -566,6 +566,28 @@ def test_a_host_timed_jobs_uncarried_jitter_at_its_pace_is_the_scheduler_and_a_d
     assert run("cpu", True) == "degraded"
 
 
+def test_a_host_timed_jobs_uncarried_iteration_time_step_at_its_pace_is_the_scheduler():
+    """Merge step 3c for L1's regression: an idle healthy two-group gloo job stepped from 30 to 34-36 ms with
+    every rank alike and its pace (``job_pace``) within its noise, and read "degraded, not localized". A CPU
+    job's uncarried regression at its pace makes no state; a GPU job's does, and so does a CPU job's that its
+    pace level saw or that a rank carries."""
+    def state(device, with_pace=False, carrier=()):
+        res = {r: dataclasses.replace(x, device=device) for r, x in resources(4, tp=1).items()}
+        fs = [Finding(level="L1", kind="regression", job_id="j", window=WIN, severity=1.17, job_impact_ns=5 * MS,
+                      suspects=tuple(SuspectRank(r, 1.4, {"own_ratio": 1.4}, impact_ns=5 * MS) for r in carrier),
+                      evidence={"ratio": 1.17, "mean_before_ns": 30 * MS, "mean_after_ns": 35 * MS})]
+        if with_pace:
+            fs.append(Finding(level="pace", kind="job_slowdown", job_id="j", window=WIN, job_impact_ns=5 * MS,
+                              evidence={"slowdown_pct": 17.0, "step_baseline_s": 0.03}))
+        return merge("j", WIN, fs, res, step_ns=35 * MS, persistence=Persistence(2, 3))
+    v = state("cpu")
+    assert v.state == "healthy", v.summary
+    assert [f.informational for f in v.findings if f.level == "L1"] == [True], v.findings
+    assert all(state(*a, **k).state == "degraded" for a, k in (
+        (("cuda:0",), {}), (("cpu",), {"with_pace": True}), (("cpu",), {"carrier": (2,)})))
+
+
+
 def test_a_rank_whose_slow_iteration_its_measured_wait_explains_is_a_waiter_not_the_late_ranks_owner():
     """Attribution step 3: a rank's iteration holds its waits. In a real 4-rank job on a busy host rank 2
     was late to the all-reduce (the collectives level measured ranks 0, 1, 3 waiting ~15-21 ms for it) and
