@@ -17,6 +17,7 @@ only needs ``protobuf`` and ``grpcio`` at run time, never grpcio-tools.
 from __future__ import annotations
 
 import pathlib
+import re
 import shutil
 import sys
 import tempfile
@@ -24,6 +25,23 @@ import tempfile
 HERE = pathlib.Path(__file__).resolve().parent
 #: Source folders under proto/, each generated in place.
 PACKAGES = ("v1", "prompb")
+#: The runtime floor grpc_tools writes into each ``*_grpc.py`` (its own version: 1.85.4's tools write
+#: '1.85.4', and the module then refuses a 1.85.1 runtime that pyproject allows) ...
+_STAMP = re.compile(rb"^GRPC_GENERATED_VERSION = '[^']*'$", re.M)
+
+
+def _grpc_floor() -> bytes:
+    """... is set to the grpcio floor pyproject.toml declares, so the generated code depends on the
+    project's dependencies, not on which patch release of the tools generated it."""
+    m = re.search(r'"grpcio>=([0-9.]+)"', (HERE.parent / "pyproject.toml").read_text())
+    if m is None:
+        raise SystemExit("pyproject.toml declares no grpcio>=X.Y.Z floor")
+    return m.group(1).encode()
+
+
+def _generated(f: pathlib.Path) -> bytes:
+    """A generated file's bytes, its gRPC stamp set to the project's floor."""
+    return _STAMP.sub(b"GRPC_GENERATED_VERSION = '" + _grpc_floor() + b"'", f.read_bytes())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             src = HERE / pkg
             gen = out / "trainscope" / "proto" / pkg
             if check:
-                want = {f.name: f.read_bytes() for f in gen.iterdir()
+                want = {f.name: _generated(f) for f in gen.iterdir()
                         if f.suffix in (".py", ".pyi")
                         and not (f.name.endswith("_grpc.py") and b"Stub" not in f.read_bytes())}
                 have = {f.name: f.read_bytes() for f in src.glob("*_pb2*.py*")}
@@ -75,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 if f.name.endswith("_grpc.py") and "Stub" not in f.read_text():
                     continue
                 if f.suffix in (".py", ".pyi"):
-                    shutil.copy(f, src / f.name)
+                    (src / f.name).write_bytes(_generated(f))
                     print(f"wrote {src / f.name}")
         if stale:
             print("generated code is stale, run `python proto/generate.py`: " + ", ".join(stale),
