@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from support import forkrun
 from support.pipeline import start_processor
 from trainscope.processor.control import ControlConfig
 from trainscope.processor.windows import WindowConfig
@@ -123,8 +124,7 @@ def run_once(tmp: Path):
     job = subprocess.Popen(
         [sys.executable, "-m", "trainscope.deploy.cli", "run", "--processor", proc.address, "--no-processor",
          "--no-stacks", "--run-dir", str(tmp / "run"), "--job-id", "dd", "--",
-         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-         str(train), str(MAX_STEPS), str(HOT_RANK), str(stop)],
+         *forkrun.command(train, str(MAX_STEPS), str(HOT_RANK), str(stop), world=WORLD)],
         env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 60

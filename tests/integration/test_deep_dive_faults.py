@@ -36,6 +36,7 @@ from pathlib import Path
 
 import pytest
 
+from support import forkrun
 from support.pipeline import start_processor
 from trainscope.processor.control import ControlConfig
 from trainscope.processor.windows import WindowConfig
@@ -155,8 +156,7 @@ def run_once(tmp: Path):
     job = subprocess.Popen(
         [sys.executable, "-m", "trainscope.deploy.cli", "run", "--processor", proc.address, "--no-processor",
          "--no-stacks", "--run-dir", str(tmp / "run"), "--job-id", "faults", "--",
-         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-         str(train), str(MAX_STEPS), str(stop), *(f"{r}={f}" for r, f in FAULTS.items())],
+         *forkrun.command(train, str(MAX_STEPS), str(stop), *(f"{r}={f}" for r, f in FAULTS.items()), world=WORLD)],
         env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 90

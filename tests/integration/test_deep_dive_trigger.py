@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from support import forkrun
 from support.pipeline import start_processor
 from trainscope.processor.control import ControlConfig
 from trainscope.processor.windows import WindowConfig
@@ -110,8 +111,7 @@ def run_once(tmp: Path):
     job = subprocess.Popen(
         [sys.executable, "-m", "trainscope.deploy.cli", "run", "--processor", proc.address, "--no-processor",
          "--no-stacks", "--run-dir", str(tmp / "run"), "--job-id", "slows", "--",
-         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-         str(train), str(STEPS), str(SLOW_RANK), str(SLOW_FROM)],
+         *forkrun.command(train, str(STEPS), str(SLOW_RANK), str(SLOW_FROM), world=WORLD)],
         env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = job.communicate(timeout=150)

@@ -1,6 +1,7 @@
 """A real 4-rank PyTorch job (CPU, gloo, 127.0.0.1) under ``trainscope run``, through a real processor.
 
-Each fixture runs ``tests/support/train_small.py`` with torchrun once per
+Each fixture runs ``tests/support/train_small.py`` on torchrun's ranks (forked after one ``import torch``,
+``tests/support/forkrun.py``) once per
 module: without trainscope (the reference result), under ``trainscope run``
 with a live processor and one rank's data loading slowed on purpose (a sleep
 changes no numerics, so the result must still equal the reference), and with
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from support import forkrun
 from support.pipeline import bus_records, start_processor
 from support.ports import free_port
 from trainscope.processor.windows import WindowConfig
@@ -51,8 +53,8 @@ CPU_OPS = "TRAINSCOPE_CPU_OPS=period_s=0.5,window_s=0.05,first_after_s=0"
 
 
 def torchrun(*args: str, world: int = WORLD) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-            str(TRAIN), *args]
+    """torchrun's ranks, forked after one ``import torch`` (tests/support/forkrun.py)."""
+    return forkrun.command(TRAIN, *args, world=world)
 
 
 def clean_env() -> dict:

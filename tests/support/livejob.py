@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from support import forkrun
 from support.pipeline import start_processor
 from trainscope.analyzer.service import Analyzer, AnalyzerConfig
 from trainscope.analyzer.sources import BusSource
@@ -29,8 +30,8 @@ def clean_env() -> dict:
 
 
 def torchrun(*args: str, world: int = 4, script: Path = TRAIN) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-            str(script), *args]
+    """The job's launch: ``torchrun --standalone``'s ranks, forked after one ``import torch`` (forkrun.py)."""
+    return forkrun.command(script, *args, world=world)
 
 
 class LiveJob:
