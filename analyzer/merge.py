@@ -76,7 +76,10 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
    confidence is the share of levels that could compare ranks, lowered when
    ranks are pending.
 7. Ordering among suspects uses the impact smoothed over windows, so the top
-   suspect of a persistent fault does not flip with one window's noise.
+   suspect of a persistent fault does not flip with one window's noise. The
+   verdict's phases and kernels are where its culprits and links are slower
+   (its waiters' only when it names neither): a waiter's place is where it
+   waited (``_places``).
 """
 from __future__ import annotations
 
@@ -622,8 +625,12 @@ def _cause(rv: RankVerdict, host_fn: str | None) -> str:
 
 
 def _places(suspects: list[RankVerdict], findings: list[Finding], what: str) -> list[str]:
-    """Phases (or kernels) where the top suspects are slower, by impact."""
-    top = {rv.rank for rv in suspects[:8]}
+    """Phases (or kernels) where the top culprits and links are slower, by impact: a waiter's place is
+    where it waited for them (a throttled GPU's pipeline neighbours, once persistent too, put their
+    ``pp-recv`` ahead of its own ``backward``), so waiters' places count only in a verdict naming no
+    culprit or link."""
+    causes = [rv for rv in suspects if rv.role in (CULPRIT, LINK)] or suspects
+    top = {rv.rank for rv in causes[:8]}
     best: dict[str, float] = {}
     for f in findings:
         name = f.scope.phase if what == "phase" else f.scope.kernel

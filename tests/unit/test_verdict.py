@@ -608,3 +608,24 @@ def test_a_rank_whose_slow_iteration_its_measured_wait_explains_is_a_waiter_not_
     roles = {s.rank: (s.role, s.waited_for) for s in v.ranks}
     assert [r for r, (role, _) in roles.items() if role == "culprit"] == [2], v.summary
     assert roles[0] == ("waiter", 2), roles
+
+
+def test_the_verdicts_phases_are_where_its_culprit_is_slower_not_where_its_waiters_waited():
+    """Merge step 7 (``_places``): a throttled GPU's tensor- and pipeline-parallel partner, once named a
+    waiter too, waited longer in ``pp-recv`` and its TP all-reduce than the culprit lost in its ``backward``;
+    the verdict listed ``pp-recv`` first (a 16-rank simulation through Kafka read ``pp-recv, backward,
+    pp-send`` in the window its waiters were confirmed, ``backward, self_attention, mlp`` in the others)."""
+    res = resources(16, tp=2, per_host=8)
+
+    def slower(rank, phase, ms, comm=False):
+        return Finding(level="L2", kind="straggler", job_id="j", window=WIN, scope=Scope(phase=phase, group="dp"),
+                       evidence={"communication": comm},
+                       suspects=(SuspectRank(rank, 3.0, {"ratio": 1.5}, impact_ns=ms * MS),))
+    waits = Finding(level="collectives", kind="collective_wait", job_id="j", window=WIN,
+                    scope=Scope(group="collective"), evidence={"communication": True, "waited_for": 13, "seq": 51},
+                    suspects=(SuspectRank(12, 1.0, {}, impact_ns=14 * MS, role="waiter", waited_for=13),))
+    findings = [slower(13, "backward", 8), slower(13, "mlp", 4), slower(12, "tp-allreduce", 12, True),
+                slower(12, "pp-recv", 14, True), waits]
+    v = merge("j", WIN, findings, res, step_ns=100 * MS)
+    assert [(s.rank, s.role) for s in v.ranks] == [(13, "culprit"), (12, "waiter")], v.summary
+    assert list(v.phases) == ["backward", "mlp"], v.phases
