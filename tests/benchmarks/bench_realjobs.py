@@ -85,11 +85,12 @@ GROUP_SCENARIOS = {
 
 def run_job(tmp: pathlib.Path, mode: str, extra: list[str], steps: int):
     if mode == "groups":
-        job = LiveJob(tmp, "bench-groups", command=torchrun("--steps", str(steps), *extra, script=GROUPS),
-                      analyzer_nice=ANALYZER_NICE)
+        # real torchrun, as a user runs it (the tests fork their ranks after one import torch)
+        job = LiveJob(tmp, "bench-groups", command=torchrun("--steps", str(steps), *extra, script=GROUPS,
+                                                            fork=False), analyzer_nice=ANALYZER_NICE)
     else:
         job = LiveJob(tmp, f"bench-{mode}", "--mode", mode, "--steps", str(steps), *extra,
-                      analyzer_nice=ANALYZER_NICE)
+                      analyzer_nice=ANALYZER_NICE, fork=False)
     try:
         out = job.finish(timeout_s=300)
     finally:

@@ -29,16 +29,20 @@ def clean_env() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith("TRAINSCOPE_") and k != "PYTHONPATH"}
 
 
-def torchrun(*args: str, world: int = 4, script: Path = TRAIN) -> list[str]:
-    """The job's launch: ``torchrun --standalone``'s ranks, forked after one ``import torch`` (forkrun.py)."""
-    return forkrun.command(script, *args, world=world)
+def torchrun(*args: str, world: int = 4, script: Path = TRAIN, fork: bool = True) -> list[str]:
+    """The job's launch: ``torchrun --standalone``'s ranks, forked after one ``import torch`` (forkrun.py:
+    the tests), or torchrun itself (``fork=False``: the benchmarks, which measure what a user runs)."""
+    if fork:
+        return forkrun.command(script, *args, world=world)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+            str(script), *args]
 
 
 class LiveJob:
     """A processor, a live analyzer on its bus, and one job under ``trainscope run``."""
 
     def __init__(self, tmp: Path, job_id: str, *args: str, analyzer: AnalyzerConfig | None = None, world: int = 4,
-                 command: list[str] | None = None, analyzer_nice: int = 0,
+                 command: list[str] | None = None, analyzer_nice: int = 0, fork: bool = True,
                  **processor) -> None:
         """``analyzer_nice``: the analyzer thread's niceness. A deployed analyzer runs off the training
         hosts (a central service, deploy/); here it shares the job's cores, and a benchmark that judges
@@ -54,7 +58,7 @@ class LiveJob:
         self._thread.start()
         cmd = [sys.executable, "-m", "trainscope.deploy.cli", "run", "--processor", self.proc.address,
                "--no-processor", "--no-stacks", "--run-dir", str(tmp / "run"), "--job-id", job_id,
-               "--", *(command or torchrun(*args, world=world))]
+               "--", *(command or torchrun(*args, world=world, fork=fork))]
         self.tmp, self.job_id = tmp, job_id
         self.started = time.time()
         self.job = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
