@@ -448,12 +448,16 @@ def _late_start_only(rv: RankVerdict) -> bool:
 
 
 def _wait_in_iteration(rv: RankVerdict, e: Evidence) -> bool:
-    """An L1 finding carried by the rank (its iterations slower than the others') is no work of its own
-    where a finding measured it waiting for another rank at least as long: a rank's iteration holds its
-    waits (a real 4-rank job on a busy host: the rank that waited 21 ms for the late one carried that
-    iteration's spike, and was named its owner and a culprit)."""
-    return e.level == "L1" and any(w.role == WAITER and 0 <= w.waited_for != rv.rank and w.impact_ns >= e.impact_ns
-                                   for w in rv.evidence)
+    """An L1 finding carried by the rank (its iterations slower than the others'), or an L2 phase of its own
+    slower, is no work of its own where a finding measured it waiting for another rank at least as long: a
+    rank's iteration holds its waits (a real 4-rank job on a busy host: the rank that waited 21 ms for the
+    late one carried that iteration's spike, and was named its owner and a culprit), and so does a phase
+    that holds a collective (a real two-group job: rank 0 waited 12.6 ms for its TP partner 1's slower
+    forward in the TP all-reduce inside its own forward, its forward read 0.6 ms an iteration slower than
+    its own history, and that made it the owner of its late arrival to its DP pair and a culprit beside 1).
+    Kernels (L3) are not: a rank's kernels do not hold its waits in another rank's collective."""
+    return e.level in ("L1", "L2") and any(w.role == WAITER and 0 <= w.waited_for != rv.rank
+                                           and w.impact_ns >= e.impact_ns for w in rv.evidence)
 
 
 def _most_waited_for(waits: list[Evidence]) -> int:

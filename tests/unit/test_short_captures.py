@@ -242,3 +242,39 @@ def test_a_rank_late_only_because_it_waited_in_another_group_is_a_waiter():
     assert roles[1][0] == "culprit" and roles[3] == ("waiter", 1), roles
     assert roles[2] == ("waiter", 3) and roles[0] == ("waiter", 1)
     assert [r for r, (role, _) in roles.items() if role in ("culprit", "link")] == [1]
+
+
+def test_a_rank_whose_forward_holds_its_wait_for_its_tp_partner_is_that_partners_waiter():
+    """Attribution step 3 (``_wait_in_iteration``) for a phase: in a real 4-rank two-group job (TP pairs 0-1
+    and 2-3, DP pairs 0-2 and 1-3) rank 1's forward was slower; rank 0 waited 12.6 ms for it in the TP
+    all-reduce inside its own forward, so its forward read 0.6 ms an iteration slower than its own history
+    (L2), and it arrived 9 ms late to its DP pair. That forward was taken for work of its own: rank 0 owned
+    its lateness and was named a culprit beside 1. Its forward holds its measured wait: 1 is the only
+    culprit, 0 and 3 its waiters, 2 a waiter of 0; and a rank slower in its forward than the waits it was
+    measured in stays a culprit."""
+    res = {r: Resource(job_id="j", rank=r, world_size=4, host="h0", coords=coords_for_rank(r, 4, tp=2))
+           for r in range(4)}
+
+    def late(rank, group, ms):
+        return Finding(level="collectives", kind="late_start", job_id="j", window=win(0), scope=Scope(group="collective"),
+                       evidence={"communication": False},
+                       suspects=(SuspectRank(rank, 5.0, {"function": f"late start to allreduce (group {group}, seq 9)"},
+                                             impact_ns=ms * MS, role="culprit"),))
+
+    def wait(rank, for_rank, ms):
+        return Finding(level="collectives", kind="collective_wait", job_id="j", window=win(0),
+                       scope=Scope(group="collective"), evidence={"communication": True},
+                       suspects=(SuspectRank(rank, 1.0, {}, impact_ns=ms * MS, role="waiter", waited_for=for_rank),))
+
+    def forward(rank, ms):
+        return Finding(level="L2", kind="individual_slowdown", job_id="j", window=win(0), scope=Scope(phase="forward"),
+                       suspects=(SuspectRank(rank, 9.3, {"direction": "slower"}, impact_ns=ms * MS),))
+    found = [forward(1, 14), late(1, "tp0", 13), wait(0, 1, 12.6), late(1, "dp1", 13.7), wait(3, 1, 13.7),
+             late(0, "dp0", 9), wait(2, 0, 9)]
+    v = merge("j", win(0), [*found, forward(0, 0.6)], res, step_ns=45 * MS)
+    roles = {s.rank: (s.role, s.waited_for) for s in v.ranks}
+    assert [r for r, (role, _) in roles.items() if role in ("culprit", "link")] == [1], roles
+    assert roles[0] == ("waiter", 1) and roles[3] == ("waiter", 1) and roles[2] == ("waiter", 0), roles
+    # slower in its own forward than every wait it was measured in: work of its own, a culprit
+    both = merge("j", win(0), [*found, forward(0, 20)], res, step_ns=45 * MS)
+    assert {s.rank for s in both.ranks if s.role == "culprit"} == {0, 1}, both.summary
