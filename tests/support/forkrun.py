@@ -50,8 +50,8 @@ def _rank(script: str, args: list[str], rank: int, world: int, port: int) -> Non
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if os.environ.get(DISABLE[0]) == DISABLE[1]:
         del os.environ[DISABLE[0]]
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)             # a rank's own, as a fresh interpreter has them
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     boot = os.environ.get("PYTHONPATH", "").split(os.pathsep)[0]
