@@ -20,6 +20,7 @@ line, ``sys.orig_argv``, stays the launcher's, which ``trainscope run``'s script
 """
 from __future__ import annotations
 
+import importlib
 import os
 import runpy
 import signal
@@ -67,14 +68,13 @@ def _rank(script: str, args: list[str], rank: int, world: int, port: int) -> Non
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 3 or argv[0] != "--nproc-per-node":
-        print("usage: forkrun.py --nproc-per-node N SCRIPT [ARGS...]", file=sys.stderr)
+    if len(argv) < 3 or argv[0] != "--nproc-per-node" or not argv[1].isdigit() or int(argv[1]) < 1:
+        print("usage: forkrun.py --nproc-per-node N SCRIPT [ARGS...] (N ≥ 1)", file=sys.stderr)
         return 2
     world, script, args = int(argv[1]), argv[2], argv[3:]
     if world > 1:                 # as torchrun does, before torch (and its OpenMP runtime) is loaded
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch                  # noqa: F401  the point: once, before the ranks are forked
-    import torch.distributed      # noqa: F401  (pyflakes: the import is the point)
+    importlib.import_module("torch.distributed")   # the point: torch once, before the ranks are forked
     port = _free_port()
     sys.stdout.flush()
     sys.stderr.flush()
