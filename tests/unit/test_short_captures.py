@@ -219,6 +219,21 @@ def test_a_late_start_persists_though_its_collective_sequence_number_changes_eve
     assert "seq 184" in verdicts[1].ranks[0].why                   # the why keeps the collective to look up
 
 
+def late(rank, group, ms):
+    """The collectives level's late start of ``rank`` to an all-reduce of ``group`` (window 0)."""
+    return Finding(level="collectives", kind="late_start", job_id="j", window=win(0), scope=Scope(group="collective"),
+                   evidence={"communication": False},
+                   suspects=(SuspectRank(rank, 5.0, {"function": f"late start to allreduce (group {group}, seq 9)"},
+                                         impact_ns=ms * MS, role="culprit"),))
+
+
+def wait(rank, for_rank, ms):
+    """The collectives level measured ``rank`` waiting ``ms`` for ``for_rank`` (window 0)."""
+    return Finding(level="collectives", kind="collective_wait", job_id="j", window=win(0),
+                   scope=Scope(group="collective"), evidence={"communication": True},
+                   suspects=(SuspectRank(rank, 1.0, {}, impact_ns=ms * MS, role="waiter", waited_for=for_rank),))
+
+
 def test_a_rank_late_only_because_it_waited_in_another_group_is_a_waiter():
     """Two kinds of groups (TP pairs 0-1 and 2-3, DP pairs 0-2 and 1-3): rank 1 sleeps before its DP
     all-reduce, so its DP peer 3 waits for it and then starts its TP all-reduce late, making 2 wait.
@@ -226,16 +241,6 @@ def test_a_rank_late_only_because_it_waited_in_another_group_is_a_waiter():
     res = {r: Resource(job_id="j", rank=r, world_size=4, host="h0", coords=coords_for_rank(r, 4, tp=2))
            for r in range(4)}
 
-    def late(rank, group, ms):
-        return Finding(level="collectives", kind="late_start", job_id="j", window=win(0), scope=Scope(group="collective"),
-                       evidence={"communication": False},
-                       suspects=(SuspectRank(rank, 5.0, {"function": f"late start to allreduce (group {group}, seq 9)"},
-                                             impact_ns=ms * MS, role="culprit"),))
-
-    def wait(rank, for_rank, ms):
-        return Finding(level="collectives", kind="collective_wait", job_id="j", window=win(0),
-                       scope=Scope(group="collective"), evidence={"communication": True},
-                       suspects=(SuspectRank(rank, 1.0, {}, impact_ns=ms * MS, role="waiter", waited_for=for_rank),))
     found = [late(1, "dp1", 28), wait(3, 1, 28), late(3, "tp1", 26), wait(2, 3, 26), late(1, "tp0", 18), wait(0, 1, 18)]
     v = merge("j", win(0), found, res, step_ns=60 * MS)
     roles = {s.rank: (s.role, s.waited_for) for s in v.ranks}
@@ -254,17 +259,6 @@ def test_a_rank_whose_forward_holds_its_wait_for_its_tp_partner_is_that_partners
     measured in stays a culprit."""
     res = {r: Resource(job_id="j", rank=r, world_size=4, host="h0", coords=coords_for_rank(r, 4, tp=2))
            for r in range(4)}
-
-    def late(rank, group, ms):
-        return Finding(level="collectives", kind="late_start", job_id="j", window=win(0), scope=Scope(group="collective"),
-                       evidence={"communication": False},
-                       suspects=(SuspectRank(rank, 5.0, {"function": f"late start to allreduce (group {group}, seq 9)"},
-                                             impact_ns=ms * MS, role="culprit"),))
-
-    def wait(rank, for_rank, ms):
-        return Finding(level="collectives", kind="collective_wait", job_id="j", window=win(0),
-                       scope=Scope(group="collective"), evidence={"communication": True},
-                       suspects=(SuspectRank(rank, 1.0, {}, impact_ns=ms * MS, role="waiter", waited_for=for_rank),))
 
     def forward(rank, ms):
         return Finding(level="L2", kind="individual_slowdown", job_id="j", window=win(0), scope=Scope(phase="forward"),
