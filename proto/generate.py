@@ -39,9 +39,9 @@ def _grpc_floor() -> bytes:
     return m.group(1).encode()
 
 
-def _generated(f: pathlib.Path) -> bytes:
+def _generated(f: pathlib.Path, floor: bytes) -> bytes:
     """A generated file's bytes, its gRPC stamp set to the project's floor."""
-    return _STAMP.sub(b"GRPC_GENERATED_VERSION = '" + _grpc_floor() + b"'", f.read_bytes())
+    return _STAMP.sub(b"GRPC_GENERATED_VERSION = '" + floor + b"'", f.read_bytes())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     import grpc_tools
 
     well_known = pathlib.Path(grpc_tools.__file__).parent / "_proto"
+    floor = _grpc_floor()
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(tmp)
         out = root / "out"
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             src = HERE / pkg
             gen = out / "trainscope" / "proto" / pkg
             if check:
-                want = {f.name: _generated(f) for f in gen.iterdir()
+                want = {f.name: _generated(f, floor) for f in gen.iterdir()
                         if f.suffix in (".py", ".pyi")
                         and not (f.name.endswith("_grpc.py") and b"Stub" not in f.read_bytes())}
                 have = {f.name: f.read_bytes() for f in src.glob("*_pb2*.py*")}
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 if f.name.endswith("_grpc.py") and "Stub" not in f.read_text():
                     continue
                 if f.suffix in (".py", ".pyi"):
-                    (src / f.name).write_bytes(_generated(f))
+                    (src / f.name).write_bytes(_generated(f, floor))
                     print(f"wrote {src / f.name}")
         if stale:
             print("generated code is stale, run `python proto/generate.py`: " + ", ".join(stale),

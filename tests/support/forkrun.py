@@ -20,11 +20,10 @@ line, ``sys.orig_argv``, stays the launcher's, which ``trainscope run``'s script
 """
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import os
 import runpy
 import signal
-import socket
 import sys
 import time
 
@@ -36,12 +35,6 @@ def command(script, *args: str, world: int = 4) -> list[str]:
     """The argv that runs ``script`` on ``world`` ranks through this launcher."""
     return ["env", f"{DISABLE[0]}={DISABLE[1]}", sys.executable, os.path.abspath(__file__),
             "--nproc-per-node", str(world), str(script), *args]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(script: str, args: list[str], rank: int, world: int, port: int) -> None:
@@ -58,7 +51,6 @@ def _rank(script: str, args: list[str], rank: int, world: int, port: int) -> Non
     boot = os.environ.get("PYTHONPATH", "").split(os.pathsep)[0]
     hook = os.path.join(boot, "_trainscope_boot.py")
     if boot and os.path.isfile(hook):       # under trainscope run: its start-up hook, now that this is a rank
-        import importlib.util
         spec = importlib.util.spec_from_file_location("_trainscope_boot", hook)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
@@ -75,7 +67,8 @@ def main(argv: list[str]) -> int:
     if world > 1:                 # as torchrun does, before torch (and its OpenMP runtime) is loaded
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     importlib.import_module("torch.distributed")   # the point: torch once, before the ranks are forked
-    port = _free_port()
+    from ports import free_port      # tests/support/ports.py, beside this script (its folder is first on sys.path)
+    port = free_port()
     sys.stdout.flush()
     sys.stderr.flush()
     kids: dict[int, int] = {}
