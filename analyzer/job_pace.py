@@ -53,12 +53,19 @@ analysed window (NVRx's "individual" score, for the whole job):
    ``degraded`` ("not localized") once it holds in k of the last n windows,
    and only when no rank explains it.
 
-5. What the job lost, flagged or not: d, at least ``rel_floor`` of the step (the
-   resolution of a step; returned by ``analyze_pace``), the most the window's culprits can cost
-   together (``merge._loss_share``). A rank's
-   excess in its own kernels is not the job's loss where the step absorbs it: a
-   degraded NVLink pair priced at 0.4 s/iteration each, ECC retries at 0.3-0.5 s, in
-   simulated jobs that lost 0.04-0.1 s/iteration, under this level's 5 % threshold.
+5. What the job lost, flagged or not (``JobLoss``): the *mean* step now against the
+   mean step of the baseline windows, at least ``rel_floor`` of the step (the
+   resolution of a step), with its z (the same errors as step 3, for a mean): the
+   culprits' price (``merge._loss_share``). The mean, not step 3's median: the job
+   loses every second of an intermittent fault (a 1 s GC pause in one step of ten,
+   congestion on 3 steps of 10), which a median steps over (a simulated job
+   4.7 % slower from GC pauses read 0.04 s/iteration by the median, 0.34 s by the
+   mean). ``bound(before)`` measures it against the baseline windows before
+   ``before`` only: a rank already slow in the baseline's last windows is inside
+   them, and the loss against them is not its price. A rank's excess in its own
+   kernels is not the job's loss where the step absorbs it: a degraded NVLink pair
+   priced at 0.4 s/iteration each, ECC retries at 0.3-0.5 s, in simulated jobs that
+   lost 0.04-0.1 s/iteration, under this level's 5 % threshold.
 
 Assumption: the job's step is stationary while healthy, to within
 ``min_shift`` (a curriculum that lengthens sequences, an evaluation phase
@@ -134,6 +141,35 @@ class Baseline:
         return np.array([float(np.median(w)) for w in self.windows if w.size >= min_steps])
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class JobLoss:
+    """Step 5: what the job lost this window against its own pace, per iteration (ns)."""
+
+    now: np.ndarray                                  # this window's job steps (ns)
+    windows: tuple[tuple[int, np.ndarray], ...]      # the baseline: (window index, its steps), oldest first
+    cfg: PaceConfig
+
+    def bound(self, before: int | None = None) -> tuple[float, float] | None:
+        """(loss ns, its z) against the baseline windows whose index is below ``before`` (all:
+        None); None when they hold under ``min_iterations`` steps. The loss is the difference of
+        the means, floored at ``rel_floor`` of the baseline's median step; z divides the unfloored
+        difference by step 3's error, taken for a mean (the baseline steps' standard deviation
+        σ·√(1/n + 1/m), or the spread of the baseline windows' means where there are
+        ``batch_min_windows`` of them, whichever is larger)."""
+        kept = [w for i, w in self.windows if before is None or i < before]
+        base = np.concatenate(kept) if kept else np.empty(0)
+        if base.size < self.cfg.min_iterations or self.now.size < self.cfg.min_iterations:
+            return None
+        b = float(np.median(base))
+        d = float(self.now.mean() - base.mean())
+        spread = max(float(np.std(base, ddof=1)), self.cfg.rel_floor * b)     # a mean's error: the std
+        se = spread * float(np.sqrt(1 / self.now.size + 1 / base.size))
+        means = np.array([w.mean() for w in kept if w.size >= self.cfg.min_iterations])
+        if means.size >= self.cfg.batch_min_windows:
+            se = max(se, MAD_SIGMA * float(np.median(np.abs(means - np.median(means)))) * np.sqrt(1 + 1 / means.size))
+        return max(d, self.cfg.rel_floor * b), (d / se if se > 0 else 0.0)
+
+
 def job_steps(jw: JobWindow, first_iteration: dict[int, int], warmup: int) -> np.ndarray:
     """Step 1: the median over ranks of each iteration's duration, warm-up left out (ns)."""
     return job_step_series(jw, first_iteration, warmup)[1]
@@ -160,11 +196,11 @@ def job_step_series(jw: JobWindow, first_iteration: dict[int, int], warmup: int)
 
 def analyze_pace(jw: JobWindow, scale: WindowScale, baseline: Baseline, steps: np.ndarray,
                  cfg: PaceConfig = PaceConfig(),
-                 host_timed: bool = False) -> tuple[list[Finding], int, tuple[float, int] | None]:
+                 host_timed: bool = False) -> tuple[list[Finding], int, JobLoss | None]:
     """Steps 2-5 on this window's job steps (``job_steps``); records an unflagged window into the
     baseline. ``host_timed``: the ranks' steps are timed by the host (CPU ranks, step 3). Returns
-    (findings, comparisons made: 1 when the job was judged, step 5's (loss bound ns, the
-    baseline's last window index) when judged, else None)."""
+    (findings, comparisons made: 1 when the job was judged, step 5's ``JobLoss`` when judged,
+    else None)."""
     if steps.size < cfg.min_iterations:
         return [], 0, None
     base = baseline.steps()
@@ -182,7 +218,7 @@ def analyze_pace(jw: JobWindow, scale: WindowScale, baseline: Baseline, steps: n
     d = now - b
     z = d / se if se > 0 else 0.0
     z_star = z_threshold(cfg.false_alarm, 1)
-    loss = (max(d, cfg.rel_floor * b), int(baseline.indices[-1]))     # step 5
+    loss = JobLoss(steps, tuple(zip(baseline.indices, baseline.windows)), cfg)     # step 5
     if not (z >= z_star and d >= cfg.min_shift * b):
         if not (z >= SUSPECT_Z and d >= cfg.min_shift / 2 * b):
             baseline.add(jw.window.index, steps)   # a window already half-way slower stays out of the baseline

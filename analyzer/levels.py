@@ -38,7 +38,7 @@ class WindowContext:
     comparisons: dict[str, int] = dataclasses.field(default_factory=dict)
     reported: set = dataclasses.field(default_factory=set)   # the job's L1 anomalies already reported
     job_state: object = None      # the service's per-job state, for detectors that keep history
-    job_loss: tuple[float, int] | None = None   # JobPace: (loss bound ns, baseline's last window), merge step 5b
+    job_loss: job_pace.JobLoss | None = None   # JobPace: what the job lost (merge step 5b)
 
 
 class Detector(Protocol):

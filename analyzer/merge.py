@@ -66,9 +66,11 @@ Steps (the verdict schema is ARCHITECTURE.md's replay contract):
    made: groups too small and no history yet; or a partial window missing more ranks than it
    holds, such as 2 of 128 ranks replayed), ``suspected`` (ranks flagged but not yet persistent:
    listed in ``pending``, never "healthy"), else ``healthy``.
-5b. Impact is what the job loses: where the pace level measured the job
-   slower than its own healthy pace, the culprits' and links' impacts are
-   scaled down together so that they never exceed that loss.
+5b. Impact is what the job loses: where the pace level measured the job's
+   mean step against its own healthy pace (before the culprits were first
+   flagged), the culprits' and links' impacts are scaled together to that
+   loss: down where they exceed it, up where they fall short of a loss the
+   pace level measured beyond its noise (``_loss_share``).
 6. Confidence in [0, 1]: 0.4 × the margin of the top suspect (or host) over
    the next (1 − next/top impact), + 0.3 × agreement (distinct levels with
    culprit evidence, 2 or more = full), + 0.3 × persistence (share of the
@@ -92,6 +94,7 @@ from typing import Collection, Mapping, Sequence
 
 from trainscope.analyzer.attribution import LATE_START, Evidence, RankVerdict, SyncPartners, attribute, evidence_of
 from trainscope.analyzer import sequential
+from trainscope.analyzer.job_pace import JobLoss
 from trainscope.analyzer.model import CULPRIT, LINK, MISSING, WAITER, Finding, JobWindow
 from trainscope.analyzer.significance import Persistence
 from trainscope.analyzer.topology import cpu_only, group_index
@@ -113,6 +116,9 @@ URGENT_MIN_RANKS = 16
 #: A flag counts toward k of n only when the rank's cost per iteration reaches this many standard errors
 #: of the window's mean step (step 3b).
 COUNT_Z = 2.0
+#: Step 5b: a job loss this many standard errors above its pace is real, and the named culprits'
+#: impacts are scaled up to it (one-sided 0.13 %: a healthy window's mean step rarely moves so far).
+SCALE_UP_Z = 3.0
 
 
 def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
@@ -120,13 +126,13 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
           step_ns: float = 0.0, iterations: Mapping[int, float] | None = None,
           persistence: Persistence | None = None, comparisons: Mapping[str, int] | None = None,
           partial: bool = False, final: bool = False,
-          job_loss: tuple[float, int] | None = None, warmup: bool = False) -> records_pb2.Verdict:
+          job_loss: JobLoss | None = None, warmup: bool = False) -> records_pb2.Verdict:
     """One verdict for one window of one job (module steps 1-7).
 
     ``warmup``: the window holds the job's warm-up iterations (step 3d).
 
-    ``job_loss``: the pace level's bound on what the job lost this window, flagged or not
-    (ns per iteration, and the last window of the baseline it was measured against; step 5b).
+    ``job_loss``: what the job lost this window against its own pace, flagged or not (the pace
+    level's ``JobLoss``; step 5b).
 
     ``comparisons``: per level, how many rank comparisons it could make
     (0 everywhere → ``unknown``); None when not counted (treated as made).
@@ -241,7 +247,7 @@ def merge(job_id: str, window: records_pb2.Window, findings: Sequence[Finding],
         v.switch_name = _shared(suspects, resources, lambda res: res.attributes.get(SWITCH_ATTRIBUTE, ""))
     v.group = _shared_group(suspects, resources, active)
     first = {rv.rank: persistence.since(rv.rank) for rv in suspects} if persistence is not None else {}
-    share = _loss_share(suspects, active, first, job_loss)
+    share = _loss_share(suspects, first, job_loss)
     for rv in suspects:
         res = resources.get(rv.rank)
         # a hung rank costs the whole step (unknown: 0), not its peers' wait (that is in its why)
@@ -537,32 +543,36 @@ def _hang_wait_ns(rv: RankVerdict) -> float:
     return max((e.impact_ns for e in rv.evidence if e.kind == "stall" and e.level == "collectives"), default=0.0)
 
 
-def _loss_share(suspects: list[RankVerdict], active: Sequence[Finding],
-                first: dict[int, int | None] | None = None, job_loss: tuple[float, int] | None = None) -> float:
-    """Step 5b: the factor (≤ 1) that keeps the culprits' and links' impacts together within what the
-    job lost against its own healthy pace, where the pace level measured that loss (a rank the
-    others wait for is priced by their wait, which counts the same lost second once per waiter).
-    A suspect already flagged in the pace baseline's last window (``first``: its first flagged
-    window) was slow inside that baseline: the pace loss is a later change, not its price, and
-    the cap does not apply (a loaded host slowed a job whose data loader had cost 30 ms since
-    its first window by 7 ms more). Where the pace level judged the window without flagging it
-    (``job_loss``: the loss it measured, at least 1 % of the step), that bound caps the impacts too:
-    a kernel's excess the step absorbs is not the job's loss (a degraded NVLink pair priced at
-    0.4 s/iteration each in a simulated job that lost 0.04 s)."""
-    pace = [f for f in active if f.level == "pace" and f.job_impact_ns > 0]
-    if pace:
-        loss = max(f.job_impact_ns for f in pace)
-        last = min(int(f.evidence.get("baseline_last_window", -1)) for f in pace)
-    elif job_loss is not None and job_loss[0] > 0:
-        loss, last = job_loss
-    else:
-        return 1.0
+def _loss_share(suspects: list[RankVerdict], first: dict[int, int | None] | None = None,
+                job_loss: JobLoss | None = None) -> float:
+    """Step 5b: the factor that makes the culprits' and links' impacts together what the job lost
+    against its own healthy pace (``job_pace.JobLoss``, its mean step now against its baseline's).
+
+    1. The baseline is the pace level's windows before the first window that flagged any of them
+       (``first``): a rank already slow there is inside them, and the loss against them is not its
+       price (a loaded host slowed a job whose data loader had cost 30 ms since its first window by
+       7 ms more). Without such windows (flagged from the job's start) their own excess stands.
+    2. More than the loss: scaled down to it. A rank the others wait for is priced by their wait,
+       which counts the same lost second once per waiter; a kernel's excess the step absorbs is not
+       the job's loss (a degraded NVLink pair priced at 0.4 s/iteration each in a simulated job that
+       lost 0.04 s); the eight ranks of a host slow at once cost the job one delay, not eight.
+    3. Less than a loss that is real (z ≥ ``SCALE_UP_Z``): scaled up to it. The named excess is what
+       the evidence measured of it, and a median-based excess steps over an intermittent fault's
+       seconds (a rank's collective 1 s late in one call of a hundred cost its job 11 %; its lateness
+       read a fifth of that); the job's loss is the fault's price when the fault is what was named.
+    """
     priced = [rv for rv in suspects if rv.role in (CULPRIT, LINK) and _hang_wait_ns(rv) <= 0]
-    since = [(first or {}).get(rv.rank) for rv in priced]
-    if any(i is not None and i <= last for i in since):
-        return 1.0
     total = sum(rv.score_ns for rv in priced)
-    return loss / total if total > loss else 1.0
+    if job_loss is None or total <= 0:
+        return 1.0
+    since = [i for i in ((first or {}).get(rv.rank) for rv in priced) if i is not None]
+    measured = job_loss.bound(min(since) if since else None)
+    if measured is None:
+        return 1.0
+    loss, z = measured
+    if total > loss or z >= SCALE_UP_Z:
+        return loss / total
+    return 1.0
 
 
 def _why(rv: RankVerdict, step_ns: float, host_fn: str | None, cost_ns: float) -> str:

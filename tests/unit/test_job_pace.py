@@ -226,7 +226,9 @@ def test_what_the_job_lost_caps_its_culprits_price_flagged_or_not():
     w = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=3, first_iteration=30, last_iteration=39)
     slow = Finding(level="L3", kind="degraded_kernel", job_id="j", window=w, scope=Scope(kernel="nvlink_copy"),
                    suspects=(SuspectRank(5, 9.0, {"direction": "slower", "ratio": 1.5}, impact_ns=400e6),))
-    priced = merge("j", w, [slow], res, step_ns=3e9, job_loss=(40e6, 2))
+    steady = tuple((i, np.full(10, 3e9)) for i in range(3))
+    lost = job_pace.JobLoss(np.full(10, 3.04e9), steady, job_pace.PaceConfig())
+    priced = merge("j", w, [slow], res, step_ns=3e9, job_loss=lost)
     assert [(s.rank, round(s.impact_s, 3)) for s in priced.ranks] == [(5, 0.04)], priced.summary
     alone = merge("j", w, [slow], res, step_ns=3e9)
     assert [(s.rank, round(s.impact_s, 3)) for s in alone.ranks] == [(5, 0.4)]
@@ -236,3 +238,45 @@ def test_what_the_job_lost_caps_its_culprits_price_flagged_or_not():
     base.discard(1)
     base.discard(7)         # never in it: nothing happens
     assert list(base.indices) == [0, 2] and base.steps().size == 20
+
+
+def test_what_the_job_lost_is_its_mean_step_against_the_windows_before_its_culprit_was_flagged():
+    """Step 5: a 1 s pause in one step of ten costs the job 0.1 s/iteration, which the mean counts
+    and a median steps over; measured against the baseline windows before a window (``before``), a
+    slowdown already inside the later baseline windows is not hidden by them."""
+    rng = np.random.default_rng(5)
+    steady = [3e9 * (1 + rng.normal(0, 0.01, 10)) for _ in range(3)]
+    paused = 3e9 * (1 + rng.normal(0, 0.01, 10))
+    paused[4] += 1e9
+    loss = job_pace.JobLoss(paused, tuple(enumerate(steady)), job_pace.PaceConfig())
+    lost, z = loss.bound()
+    assert 0.08e9 < lost < 0.12e9 and z > 3, (lost, z)
+    assert abs(float(np.median(paused) - np.median(np.concatenate(steady)))) < 0.03e9   # what a median reads
+    # the same pause already in baseline window 2: against all three windows the loss reads a third
+    # less; against the windows before 2 it is the whole pause again
+    inside = (steady[0], steady[1], steady[2] + np.r_[1e9, np.zeros(9)])
+    later = job_pace.JobLoss(paused, tuple(enumerate(inside)), job_pace.PaceConfig())
+    assert later.bound()[0] < 0.08e9 < later.bound(before=2)[0]
+    assert later.bound(before=0) is None              # no baseline window before the first
+
+
+def test_a_real_job_loss_beyond_its_named_excess_is_the_culprits_price():
+    """Merge step 5b, up: a rank flagged for 20 ms/iteration of lateness in a window whose mean step
+    is 100 ms over the job's steady pace (many standard errors) is priced at the job's 100 ms; the
+    same excess in a window whose loss is within the job's noise keeps its own 20 ms."""
+    from trainscope.analyzer.model import Finding, Scope, SuspectRank
+    res = {r: Resource(job_id="j", rank=r, world_size=8, host="h0", device=f"cuda:{r}",
+                       coords=coords_for_rank(r, 8, tp=1, pp=1)) for r in range(8)}
+    w = records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=3, first_iteration=30, last_iteration=39)
+    late = Finding(level="L2", kind="individual_slowdown", job_id="j", window=w, scope=Scope(phase="forward"),
+                   suspects=(SuspectRank(5, 9.0, {"direction": "slower", "ratio": 1.2}, impact_ns=20e6),))
+    rng = np.random.default_rng(11)
+    steady = tuple((i, 3e9 * (1 + rng.normal(0, 0.005, 10))) for i in range(3))
+    real = job_pace.JobLoss(3.1e9 * (1 + rng.normal(0, 0.005, 10)), steady, job_pace.PaceConfig())
+    priced = merge("j", w, [late], res, step_ns=3e9, job_loss=real)
+    assert [s.rank for s in priced.ranks] == [5] and 0.09 < priced.ranks[0].impact_s < 0.11, priced.summary
+    noisy = tuple((i, 3e9 * (1 + rng.normal(0, 0.08, 10))) for i in range(3))
+    unsure = job_pace.JobLoss(3.05e9 * (1 + rng.normal(0, 0.08, 10)), noisy, job_pace.PaceConfig())
+    assert unsure.bound()[1] < 3
+    kept = merge("j", w, [late], res, step_ns=3e9, job_loss=unsure)
+    assert [(s.rank, round(s.impact_s, 3)) for s in kept.ranks] == [(5, 0.02)], kept.summary

@@ -3,7 +3,10 @@ the replay's window for a short capture (``deploy/replay.capture_window``), the 
 "suspected" for ranks flagged but not yet persistent, "unknown" when most ranks are absent, a
 one-window capture not naming an iteration-time spike, and a group finding naming only its
 members above the impact floor (analyzer/merge.py, analyzer/impact.py)."""
+import numpy as np
+
 from trainscope.analyzer.impact import ImpactConfig, WindowScale, apply_floor
+from trainscope.analyzer.job_pace import JobLoss, PaceConfig
 from trainscope.analyzer.merge import merge, merge_windows
 from trainscope.analyzer.model import Finding, Scope, SuspectRank
 from trainscope.analyzer.significance import Persistence
@@ -116,44 +119,39 @@ def test_a_group_finding_names_only_its_members_above_the_floor():
 
 def test_culprits_impacts_never_exceed_what_the_job_lost_against_its_own_pace():
     """Issue #22 item 5: a rank the others wait for is priced by their wait; where the pace level
-    measured the job's loss (here 20 ms/iteration), the culprits together are scaled to it."""
+    measured the job's loss (here 20 ms/iteration: a 120 ms step against its 100 ms pace), the
+    culprits together are scaled to it."""
     res = resources()
-    slow = Finding(level="L3", kind="degraded_kernels", job_id="j", window=win(0), scope=Scope(kernel="[compute]"),
+    slow = Finding(level="L3", kind="degraded_kernels", job_id="j", window=win(3), scope=Scope(kernel="[compute]"),
                    suspects=(SuspectRank(5, 1.0, {"direction": "slower"}, impact_ns=60 * MS),
                              SuspectRank(9, 1.0, {"direction": "slower"}, impact_ns=20 * MS)))
-    pace = Finding(level="pace", kind="job_slowdown", job_id="j", window=win(0), scope=Scope(group="job"),
-                   job_impact_ns=20 * MS, comparison="own_pace",
-                   evidence={"slowdown_pct": 20.0, "step_baseline_s": 0.1})
-    v = merge("j", win(0), [slow, pace], res, step_ns=120 * MS)
+    lost = JobLoss(np.full(10, 120 * MS), tuple((i, np.full(10, 100 * MS)) for i in range(3)), PaceConfig())
+    v = merge("j", win(3), [slow], res, step_ns=120 * MS, job_loss=lost)
     culprits = {s.rank: s.impact_s for s in v.ranks if s.role == "culprit"}
     assert set(culprits) == {5, 9} and sum(culprits.values()) <= 0.020 + 1e-12
     assert culprits[5] == 3 * culprits[9]                          # the ranking is kept
     assert "15 ms/iteration" in v.ranks[0].why                      # the why says the scaled cost
-    alone = merge("j", win(0), [slow], res, step_ns=120 * MS)       # no measured loss: as measured
+    alone = merge("j", win(3), [slow], res, step_ns=120 * MS)       # no measured loss: as measured
     assert {s.rank: round(s.impact_s, 6) for s in alone.ranks} == {5: 0.06, 9: 0.02}
 
 
 def test_a_rank_already_slow_inside_the_pace_baseline_keeps_its_own_price():
     """A data loader that cost rank 5 60 ms/iteration from window 0 was inside the job's pace
-    baseline (window 1); a busy host then slowed the job 7 ms more (window 2). That 7 ms is a
-    later change, not rank 5's price: its impact stays 60 ms. A rank first flagged after the
-    baseline is still scaled to the loss."""
+    baseline (windows 0 and 1); a busy host then slowed the job 7 ms more (window 2). That 7 ms is
+    a later change, not rank 5's price: with no baseline window before its first flag, its impact
+    stays 60 ms. A rank first flagged after the baseline is still scaled to the loss."""
     res, p = resources(), Persistence(1, 1)
 
     def slow(index):
         return Finding(level="L2", kind="straggler", job_id="j", window=win(index), scope=Scope(phase="dataloader"),
                        suspects=(SuspectRank(5, 1.0, {"direction": "slower"}, impact_ns=60 * MS),))
-
-    def pace(index, last):
-        return Finding(level="pace", kind="job_slowdown", job_id="j", window=win(index), scope=Scope(group="job"),
-                       job_impact_ns=7 * MS, comparison="own_pace",
-                       evidence={"slowdown_pct": 4.0, "step_baseline_s": 0.16, "baseline_last_window": last})
+    lost = JobLoss(np.full(10, 167 * MS), tuple((i, np.full(10, 160 * MS)) for i in range(2)), PaceConfig())
     for i in range(2):
         merge("j", win(i), [slow(i)], res, step_ns=160 * MS, persistence=p)
-    v = merge("j", win(2), [slow(2), pace(2, 1)], res, step_ns=167 * MS, persistence=p)
+    v = merge("j", win(2), [slow(2)], res, step_ns=167 * MS, persistence=p, job_loss=lost)
     assert [(s.rank, round(s.impact_s, 6)) for s in v.ranks] == [(5, 0.06)]
     fresh = Persistence(1, 1)                                # first flagged after the baseline: scaled
-    w = merge("j", win(2), [slow(2), pace(2, 1)], res, step_ns=167 * MS, persistence=fresh)
+    w = merge("j", win(2), [slow(2)], res, step_ns=167 * MS, persistence=fresh, job_loss=lost)
     assert [(s.rank, round(s.impact_s, 6)) for s in w.ranks] == [(5, 0.007)]
 
 
