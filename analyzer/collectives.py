@@ -64,6 +64,17 @@ member, clock-free:
    the binomial tail P(X >= k; n, 1/m) at most ``last_alpha`` / (m x positions),
    is a culprit too, where it synchronises only in that group (as 3b); its
    impact is those latenesses per iteration.
+3f. Consistently last over windows: host contention on one rank's core (three
+   busy processes beside it) made it last, by about 10 ms of a 48 ms step, to
+   7 of 10 plain all-reduces of most windows: under 3d's bar in any one window
+   (P(X >= 7; 10, 1/4) = 0.0035), the job 20 % slower and named nobody. The
+   evidence accumulates: per group and position, the last entrant (by at least
+   ``min_late_ms``) of each of the group's last ``last_pool_iterations`` judged
+   iterations, across windows, goes through 3d's test (the same bar, the same
+   members x positions); a rank passing it, where 3d did not name it, is a
+   culprit when it is also last in this window more often than chance (at
+   least n/m of its n iterations: the pool's evidence is still current); its
+   impact is this window's latenesses per iteration.
 3e. The late member of a pair on a busy host: 3d needs three members (in a pair
    either one is last by chance), and beside a busy process the pair's
    collective slows as 3d says, so a member 15 ms late every step is under
@@ -234,6 +245,9 @@ class CollectivesConfig:
     last_alpha: float = 1e-2
     """Step 3d: false-alarm rate of "last to the same collective by chance" per group and window
     (split over its members x positions, Bonferroni)."""
+    last_pool_iterations: int = 30
+    """Step 3f: judged iterations per group and position whose last entrants 3d's test reads across
+    windows (0: off)."""
     slow_factor: float = 3.0
     """Step 4: transfer time against the group's own earlier median, same op and size class."""
     max_seqs_per_group: int = 4096
@@ -273,6 +287,9 @@ class CollectivesConfig:
             raise ConfigError("analyzer.collectives.min_share", self.min_share, "must be in (0, 1]")
         if not 0 < self.last_alpha < 1:
             raise ConfigError("analyzer.collectives.last_alpha", self.last_alpha, "must be in (0, 1)")
+        if not (isinstance(self.last_pool_iterations, int) and 0 <= self.last_pool_iterations <= 10_000):
+            raise ConfigError("analyzer.collectives.last_pool_iterations", self.last_pool_iterations,
+                              "must be an integer in [0, 10000]")
         if not 0 < self.host_dominance <= 1:
             raise ConfigError("analyzer.collectives.host_dominance", self.host_dominance, "must be in (0, 1]")
         for f in ("min_collectives", "max_seqs_per_group", "max_groups", "max_step_flows", "host_min_clean",
@@ -314,7 +331,7 @@ class StepColumns:
 
 
 class _Group:
-    __slots__ = ("members", "seqs", "judged", "transfer_hist", "reported_hang", "states", "n_states")
+    __slots__ = ("members", "seqs", "judged", "transfer_hist", "reported_hang", "states", "n_states", "last_pool")
 
     def __init__(self, members: tuple[int, ...]) -> None:
         self.members = members
@@ -327,6 +344,9 @@ class _Group:
         # step 5b: seq -> (rank, channel) -> the newest state as a channel_states.FIELDS tuple
         self.states: dict[int, dict[tuple[int, int], tuple]] = {}
         self.n_states = 0
+        # step 3f: position -> the last entrant of each recent judged iteration there (-1: nobody by
+        # min_late_ms); bounded by CollectivesConfig.last_pool_iterations
+        self.last_pool: dict[int, collections.deque] = {}
 
     def forget(self, seq: int) -> None:
         """A seq leaves ``seqs`` (judged, or the oldest over the bound): its channel states go with it."""
@@ -547,6 +567,9 @@ class CollectiveState:
                     per_position[position] += 1
                     if len(members) == 2:
                         paired[position].append((lateness if i == 0 else -lateness, s))
+                    if len(members) >= 3 and cfg.last_pool_iterations:
+                        grp.last_pool.setdefault(position, collections.deque(maxlen=cfg.last_pool_iterations)) \
+                            .append(ranks[i] if lateness >= cfg.min_late_ms * 1e6 else -1)
                     if len(members) >= 3 and lateness >= cfg.min_late_ms * 1e6:
                         last_at[(ranks[i], position)].append((it_now, lateness, s))
                         for j, m in enumerate(ranks):
@@ -608,6 +631,18 @@ class CollectiveState:
                                               last_waits[(r, pos)], iterations,
                                               {"consistently_last": True, "position": pos, "last_iterations": k,
                                                "iterations": n, "p_value": float(f"{p:.3g}")})
+                    found = True
+                    named.add(r)
+            if len(members) >= 3 and len(basis_its) >= cfg.min_collectives:
+                # step 3f: 3d's test over the group's recent iterations, across windows
+                for r, pos, k, n, p in self._last_over_windows(grp, gid, per_position, last_at, named):
+                    now = last_at[(r, pos)]
+                    first = min(now, key=lambda e: e[2])
+                    out += self._late_finding(job_id, window, gid, grp, r, [e[1] for e in now], len(basis),
+                                              med_transfer, (first[2], grp.seqs[first[2]][r][0]),
+                                              last_waits[(r, pos)], iterations,
+                                              {"consistently_last": True, "accumulated": True, "position": pos,
+                                               "last_iterations": k, "iterations": n, "p_value": float(f"{p:.3g}")})
                     found = True
                     named.add(r)
             if len(members) == 2 and len(basis_its) >= cfg.min_collectives:
@@ -685,6 +720,24 @@ class CollectiveState:
                                                         cfg.waiting_graph, step_ns)
                     if not named & {s.rank for s in f.suspects}]
         return self.state_evidence(out) if self.samples else out
+
+    def _last_over_windows(self, grp: _Group, gid: str, per_position, last_at, named: set[int]):
+        """Step 3f: (rank, position, k, n, p) for each rank last at a position in k of the pool's n
+        iterations by more than chance allows (3d's bar), where the pool holds more than this window and
+        the rank is last in this window at least n_window/m times."""
+        cfg, m = self.config, len(grp.members)
+        tests = m * max(len(per_position), 1)
+        for pos, pool in sorted(grp.last_pool.items()):
+            n = len(pool)
+            if pos not in per_position or n <= per_position[pos]:
+                continue     # nothing beyond this window: 3d's own
+            for r, k in collections.Counter(x for x in pool if x >= 0).most_common():
+                now = len(last_at.get((r, pos), ()))
+                if r in named or k < cfg.min_share * n or now * m < per_position[pos] or now == 0:
+                    continue
+                p = _binomial_tail(k, n, 1.0 / m)
+                if p <= cfg.last_alpha / tests and self._synchronises_only_in(r, gid):
+                    yield r, pos, k, n, p
 
     def _synchronises_only_in(self, rank: int, gid: str) -> bool:
         """Step 3b: ``gid`` is the only group of two or more that ``rank`` synchronises in, and it is

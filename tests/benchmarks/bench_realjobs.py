@@ -1,6 +1,6 @@
 """Verdicts on real PyTorch jobs: plain all-reduce, DDP and FSDP2 on gloo, healthy and with one fault each.
 
-    python tests/benchmarks/bench_realjobs.py [--modes plain ddp fsdp groups] [--seeds 1] [--busy] [--only late]
+    python tests/benchmarks/bench_realjobs.py [--modes plain ddp fsdp groups] [--seeds 1] [--busy] [--only late hang]
         [--record DIR]
     python tests/benchmarks/bench_realjobs.py --reanalyze DIR
 
@@ -22,7 +22,15 @@ not take the job's cores), ``--steps`` steps. Faults on one rank from step 10 on
 - ``intermittent stall``: a 300 ms sleep there one step in five;
 - ``data loader``: a sleep before each batch;
 - ``between layers``: a sleep between the first and second layer's forward
-  (FSDP2: before the second layer's all-gather).
+  (FSDP2: before the second layer's all-gather);
+- ``host contention``: the rank shares one core with a busy process of its own
+  priority (a neighbour's process on a shared host);
+- ``hang``: the rank stops before its gradient collectives at step 40; the job is
+  right once a ``stalled`` verdict names it (the row gives the seconds from its
+  stop to that verdict), then it is killed;
+
+and a healthy job whose ranks load batches in 2 worker processes each
+(``healthy workers``, the common ``DataLoader(num_workers=2)``),
 
 and the two-group job (``tests/support/train_groups.py``: tensor-parallel pairs
 all-reducing activations inside the forward, data-parallel pairs all-reducing
@@ -69,7 +77,12 @@ SCENARIOS = {
     "intermittent stall": ["--late-rank", str(RANK), "--late-s", "0.3", "--late-from", "10", "--late-every", "5"],
     "data loader": ["--loader-rank", str(RANK), "--loader-ms", "30"],
     "between layers": ["--layer-delay-rank", str(RANK), "--layer-delay-ms", "20"],
+    "host contention": ["--contend-rank", str(RANK)],
+    "hang": ["--hang-rank", str(RANK), "--hang-from", "40"],
+    "healthy workers": ["--loader-workers", "2"],
 }
+#: Seconds a hung job is watched for its stalled verdict (the analyzer's hang timeout is 15 s).
+HANG_WATCH_S = 120
 
 
 #: The two-group job (``tests/support/train_groups.py``): TP pairs (0, 1), (2, 3) inside the forward,
@@ -83,7 +96,15 @@ GROUP_SCENARIOS = {
 }
 
 
+def healthy(name: str) -> bool:
+    return name.startswith("healthy")
+
+
 def run_job(tmp: pathlib.Path, mode: str, extra: list[str], steps: int):
+    """(the job, its output or None for a hang, seconds from the hang to the stalled verdict naming it)."""
+    hang_file = tmp / "hang.txt"
+    if "--hang-rank" in extra:
+        extra = [*extra, "--hang-file", str(hang_file)]
     if mode == "groups":
         # real torchrun, as a user runs it (the tests fork their ranks after one import torch)
         job = LiveJob(tmp, "bench-groups", command=torchrun("--steps", str(steps), *extra, script=GROUPS,
@@ -91,11 +112,19 @@ def run_job(tmp: pathlib.Path, mode: str, extra: list[str], steps: int):
     else:
         job = LiveJob(tmp, f"bench-{mode}", "--mode", mode, "--steps", str(steps), *extra,
                       analyzer_nice=ANALYZER_NICE, fork=False)
+    latency = None
     try:
-        out = job.finish(timeout_s=300)
+        if "--hang-rank" in extra:
+            out = None
+            named, at = job.wait_for(lambda v: v.state == "stalled" and v.ranks and v.ranks[0].rank == RANK,
+                                     HANG_WATCH_S)
+            if named is not None and hang_file.exists():
+                latency = at - float(hang_file.read_text())
+        else:
+            out = job.finish(timeout_s=300)
     finally:
         job.close()
-    return job, out
+    return job, out, latency
 
 
 def save_bus(bus: EmbeddedBus, path: pathlib.Path) -> None:
@@ -157,7 +186,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=1, help="runs of each job (default 1)")
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--busy", action="store_true", help="a CPU-hungry process beside every job")
-    ap.add_argument("--only", default="", help="scenarios whose name contains this")
+    ap.add_argument("--only", nargs="*", default=[], help="scenarios whose name contains one of these")
     ap.add_argument("--record", type=pathlib.Path, help="keep each job's bus records in this folder")
     ap.add_argument("--reanalyze", type=pathlib.Path, help="judge the jobs recorded in this folder again")
     args = ap.parse_args(argv)
@@ -173,20 +202,21 @@ def main(argv=None) -> int:
         for seed in range(args.seeds):
             for mode in args.modes:
                 for name, extra in (GROUP_SCENARIOS if mode == "groups" else SCENARIOS).items():
-                    if args.only and args.only not in name:
+                    if args.only and not any(o in name for o in args.only):
                         continue
                     t0 = time.perf_counter()
                     with tempfile.TemporaryDirectory() as tmp:
-                        job, out = run_job(pathlib.Path(tmp), mode, extra, args.steps)
+                        job, out, hang_s = run_job(pathlib.Path(tmp), mode, extra, args.steps)
                     if args.record:
                         save_bus(job.proc.bus, args.record / f"{mode}-{name.replace(' ', '_')}-{seed}.bus")
                     v = merge_windows(job.seen())
-                    ok = judge(v, bool(extra), GROUP_RANK if mode == "groups" else RANK)
+                    ok = judge(v, not healthy(name), GROUP_RANK if mode == "groups" else RANK)
                     rows.append((mode, name, ok, job.job.returncode, bool(v and v.ranks)))
                     named = ",".join(f"{s.rank}{s.role[0]}" for s in v.ranks[:6]) if v else ""
+                    hang = "" if hang_s is None else f"  named {hang_s:.1f} s after it stopped"
                     print(f"{'ok' if ok else 'WRONG':>5}  {mode:<5} {name:<19} seed {seed}  "
                           f"{(v.state if v else 'none'):<10} named [{named}]  exit {job.job.returncode}  "
-                          f"{time.perf_counter() - t0:5.1f} s", flush=True)
+                          f"{time.perf_counter() - t0:5.1f} s{hang}", flush=True)
                     if not ok and v is not None:
                         report(v, job.seen())
     finally:
@@ -203,14 +233,14 @@ def report(v, windows) -> None:
 
 
 def totals(rows, where: str) -> None:
-    faulty = [ok for _, n, ok, _, _ in rows if n != "healthy"]
-    healthy = [ok for _, n, ok, _, _ in rows if n == "healthy"]
-    nobody = [not named for _, n, _, _, named in rows if n == "healthy"]
+    faulty = [ok for _, n, ok, _, _ in rows if not healthy(n)]
+    clean = [ok for _, n, ok, _, _ in rows if healthy(n)]
+    nobody = [not named for _, n, _, _, named in rows if healthy(n)]
     print(f"{where}: faulty right (top-1, nobody else blamed) {sum(faulty)}/{len(faulty)}; healthy: named "
-          f"nobody {sum(nobody)}/{len(nobody)}, state healthy {sum(healthy)}/{len(healthy)}")
+          f"nobody {sum(nobody)}/{len(nobody)}, state healthy {sum(clean)}/{len(clean)}")
 
 
-def replay_all(folder: pathlib.Path, only: str) -> int:
+def replay_all(folder: pathlib.Path, only: list[str]) -> int:
     files = sorted(folder.glob("*.bus"))
     if not files:
         print(f"bench_realjobs: no recorded jobs (*.bus) in {folder}; record some with --record {folder}",
@@ -224,7 +254,7 @@ def replay_all(folder: pathlib.Path, only: str) -> int:
             continue
         mode, name, seed = parts
         name = name.replace("_", " ")
-        if only and only not in name:
+        if only and not any(o in name for o in only):
             continue
         try:
             windows = reanalyze(f)
@@ -233,7 +263,7 @@ def replay_all(folder: pathlib.Path, only: str) -> int:
                   file=sys.stderr)
             continue
         v = merge_windows(windows)
-        ok = judge(v, name != "healthy", GROUP_RANK if mode == "groups" else RANK)
+        ok = judge(v, not healthy(name), GROUP_RANK if mode == "groups" else RANK)
         rows.append((mode, name, ok, 0, bool(v and v.ranks)))
         named = ",".join(f"{s.rank}{s.role[0]}" for s in v.ranks[:6]) if v else ""
         print(f"{'ok' if ok else 'WRONG':>5}  {mode:<5} {name:<19} seed {seed}  "

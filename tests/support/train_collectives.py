@@ -21,10 +21,18 @@ optimizer step. Faults, on one rank, from one step on:
   --layer-delay-ms M``: rank R sleeps M ms between its first and second
   layer's forward (``between_layers``; FSDP2: before the second layer's
   all-gather);
+* ``--contend-rank R``: from ``--fault-from`` on, rank R shares one core with
+  ``--contend-procs`` busy processes of the same priority (``contend``: it pins
+  itself and them to its last allowed CPU, as a neighbour's processes on a
+  shared host; one alone costs this mostly sleeping rank nothing, three
+  about 25 ms of its 40 ms step);
 * ``--hang-rank R --hang-from N``: rank R stops between forward and backward of
   step N, so it never enters that step's gradient collectives (plain, DDP: the
   all-reduce; FSDP2: the first all-gather of its backward) and sleeps until
   killed; ``--hang-file F`` gets the wall time (seconds) at which it stopped.
+
+``--loader-workers N`` loads batches in N worker processes per rank
+(``DataLoader(num_workers=N)``, the common setup; default 0: in the rank).
 
 ``--flight-recorder N`` sizes torch's Flight Recorder to N entries
 (``TORCH_FR_BUFFER_SIZE``, set before the process group is created; torch
@@ -39,6 +47,8 @@ import argparse
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -70,6 +80,19 @@ def load_batch(ms: float) -> None:
     time.sleep(ms / 1e3)
 
 
+def contend(n: int) -> list[subprocess.Popen]:
+    """Host contention on this rank (``--contend-rank``): this process and ``n`` busy ones share one
+    core, at the same priority; the busy ones end when this process does (they watch their parent)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return []
+    cpu = max(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpu})
+    spin = ("import os, sys\nparent = int(sys.argv[1])\nos.sched_setaffinity(0, {int(sys.argv[2])})\n"
+            "while os.getppid() == parent:\n    sum(range(100_000))\n")
+    # -I -S: no site hooks and no environment (nothing of the job it runs beside)
+    return [subprocess.Popen([sys.executable, "-I", "-S", "-c", spin, str(os.getpid()), str(cpu)]) for _ in range(n)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=("plain", "ddp", "fsdp"), default="plain")
@@ -87,6 +110,10 @@ def main() -> int:
     ap.add_argument("--layer-delay-ms", type=float, default=0.0)
     ap.add_argument("--fault-from", type=int, default=10,
                     help="first step of --slow-rank / --loader-rank / --layer-delay-rank")
+    ap.add_argument("--contend-rank", type=int, default=-1,
+                    help="this rank shares its core with a busy process from --fault-from on")
+    ap.add_argument("--contend-procs", type=int, default=3, help="busy processes on --contend-rank's core")
+    ap.add_argument("--loader-workers", type=int, default=0, help="data-loader worker processes per rank")
     ap.add_argument("--hang-rank", type=int, default=-1)
     ap.add_argument("--hang-from", type=int, default=0)
     ap.add_argument("--hang-file", default="")
@@ -116,9 +143,12 @@ def main() -> int:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(100 + rank)
     data = TensorDataset(torch.randn(a.steps * 32, 64, generator=g), torch.randn(a.steps * 32, 8, generator=g))
-    loader = DataLoader(data, batch_size=32)
+    loader = DataLoader(data, batch_size=32, num_workers=a.loader_workers)
+    hogs: list[subprocess.Popen] = []
     for step, (x, y) in enumerate(loader):
         opt.zero_grad()
+        if rank == a.contend_rank and step == a.fault_from:
+            hogs = contend(a.contend_procs)
         if rank == a.loader_rank and step >= a.fault_from:
             load_batch(a.loader_ms)
         out = model(x)
@@ -156,6 +186,8 @@ def main() -> int:
             json.dump({"params": h.hexdigest(), "loss": loss.item()}, f)
     dist.barrier()
     dist.destroy_process_group()
+    for hog in hogs:
+        hog.kill()
     return 0
 
 

@@ -18,17 +18,19 @@ W = records_pb2.Window(index=0)
 
 
 def job_batches(ranks=4, steps=20, late_rank=None, late_ms=0.0, late_from=0, hang_rank=None, hang_at=None,
-                seed=0, transfer_ms=1.0, step_ms=50.0, late_every=1, noise_ms=0.5):
+                seed=0, transfer_ms=1.0, step_ms=50.0, late_every=1, noise_ms=0.5, late_steps=None):
     """Per rank: one CollectiveBatch of an all-reduce per step. Each rank enters after its own compute
     (50 ms +- noise); the collective ends transfer_ms after the last member entered, on every member.
-    ``hang_rank`` never enters step ``hang_at``: the others stay in flight (state records)."""
+    ``hang_rank`` never enters step ``hang_at``: the others stay in flight (state records).
+    ``late_steps``: the steps ``late_rank`` is late to (instead of ``late_from``/``late_every``)."""
     rng = np.random.default_rng(seed)
     recs = {r: [] for r in range(ranks)}
     t = T0
     now = {}
     for step in range(steps):
         enter = {r: t + int((step_ms + rng.normal(0, noise_ms)) * MS) for r in range(ranks)}
-        if late_rank is not None and step >= late_from and (step - late_from) % late_every == 0:
+        if late_rank is not None and (step in late_steps if late_steps is not None
+                                      else step >= late_from and (step - late_from) % late_every == 0):
             enter[late_rank] += int(late_ms * MS)
         if hang_at is not None and step == hang_at:
             for r in range(ranks):
@@ -168,6 +170,39 @@ def test_a_rank_last_to_every_collective_on_a_busy_host_is_named():
     for seed in range(20):
         st = state_of(job_batches(seed=seed, **busy))
         assert [f for f in st.late_starts("j", W, {r: 10.0 for r in range(4)}, 65 * MS) if not f.informational] == []
+
+
+def iteration_windows(n: int, per: int = 10) -> list[records_pb2.Window]:
+    return [records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=i, first_iteration=i * per,
+                               last_iteration=(i + 1) * per - 1) for i in range(n)]
+
+
+def test_a_rank_last_more_often_than_chance_over_windows_is_named_once_its_evidence_adds_up():
+    """Step 3f (issue #22, host contention on one rank's core): rank 2 is 12 ms late to 6 of every 10
+    all-reduces on a busy host (entries +-3 ms, the all-reduce 10 ms), last to about 7 of each window's
+    10: under step 3d's bar in one window, far over it in three. It is named from the window its
+    evidence crosses the bar, with its waiters; healthy busy jobs over the same windows name nobody,
+    and with the pool off (``last_pool_iterations`` 0) the windows judge alone, as before."""
+    busy = dict(transfer_ms=10.0, noise_ms=3.0, steps=40)
+    late = {s for s in range(40) if s % 10 in (0, 1, 3, 5, 6, 8)}
+    windows = iteration_windows(4)
+
+    def named(st):
+        return [[s.rank for f in st.late_starts("j", w, {r: 10.0 for r in range(4)}, 65 * MS)
+                 if f.kind == "late_start" and not f.informational for s in f.suspects] for w in windows]
+    hits = named(state_of(job_batches(late_rank=2, late_ms=12, late_steps=late, **busy)))
+    assert hits == [[], [2], [2], [2]], hits
+    alone = named(state_of(job_batches(late_rank=2, late_ms=12, late_steps=late, **busy), last_pool_iterations=0))
+    assert alone == [[]] * 4, alone
+    st = state_of(job_batches(late_rank=2, late_ms=12, late_steps=late, **busy))
+    found = [st.late_starts("j", w, {r: 10.0 for r in range(4)}, 65 * MS) for w in windows][-1]
+    (culprit,) = [f for f in found if f.kind == "late_start"]
+    (s,) = culprit.suspects
+    assert s.evidence["accumulated"] and s.evidence["iterations"] == 30 and s.evidence["last_iterations"] >= 15
+    (waiters,) = [f for f in found if f.kind == "collective_wait"]
+    assert sorted(w.rank for w in waiters.suspects) == [0, 1, 3] and all(w.waited_for == 2 for w in waiters.suspects)
+    for seed in range(20):
+        assert named(state_of(job_batches(seed=seed, **busy))) == [[]] * 4, seed
 
 
 def test_the_late_member_of_a_pair_on_a_busy_host_is_named_by_its_signed_ranks():
