@@ -64,17 +64,25 @@ member, clock-free:
    the binomial tail P(X >= k; n, 1/m) at most ``last_alpha`` / (m x positions),
    is a culprit too, where it synchronises only in that group (as 3b); its
    impact is those latenesses per iteration.
-3f. Consistently last over windows: host contention on one rank's core (three
-   busy processes beside it) made it last, by about 10 ms of a 48 ms step, to
-   7 of 10 plain all-reduces of most windows: under 3d's bar in any one window
-   (P(X >= 7; 10, 1/4) = 0.0035), the job 20 % slower and named nobody. The
-   evidence accumulates: per group and position, the last entrant (by at least
-   ``min_late_ms``) of each of the group's last ``last_pool_iterations`` judged
-   iterations, across windows, goes through 3d's test (the same bar, the same
-   members x positions); a rank passing it, where 3d did not name it, is a
-   culprit when it is also last in this window more often than chance (at
-   least n/m of its n iterations: the pool's evidence is still current); its
-   impact is this window's latenesses per iteration.
+3f. The latest member of most iterations, over windows: host contention on one
+   rank's core (three busy processes beside it) made it last, by about 10 ms of a
+   48 ms step, to 7 of 10 plain all-reduces of most windows: under 3d's bar in
+   any one window (P(X >= 7; 10, 1/4) = 0.0035), the job 20 % slower and named
+   nobody; with FSDP2's 9 collectives a step its lateness spread over all of
+   them (last at each position in 30-55 % of iterations, everywhere under the
+   bar). The evidence is added up twice. Over positions: per iteration, the
+   member with the largest total lateness (its latenesses of ``min_late_ms`` or
+   more when last) is the iteration's latest; with no late member each is it
+   with probability 1/m (exchangeable members). Over windows: the group keeps
+   the latest member of each of its last ``last_pool_iterations`` judged
+   iterations (a backlog judged late included: a contended rank's own records
+   come late). A rank that is the latest in k of those n iterations, k >= n/2
+   and P(X >= k; n, 1/m) <= ``last_alpha`` / m, and at least n_w/m of this
+   window's n_w iterations (the evidence is still current), is a culprit
+   where 3d did not name it and it synchronises only in that group (as 3b);
+   its impact is this window's latenesses per iteration. (The contended
+   FSDP2 rank was the latest in 59-61 of 70 iterations; a healthy FSDP2 job's
+   members in 14-24 each.)
 3e. The late member of a pair on a busy host: 3d needs three members (in a pair
    either one is last by chance), and beside a busy process the pair's
    collective slows as 3d says, so a member 15 ms late every step is under
@@ -246,8 +254,7 @@ class CollectivesConfig:
     """Step 3d: false-alarm rate of "last to the same collective by chance" per group and window
     (split over its members x positions, Bonferroni)."""
     last_pool_iterations: int = 30
-    """Step 3f: judged iterations per group and position whose last entrants 3d's test reads across
-    windows (0: off)."""
+    """Step 3f: a group's judged iterations whose latest members 3d's test reads across windows (0: off)."""
     slow_factor: float = 3.0
     """Step 4: transfer time against the group's own earlier median, same op and size class."""
     max_seqs_per_group: int = 4096
@@ -331,7 +338,8 @@ class StepColumns:
 
 
 class _Group:
-    __slots__ = ("members", "seqs", "judged", "transfer_hist", "reported_hang", "states", "n_states", "last_pool")
+    __slots__ = ("members", "seqs", "judged", "transfer_hist", "reported_hang", "states", "n_states", "last_pool",
+                 "open_iteration")
 
     def __init__(self, members: tuple[int, ...]) -> None:
         self.members = members
@@ -344,9 +352,10 @@ class _Group:
         # step 5b: seq -> (rank, channel) -> the newest state as a channel_states.FIELDS tuple
         self.states: dict[int, dict[tuple[int, int], tuple]] = {}
         self.n_states = 0
-        # step 3f: position -> the last entrant of each recent judged iteration there (-1: nobody by
-        # min_late_ms); bounded by CollectivesConfig.last_pool_iterations
-        self.last_pool: dict[int, collections.deque] = {}
+        # step 3f: (iteration, its latest member or -1) of the group's recent judged iterations (bounded
+        # by CollectivesConfig.last_pool_iterations), and the iteration still being added up
+        self.last_pool: collections.deque = collections.deque()
+        self.open_iteration: tuple[int, collections.Counter] | None = None
 
     def forget(self, seq: int) -> None:
         """A seq leaves ``seqs`` (judged, or the oldest over the bound): its channel states go with it."""
@@ -562,14 +571,13 @@ class CollectiveState:
                 it_now = _iteration(row)
                 position = position + 1 if it_now == prev_it else 0
                 prev_it = it_now
+                if len(members) >= 3 and cfg.last_pool_iterations:     # step 3f, backlog included
+                    self._add_up(grp, it_now, ranks[i], lateness)
                 if s in basis_set:
                     basis_its.add(it_now)
                     per_position[position] += 1
                     if len(members) == 2:
                         paired[position].append((lateness if i == 0 else -lateness, s))
-                    if len(members) >= 3 and cfg.last_pool_iterations:
-                        grp.last_pool.setdefault(position, collections.deque(maxlen=cfg.last_pool_iterations)) \
-                            .append(ranks[i] if lateness >= cfg.min_late_ms * 1e6 else -1)
                     if len(members) >= 3 and lateness >= cfg.min_late_ms * 1e6:
                         last_at[(ranks[i], position)].append((it_now, lateness, s))
                         for j, m in enumerate(ranks):
@@ -634,14 +642,18 @@ class CollectiveState:
                     found = True
                     named.add(r)
             if len(members) >= 3 and len(basis_its) >= cfg.min_collectives:
-                # step 3f: 3d's test over the group's recent iterations, across windows
-                for r, pos, k, n, p in self._last_over_windows(grp, gid, per_position, last_at, named):
-                    now = last_at[(r, pos)]
+                # step 3f: the latest member of most of the group's recent iterations, across windows
+                for r, k, n, p in self._latest_over_windows(grp, gid, basis_its, named):
+                    now = [e for (r_, _), evs in last_at.items() if r_ == r for e in evs]
+                    waits: dict[int, list[float]] = collections.defaultdict(list)
+                    for (r_, pos_), per in last_waits.items():
+                        if r_ == r:
+                            for m_, w_ in per.items():
+                                waits[m_] += w_
                     first = min(now, key=lambda e: e[2])
                     out += self._late_finding(job_id, window, gid, grp, r, [e[1] for e in now], len(basis),
-                                              med_transfer, (first[2], grp.seqs[first[2]][r][0]),
-                                              last_waits[(r, pos)], iterations,
-                                              {"consistently_last": True, "accumulated": True, "position": pos,
+                                              med_transfer, (first[2], grp.seqs[first[2]][r][0]), waits, iterations,
+                                              {"consistently_last": True, "accumulated": True,
                                                "last_iterations": k, "iterations": n, "p_value": float(f"{p:.3g}")})
                     found = True
                     named.add(r)
@@ -721,23 +733,42 @@ class CollectiveState:
                     if not named & {s.rank for s in f.suspects}]
         return self.state_evidence(out) if self.samples else out
 
-    def _last_over_windows(self, grp: _Group, gid: str, per_position, last_at, named: set[int]):
-        """Step 3f: (rank, position, k, n, p) for each rank last at a position in k of the pool's n
-        iterations by more than chance allows (3d's bar), where the pool holds more than this window and
-        the rank is last in this window at least n_window/m times."""
+    def _add_up(self, grp: _Group, iteration: int, last: int, lateness: float) -> None:
+        """Step 3f: one judged collective into its iteration's latenesses; an iteration that ended goes
+        into the pool as its latest member (-1: nobody late by ``min_late_ms``)."""
+        cfg = self.config
+        if grp.open_iteration is not None and grp.open_iteration[0] != iteration:
+            done_it, lates = grp.open_iteration
+            grp.last_pool.append((done_it, max(lates, key=lates.get) if lates else -1))
+            while len(grp.last_pool) > cfg.last_pool_iterations:
+                grp.last_pool.popleft()
+            grp.open_iteration = None
+        if grp.open_iteration is None:
+            grp.open_iteration = (iteration, collections.Counter())
+        if lateness >= cfg.min_late_ms * 1e6:
+            grp.open_iteration[1][last] += lateness
+
+    def _latest_over_windows(self, grp: _Group, gid: str, basis_its: set[int], named: set[int]):
+        """Step 3f: (rank, k, n, p) for each rank the latest member of k of the pool's n iterations by
+        more than chance allows, where the pool reaches beyond this window and the rank is the latest
+        in at least n_w/m of this window's n_w iterations in it."""
         cfg, m = self.config, len(grp.members)
-        tests = m * max(len(per_position), 1)
-        for pos, pool in sorted(grp.last_pool.items()):
-            n = len(pool)
-            if pos not in per_position or n <= per_position[pos]:
-                continue     # nothing beyond this window: 3d's own
-            for r, k in collections.Counter(x for x in pool if x >= 0).most_common():
-                now = len(last_at.get((r, pos), ()))
-                if r in named or k < cfg.min_share * n or now * m < per_position[pos] or now == 0:
-                    continue
-                p = _binomial_tail(k, n, 1.0 / m)
-                if p <= cfg.last_alpha / tests and self._synchronises_only_in(r, gid):
-                    yield r, pos, k, n, p
+        pool = list(grp.last_pool)
+        if grp.open_iteration is not None and grp.open_iteration[0] in basis_its:   # this window's last
+            lates = grp.open_iteration[1]
+            pool = pool[1 - cfg.last_pool_iterations:] + [(grp.open_iteration[0],
+                                                           max(lates, key=lates.get) if lates else -1)]
+        n = len(pool)
+        mine = [r for it, r in pool if it in basis_its]
+        if n <= len(mine) or not mine:
+            return      # nothing beyond this window: 3d's own
+        for r, k in collections.Counter(r for _, r in pool if r >= 0).most_common():
+            now = mine.count(r)
+            if r in named or k < cfg.min_share * n or now == 0 or now * m < len(mine):
+                continue
+            p = _binomial_tail(k, n, 1.0 / m)
+            if p <= cfg.last_alpha / m and self._synchronises_only_in(r, gid):
+                yield r, k, n, p
 
     def _synchronises_only_in(self, rank: int, gid: str) -> bool:
         """Step 3b: ``gid`` is the only group of two or more that ``rank`` synchronises in, and it is
