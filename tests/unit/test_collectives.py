@@ -205,6 +205,52 @@ def test_a_rank_last_more_often_than_chance_over_windows_is_named_once_its_evide
         assert named(state_of(job_batches(seed=seed, **busy))) == [[]] * 4, seed
 
 
+def rotating_batches(steps=40, per_step=3, late_rank=None, late_ms=0.0, seed=0, transfer_ms=8.0, noise_ms=3.0,
+                     ranks=4):
+    """Like ``job_batches`` with ``per_step`` collectives a step (FSDP2's all-gathers and reduce-scatters):
+    ``late_rank`` is ``late_ms`` late to one of them each step, a different one in turn. The job fits one
+    processor window (2 s)."""
+    rng = np.random.default_rng(seed)
+    recs = {r: [] for r in range(ranks)}
+    t = T0
+    for step in range(steps):
+        for j in range(per_step):
+            enter = {r: t + int((2 + rng.normal(0, noise_ms)) * MS) for r in range(ranks)}
+            if late_rank is not None and j == step % per_step:
+                enter[late_rank] += int(late_ms * MS)
+            end = max(enter.values()) + int(transfer_ms * MS)
+            for r in range(ranks):
+                recs[r].append(telemetry_pb2.CollectiveRecord(
+                    group=0, seq=step * per_step + j + 1, op="allgather", bytes=4096, dtype="float32",
+                    enqueue_ns=enter[r], start_ns=enter[r], end_ns=end, iteration=step))
+            t = end
+    return {r: telemetry_pb2.CollectiveBatch(
+        groups=[telemetry_pb2.CollectiveGroup(id="0", members=list(range(ranks)))], records=recs[r],
+        now_ns=t) for r in range(ranks)}
+
+
+def test_a_rank_late_once_a_step_to_a_different_collective_is_the_latest_of_its_iterations():
+    """Step 3f over positions: rank 2 is 12 ms late to one of each step's 3 collectives, a different one
+    in turn, so at each position it is last in about half the iterations (under 3d's bar there, window by
+    window), but it is the latest member of nearly every iteration: named once the pool reaches beyond a
+    window. Healthy busy jobs of the same shape name nobody."""
+    windows = iteration_windows(4)
+
+    def named(st):
+        return [[s.rank for f in st.late_starts("j", w, {r: 10.0 for r in range(4)}, 100 * MS)
+                 if f.kind == "late_start" and not f.informational for s in f.suspects] for w in windows]
+    hits = named(state_of(rotating_batches(late_rank=2, late_ms=12)))
+    assert hits == [[], [2], [2], [2]], hits
+    off = named(state_of(rotating_batches(late_rank=2, late_ms=12), last_pool_iterations=0))
+    assert off == [[]] * 4, off
+    st = state_of(rotating_batches(late_rank=2, late_ms=12))
+    found = [st.late_starts("j", w, {r: 10.0 for r in range(4)}, 100 * MS) for w in windows][-1]
+    (s,) = [s for f in found if f.kind == "late_start" for s in f.suspects]
+    assert s.evidence["accumulated"] and s.evidence["last_iterations"] >= 25, s.evidence
+    alarms = [w for seed in range(100) for w in named(state_of(rotating_batches(seed=seed))) if w]
+    assert len(alarms) <= 0.01 * 400, alarms
+
+
 def test_the_late_member_of_a_pair_on_a_busy_host_is_named_by_its_signed_ranks():
     """Step 3e: in a pair either member is last by chance (step 3d needs three), but a member 15 ms late
     every step on a busy host (the all-reduce ~10 ms, entries +-3 ms) is late by more, and more often,
