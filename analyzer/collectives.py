@@ -76,8 +76,11 @@ member, clock-free:
    with probability 1/m (exchangeable members). Over windows: the group keeps
    the latest member of each of its last ``last_pool_iterations`` judged
    iterations (a backlog judged late included: a contended rank's own records
-   come late). A rank that is the latest in k of those n iterations, k >= n/2
-   and P(X >= k; n, 1/m) <= ``last_alpha`` / m, and at least n_w/m of this
+   come late). A rank that is the latest in k of those n iterations with
+   P(X >= k; n, 1/m) <= ``last_alpha`` / m (50 iterations of 4 members: 22 or
+   more; 3d's "most iterations" would miss a rank the latest in half of them
+   as often as not, and the lateness counted is ``min_late_ms`` or more
+   already), and at least n_w/m of this
    window's n_w iterations (the evidence is still current), is a culprit
    where 3d did not name it and it synchronises only in that group (as 3b);
    its impact is this window's latenesses per iteration. (The contended
@@ -253,7 +256,7 @@ class CollectivesConfig:
     last_alpha: float = 1e-2
     """Step 3d: false-alarm rate of "last to the same collective by chance" per group and window
     (split over its members x positions, Bonferroni)."""
-    last_pool_iterations: int = 30
+    last_pool_iterations: int = 50
     """Step 3f: a group's judged iterations whose latest members 3d's test reads across windows (0: off)."""
     slow_factor: float = 3.0
     """Step 4: transfer time against the group's own earlier median, same op and size class."""
@@ -764,7 +767,7 @@ class CollectiveState:
             return      # nothing beyond this window: 3d's own
         for r, k in collections.Counter(r for _, r in pool if r >= 0).most_common():
             now = mine.count(r)
-            if r in named or k < cfg.min_share * n or now == 0 or now * m < len(mine):
+            if r in named or now == 0 or now * m < len(mine):
                 continue
             p = _binomial_tail(k, n, 1.0 / m)
             if p <= cfg.last_alpha / m and self._synchronises_only_in(r, gid):
