@@ -259,7 +259,12 @@ class Analyzer:
         job.latest[res.rank] = max(job.latest.get(res.rank, -1), w.index)
         if w.final:
             job.ended.add(res.rank)
-        if w.end_ns > job.watermark.get(res.rank, 0):
+        # the stall rule's telemetry clock: a window of iterations says how far its rank got through its
+        # iteration record only; its phases or kernels read ahead of it (topics are read at different rates)
+        # put the rank's watermark ten iterations past its last known one (a healthy DDP job beside a busy
+        # process read "stalled", its slowest-read rank the culprit)
+        if (w.kind != records_pb2.WINDOW_KIND_ITERATIONS or signal == Signal.ITERATIONS) \
+                and w.end_ns > job.watermark.get(res.rank, 0):
             job.watermark[res.rank] = w.end_ns
         self.metrics.counters["records_in"] += 1
 

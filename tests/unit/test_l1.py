@@ -178,3 +178,47 @@ def test_config_and_input_are_validated():
     with pytest.raises(ValueError):
         detect_jitter([1.0, 0.0, 2.0])
     assert detect_jitter([5.0]) == [] and classify([]).state == "stable"
+
+
+def test_phases_read_ahead_of_iterations_are_not_a_stall():
+    """The telemetry clock's watermark moves with a rank's iteration records, not with the phases of a
+    window whose iterations are still on their way: a healthy 4-rank DDP job beside a busy process had
+    three ranks' phases of the next window read before their iterations and read "stalled", naming the
+    fourth (the slowest read) as the rank that stopped 11 iterations before its peers."""
+    from trainscope.analyzer.service import Analyzer, AnalyzerConfig
+    from trainscope.proto.model import Resource
+
+    class Nothing:
+        def poll(self, timeout_s=0.0):
+            return []
+
+        def close(self):
+            pass
+
+    an = Analyzer(AnalyzerConfig(), Nothing())
+    step = int(50 * MS)
+
+    def window(i):
+        return records_pb2.Window(kind=records_pb2.WINDOW_KIND_ITERATIONS, index=i, first_iteration=10 * i,
+                                  last_iteration=10 * i + 9, start_ns=10 * i * step, end_ns=10 * (i + 1) * step,
+                                  signals=["iterations", "phases"])
+
+    def records(rank, i):
+        res = Resource(job_id="j", rank=rank, world_size=4).to_pb()
+        it = records_pb2.IterationWindow(resource=res, window=window(i))
+        for k in range(10 * i, 10 * i + 10):
+            it.marks.add(iteration=k, start_ns=k * step, end_ns=(k + 1) * step)
+        ph = records_pb2.PhaseWindow(resource=res, window=window(i))
+        ph.phases.add(phase="forward", count=10, mean_ns=20 * MS, p50_ns=20 * MS, p99_ns=20 * MS, max_ns=20 * MS,
+                      total_ns=200 * MS)
+        return it, ph
+    for i in range(3):
+        for r in range(4):
+            it, ph = records(r, i)
+            an.ingest("iterations", it)
+            an.ingest("phases", ph)
+    for r in (0, 1, 3):                       # window 3's phases, read before its iterations
+        an.ingest("phases", records(r, 3)[1])
+    verdicts = an.step(0.0) + an.finish()
+    assert verdicts and all(v.state != "stalled" for v in verdicts), [v.summary for v in verdicts]
+    assert all(f.kind != "stall" for v in verdicts for f in v.findings)
