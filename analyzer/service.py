@@ -190,6 +190,7 @@ class _Job:
         self.signals: set[str] = set()  # signals this job sends (a window waits for all of them)
         self.last_iter_end: dict[int, int] = {}   # rank -> end of its last iteration (rank clock)
         self.watermark: dict[int, int] = {}       # rank -> latest end of anything it reported
+        self.iterations_upto: dict[int, int] = {}  # rank -> highest iterations window its iteration record came in
         self.own_history = None                   # individual.History, kept by the OwnHistory level
         self.shift_ratios = None                  # consistent.Ratios, kept by the ConsistentShift level
         self.first_iteration: dict[int, int] = {}  # rank -> first iteration it reported
@@ -259,12 +260,16 @@ class Analyzer:
         job.latest[res.rank] = max(job.latest.get(res.rank, -1), w.index)
         if w.final:
             job.ended.add(res.rank)
-        # the stall rule's telemetry clock: a window of iterations says how far its rank got through its
-        # iteration record only; its phases or kernels read ahead of it (topics are read at different rates)
-        # put the rank's watermark ten iterations past its last known one (a healthy DDP job beside a busy
-        # process read "stalled", its slowest-read rank the culprit)
-        if (w.kind != records_pb2.WINDOW_KIND_ITERATIONS or signal == Signal.ITERATIONS) \
-                and w.end_ns > job.watermark.get(res.rank, 0):
+        # the stall rule's telemetry clock: the phases or kernels of a window of iterations whose iteration
+        # record has not come yet (topics are read at different rates) put the rank's watermark ten
+        # iterations past its last known one (a healthy DDP job beside a busy process read "stalled", its
+        # slowest-read rank the culprit); a window's own activity past its last iteration (a hang's aborted
+        # collectives) counts once its iteration record is in
+        if w.kind == records_pb2.WINDOW_KIND_ITERATIONS and signal == Signal.ITERATIONS:
+            job.iterations_upto[res.rank] = max(job.iterations_upto.get(res.rank, -1), w.index)
+        ahead = (w.kind == records_pb2.WINDOW_KIND_ITERATIONS and res.rank in job.iterations_upto
+                 and w.index > job.iterations_upto[res.rank])
+        if not ahead and w.end_ns > job.watermark.get(res.rank, 0):
             job.watermark[res.rank] = w.end_ns
         self.metrics.counters["records_in"] += 1
 
