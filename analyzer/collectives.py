@@ -399,6 +399,12 @@ def _signed_rank_null(n: int) -> np.ndarray:
     return out
 
 
+def _latest(iteration: tuple[int, collections.Counter]) -> tuple[int, int]:
+    """Step 3f: (iteration, the member with the largest total lateness in it, or -1 when none was late)."""
+    it, lates = iteration
+    return it, (max(lates, key=lates.get) if lates else -1)
+
+
 def _in_window(row: Mapping[int, tuple], window: records_pb2.Window) -> bool:
     """The collective belongs to this window or an earlier one: by iteration for iteration windows
     (the hooks number iterations as the marks do), else by its members' enqueue times."""
@@ -648,6 +654,8 @@ class CollectiveState:
                 # step 3f: the latest member of most of the group's recent iterations, across windows
                 for r, k, n, p in self._latest_over_windows(grp, gid, basis_its, named):
                     now = [e for (r_, _), evs in last_at.items() if r_ == r for e in evs]
+                    if not now:     # the latest only by lateness judged in an earlier call (a split iteration)
+                        continue
                     waits: dict[int, list[float]] = collections.defaultdict(list)
                     for (r_, pos_), per in last_waits.items():
                         if r_ == r:
@@ -741,8 +749,7 @@ class CollectiveState:
         into the pool as its latest member (-1: nobody late by ``min_late_ms``)."""
         cfg = self.config
         if grp.open_iteration is not None and grp.open_iteration[0] != iteration:
-            done_it, lates = grp.open_iteration
-            grp.last_pool.append((done_it, max(lates, key=lates.get) if lates else -1))
+            grp.last_pool.append(_latest(grp.open_iteration))
             while len(grp.last_pool) > cfg.last_pool_iterations:
                 grp.last_pool.popleft()
             grp.open_iteration = None
@@ -758,9 +765,7 @@ class CollectiveState:
         cfg, m = self.config, len(grp.members)
         pool = list(grp.last_pool)
         if grp.open_iteration is not None and grp.open_iteration[0] in basis_its:   # this window's last
-            lates = grp.open_iteration[1]
-            pool = pool[1 - cfg.last_pool_iterations:] + [(grp.open_iteration[0],
-                                                           max(lates, key=lates.get) if lates else -1)]
+            pool = (pool + [_latest(grp.open_iteration)])[-cfg.last_pool_iterations:]
         n = len(pool)
         mine = [r for it, r in pool if it in basis_its]
         if n <= len(mine) or not mine:

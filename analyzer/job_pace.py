@@ -141,6 +141,12 @@ class Baseline:
         return np.array([float(np.median(w)) for w in self.windows if w.size >= min_steps])
 
 
+def _batch_error(values: np.ndarray) -> float:
+    """Step 3's batch means: the error of a new window's statistic against ``values``, the same
+    statistic of the baseline's windows (1.4826·MAD of them, times √(1 + 1/m))."""
+    return MAD_SIGMA * float(np.median(np.abs(values - np.median(values)))) * float(np.sqrt(1 + 1 / values.size))
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class JobLoss:
     """Step 5: what the job lost this window against its own pace, per iteration (ns)."""
@@ -166,7 +172,7 @@ class JobLoss:
         se = spread * float(np.sqrt(1 / self.now.size + 1 / base.size))
         means = np.array([w.mean() for w in kept if w.size >= self.cfg.min_iterations])
         if means.size >= self.cfg.batch_min_windows:
-            se = max(se, MAD_SIGMA * float(np.median(np.abs(means - np.median(means)))) * np.sqrt(1 + 1 / means.size))
+            se = max(se, _batch_error(means))
         return max(d, self.cfg.rel_floor * b), (d / se if se > 0 else 0.0)
 
 
@@ -213,7 +219,7 @@ def analyze_pace(jw: JobWindow, scale: WindowScale, baseline: Baseline, steps: n
     se = spread * MEDIAN_SE * np.sqrt(1 / steps.size + 1 / base.size)
     se_windows = 0.0
     if medians.size >= cfg.batch_min_windows:     # batch means: how far a healthy window's median moved
-        se_windows = MAD_SIGMA * float(np.median(np.abs(medians - np.median(medians)))) * np.sqrt(1 + 1 / medians.size)
+        se_windows = _batch_error(medians)
         se = max(se, se_windows)
     d = now - b
     z = d / se if se > 0 else 0.0

@@ -23,8 +23,8 @@ not take the job's cores), ``--steps`` steps. Faults on one rank from step 10 on
 - ``data loader``: a sleep before each batch;
 - ``between layers``: a sleep between the first and second layer's forward
   (FSDP2: before the second layer's all-gather);
-- ``host contention``: the rank shares one core with a busy process of its own
-  priority (a neighbour's process on a shared host);
+- ``host contention``: the rank shares one core with three busy processes of its
+  own priority (a neighbour's processes on a shared host);
 - ``hang``: the rank stops before its gradient collectives at step 40; the job is
   right once a ``stalled`` verdict names it (the row gives the seconds from its
   stop to that verdict), then it is killed;
