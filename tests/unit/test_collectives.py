@@ -358,6 +358,10 @@ def test_config_validation():
     for bad in (0, 1, -0.5, float("nan")):
         with pytest.raises(ConfigError, match="last_alpha"):
             CollectivesConfig(last_alpha=bad)
+    for bad in (-1, 2.5, 10_001, "50"):
+        with pytest.raises(ConfigError, match="last_pool_iterations"):
+            CollectivesConfig(last_pool_iterations=bad)
+    assert CollectivesConfig(last_pool_iterations=0).last_pool_iterations == 0     # step 3f off
     with pytest.raises(ConfigError):
         CollectiveWindowConfig(length_s=0)
 
