@@ -34,7 +34,10 @@ and a healthy job whose ranks load batches in 2 worker processes each
 
 and the two-group job (``tests/support/train_groups.py``: tensor-parallel pairs
 all-reducing activations inside the forward, data-parallel pairs all-reducing
-gradients after backward), healthy, with a slow forward or a late start on rank 1.
+gradients after backward) with the same faults on rank 1 (TP partner 0, DP peer
+3) but ``between layers`` (its forward has one layer before the TP all-reduce):
+a late start and the intermittent stall sleep after backward, before the DP
+all-reduce; the hang stops it before backward at step 40.
 
 ``--busy`` runs a CPU-hungry process (``nice 10``, one busy core) beside every
 job, as on a shared host. The job's verdict (``merge_windows`` over every
@@ -93,6 +96,11 @@ GROUP_SCENARIOS = {
     "healthy": [],
     "slow forward": ["--slow-rank", str(GROUP_RANK), "--slow-ms", "15"],
     "late start": ["--late-rank", str(GROUP_RANK), "--late-ms", "30"],
+    "intermittent stall": ["--late-rank", str(GROUP_RANK), "--late-ms", "300", "--late-every", "5"],
+    "data loader": ["--loader-rank", str(GROUP_RANK), "--loader-ms", "30"],
+    "host contention": ["--contend-rank", str(GROUP_RANK)],
+    "hang": ["--hang-rank", str(GROUP_RANK), "--fault-from", "40"],
+    "healthy workers": ["--loader-workers", "2"],
 }
 
 
@@ -113,10 +121,11 @@ def run_job(tmp: pathlib.Path, mode: str, extra: list[str], steps: int):
         job = LiveJob(tmp, f"bench-{mode}", "--mode", mode, "--steps", str(steps), *extra,
                       analyzer_nice=ANALYZER_NICE, fork=False)
     latency = None
+    culprit = GROUP_RANK if mode == "groups" else RANK
     try:
         if "--hang-rank" in extra:
             out = None
-            named, at = job.wait_for(lambda v: v.state == "stalled" and v.ranks and v.ranks[0].rank == RANK,
+            named, at = job.wait_for(lambda v: v.state == "stalled" and v.ranks and v.ranks[0].rank == culprit,
                                      HANG_WATCH_S)
             if named is not None and hang_file.exists():
                 latency = at - float(hang_file.read_text())
