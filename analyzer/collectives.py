@@ -174,8 +174,9 @@ has not started the op"), checked on every analyzer step, not per window:
    first-stuck rank is the one whose last collective on the group is the
    oldest (lowest seq); it is the culprit of a ``stall`` finding naming the
    group and seq; the members in flight are its waiters. A member that is
-   itself stuck in flight in another collective (for ``hang_timeout_s``) is
-   not a root (Mycroft §5.2: "a single responsible group whose stuck rank
+   itself stuck in flight in another collective (for half of
+   ``hang_timeout_s``: a chain of groups enters its collectives moments apart,
+   each member's wait read on its own clock) is not a root (Mycroft §5.2: "a single responsible group whose stuck rank
    propagates problems to other groups"): it waits there, and that
    collective's own rule names the root; a group whose absent members all
    wait elsewhere gets no finding. Where channel states of the collective are
@@ -233,6 +234,8 @@ from trainscope.proto.errors import ConfigError
 from trainscope.proto.v1 import records_pb2
 
 LEVEL = "collectives"
+#: Step 5: a member in flight in another collective this share of ``hang_timeout_s`` waits there (not a root).
+ELSEWHERE_SHARE = 0.5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -860,20 +863,21 @@ class CollectiveState:
         out = []
         timeout = int(cfg.hang_timeout_s * 1e9)
         stuck = []        # (gid, grp, seq, row, waiting) of every collective in flight past the timeout
+        # step 5: a member stuck in flight elsewhere waits there; it is not the root of this one. "Stuck"
+        # there from half the timeout: the members of a chain of groups entered their collectives moments
+        # apart, and each one's wait is read on its own clock from its latest records (a two-group job's
+        # DP peer, in flight in its DP all-reduce for the hung rank, was a few ms under the timeout there
+        # when its TP partner crossed it waiting for the peer, and was named beside the hung rank)
+        elsewhere: dict[int, set[str]] = collections.defaultdict(set)
         for gid, grp in self.groups.items():
             for seq in sorted(grp.seqs, reverse=True)[:4]:   # the newest few: a hang is at the front
-                if seq in grp.reported_hang:
-                    continue
                 row = grp.seqs[seq]
                 waiting = {r: self.now_ns.get(r, 0) - v[2] for r, v in row.items() if not v[3]}
-                if waiting and max(waiting.values()) >= timeout:
+                for r, w in waiting.items():
+                    if w >= ELSEWHERE_SHARE * timeout:
+                        elsewhere[r].add(gid)
+                if seq not in grp.reported_hang and waiting and max(waiting.values()) >= timeout:
                     stuck.append((gid, grp, seq, row, waiting))
-        # step 5: a member stuck in flight elsewhere waits there; it is not the root of this one
-        elsewhere: dict[int, set[str]] = collections.defaultdict(set)
-        for gid, _, _, _, waiting in stuck:
-            for r, w in waiting.items():
-                if w >= timeout:
-                    elsewhere[r].add(gid)
         if self.hung is not None:     # step 5c: the hang reported is still there: the rest follows from it
             gid0, seq0, named0, marked = self.hung
             g0 = self.groups.get(gid0)

@@ -303,3 +303,35 @@ def test_the_end_of_a_replay_has_nothing_to_settle():
         st.absorb(r, w)
     (f,) = st.hangs("j", W, final=True)          # every record read: named at once
     assert f.suspects[0].rank == 2
+
+
+def test_a_dp_peer_in_flight_for_the_hung_rank_a_little_under_the_timeout_is_not_named():
+    """The two-group job (tests/support/train_groups.py) with rank 1 hung before backward, no channel
+    states (gloo): TP pairs A = {0, 1}, C = {2, 3}; DP pairs B = {0, 2}, D = {1, 3}. Rank 3 entered D's
+    seq 41 and waits there for rank 1; rank 2 entered C's seq 42 moments later and waits for rank 3; on
+    the ranks' own clocks rank 2 has crossed the 15 s timeout while rank 3's wait in D is 14.9 s. Rank 3
+    waits (the real run named it beside rank 1); rank 1, absent from D, is the hang."""
+    g = [telemetry_pb2.CollectiveGroup(id=i, members=m) for i, m in
+         (("A", [0, 1]), ("C", [2, 3]), ("B", [0, 2]), ("D", [1, 3]))]
+    t_d = T0 + 5 * S               # rank 3 enters D's seq 41
+    t_c = t_d + 10 * MS            # rank 2 enters C's seq 42
+    t_a = t_d + 20 * MS            # rank 0 enters A's seq 42
+
+    def batch(recs, now):
+        b = telemetry_pb2.CollectiveBatch(groups=g, now_ns=now)
+        for grp, seq, t, end in recs:
+            b.records.add(group=grp, seq=seq, op="allreduce", bytes=64, dtype="float32", enqueue_ns=t,
+                          start_ns=t, end_ns=end)
+        return b
+    done = t_d - 50 * MS           # every pair's previous collectives ended before
+    rank0 = batch([(0, 41, done - 5 * MS, done), (2, 41, done - 2 * MS, done), (0, 42, t_a, 0)], int(t_c + 15.1 * S))
+    rank1 = batch([(0, 41, done - 5 * MS, done), (3, 40, done - 9 * MS, done)], done + MS)
+    rank2 = batch([(1, 41, done - 4 * MS, done), (2, 41, done - 2 * MS, done), (1, 42, t_c, 0)], int(t_c + 15.1 * S))
+    rank3 = batch([(1, 41, done - 4 * MS, done), (3, 40, done - 9 * MS, done), (3, 41, t_d, 0)], int(t_d + 14.9 * S))
+    ws = windows_of({0: rank0, 1: rank1, 2: rank2, 3: rank3})
+    st = CollectiveState(CollectivesConfig(hang_settle_s=0.0))
+    for r, w in ws.items():
+        st.absorb(r, w)
+    named = {s.rank for f in st.hangs("j", W) for s in f.suspects} | {
+        s.rank for f in st.hangs("j", W) for s in f.suspects}
+    assert named == {1}, named
