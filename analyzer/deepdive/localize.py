@@ -306,7 +306,9 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
 
 
 #: Step 7: host functions that block (the thread sleeps or waits for something else, it does no work).
-WAITING = re.compile(r"built-in function sleep|\btime\.sleep\b|\bselect\b|\bpoll\b|\bepoll|"
+#: ``<built-in method wait of ...>``: a C++ object's blocking wait (c10d's ``Work.wait`` under every gloo/NCCL
+#: collective: a healthy rank of a slower-matmul dive was named for it, 0.33 of the window against 0.23).
+WAITING = re.compile(r"built-in function sleep|\btime\.sleep\b|\bselect\b|\bpoll\b|\bepoll|built-in method wait\b|"
                      r"\b(Event|Condition|Semaphore|Barrier)\.wait\b|threading\.py(\(\d+\))?: wait\b|"
                      r"queue\.py.*\bget\b|\bQueue\.get\b", re.IGNORECASE)
 

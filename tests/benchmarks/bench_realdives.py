@@ -1,6 +1,6 @@
 """Deep dives on real PyTorch jobs: a healthy job and one fault each; is only the faulty rank's function named?
 
-    python tests/benchmarks/bench_realdives.py [--seeds 3] [--busy] [--only hot_loop gc]
+    python tests/benchmarks/bench_realdives.py [--seeds 3] [--busy] [--only hot_loop gc] [--keep DIR]
 
 Each job is ``tests/support/deepdive_job.py``'s small gloo job (4 ranks, CPU)
 under ``trainscope run`` with a real processor; ``trainscope profile`` asks
@@ -20,7 +20,8 @@ analyses it. Scenarios, the fault on rank 2:
   alone is named and ``gc.collect``'s built-in among its functions.
 
 ``--busy`` runs a CPU-hungry process (``nice 10``, one busy core) beside every
-job. Prints one row per dive (seconds are wall time here) and the totals. No
+job. ``--keep DIR`` keeps a wrong dive's traces (``DIR/<scenario>-<seed>``, to
+analyse again). Prints one row per dive (seconds are wall time here) and the totals. No
 job is run twice.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,8 +52,8 @@ EXPECT = {
 }
 
 
-def named_functions(deep: pathlib.Path, tmp: pathlib.Path) -> tuple[dict[int, list[str]], list[int]]:
-    """{rank: functions it is named for (slower, not common)}, the dive's suspects."""
+def named_functions(deep: pathlib.Path, tmp: pathlib.Path) -> tuple[dict[int, list[str]], list[int], list[dict]]:
+    """{rank: functions it is named for (slower, not common)}, the dive's suspects, its outliers."""
     store = DiagnosisStore(str(tmp / "store.sqlite"))
     try:
         docs = DeepDiveFollower(str(deep), store, FollowerConfig(verdict_wait_s=0)).scan()
@@ -67,7 +69,7 @@ def named_functions(deep: pathlib.Path, tmp: pathlib.Path) -> tuple[dict[int, li
         for r, slower in zip(o["ranks"], o["slower"]):
             if slower:
                 named.setdefault(int(r), []).append(o["function"])
-    return named, list(doc["suspects"])
+    return named, list(doc["suspects"]), doc["outliers"]
 
 
 def judge(name: str, named: dict[int, list[str]]) -> bool:
@@ -81,6 +83,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=1, help="runs of each job (default 1)")
     ap.add_argument("--busy", action="store_true", help="a CPU-hungry process beside every job")
+    ap.add_argument("--keep", type=pathlib.Path, help="keep the traces of wrong dives in this folder")
     ap.add_argument("--only", nargs="*", default=[], choices=list(EXPECT), help="scenarios to run")
     args = ap.parse_args(argv)
     busy = None
@@ -101,16 +104,22 @@ def main(argv=None) -> int:
                         if p.returncode != 0:
                             raise RuntimeError(f"trainscope profile exited {p.returncode}: {p.stderr.strip()[-300:]}")
                         complete = json.loads(p.stdout).get("complete")
-                        named, suspects = named_functions(deep, tmp)
+                        named, suspects, outliers = named_functions(deep, tmp)
+                        ok = judge(name, named)
+                        if not ok and args.keep:
+                            shutil.copytree(deep, args.keep / f"{name}-{seed}")
                     except (RuntimeError, OSError, ValueError, subprocess.SubprocessError) as e:
                         rows.append((name, False))
                         print(f"WRONG  {name:<9} seed {seed}  no dive: {e}"[:400], flush=True)
                         continue
-                ok = judge(name, named)
                 rows.append((name, ok))
                 shown = "; ".join(f"rank {r}: {', '.join(sorted(set(fs)))[:120]}" for r, fs in sorted(named.items()))
                 print(f"{'ok' if ok else 'WRONG':>5}  {name:<9} seed {seed}  complete {complete}  suspects {suspects}  "
                       f"named [{shown or 'nobody'}]  exit {rc}  {time.perf_counter() - t0:5.1f} s", flush=True)
+                if not ok:      # the evidence of each outlier, to study without rerunning the job
+                    for o in outliers:
+                        print("         " + json.dumps({k: o[k] for k in sorted(o) if k not in ("why",)})[:600],
+                              flush=True)
     finally:
         if busy is not None:
             busy.kill()

@@ -189,3 +189,9 @@ def test_a_rank_longer_in_sleep_woke_up_late_and_is_not_named_beside_the_hot_loo
     assert out == [hot]
     # without a rank slower in work of its own, the sleep is what there is to report
     assert _waiting_is_not_a_cause([sleep, allreduce]) == [sleep, allreduce]
+    # c10d's Work.wait under a gloo all-reduce, as Kineto names it (a 4-rank slower-matmul dive named
+    # healthy rank 1 for it beside rank 2's aten::addmm): a wait, not work
+    work_wait = o("<built-in method wait of pybind11_builtins.pybind11_detail_function_record_v1_system_"
+                  "libstdcpp_gxx_abi_1xxx_use_cxx11_abi_1 object at 0x7f>", "python", [1])
+    addmm = o("aten::addmm", "cpu", [2])
+    assert _waiting_is_not_a_cause([addmm, work_wait]) == [addmm]
