@@ -255,6 +255,24 @@ def test_the_late_member_of_a_pair_on_a_busy_host_is_named_by_its_signed_ranks()
                     if not f.informational] == [], (seed, late, ms)
 
 
+def test_a_noisy_healthy_pair_is_not_named_for_being_clearly_late_by_chance():
+    """Step 3 in a pair: a healthy two-group job of 12 processes beside a busy one on 2 cores had a TP
+    member clearly late (8.6 ms, over two transfer times) to 6 of 10 all-reduces, and named it: in a pair
+    either member is last by chance, P(X >= 6; 10, 1/2) = 0.38. With entries +-6 ms around a 3 ms
+    transfer, step 3 named a member of 36 of 300 healthy pairs; now it needs the binomial bar too, and
+    what is left is step 3e's own rate (<= 1 %). A member late every step is still named by step 3."""
+    alarms = []
+    for seed in range(300):
+        st = state_of(job_batches(ranks=2, seed=seed, transfer_ms=3.0, noise_ms=6.0, steps=10))
+        alarms += [(seed, s.evidence.get("paired", False)) for f in st.late_starts("j", W, {0: 10.0, 1: 10.0}, 60 * MS)
+                   if not f.informational and f.kind == "late_start" for s in f.suspects]
+    assert all(paired for _, paired in alarms) and len(alarms) <= 0.01 * 300, alarms
+    st = state_of(job_batches(ranks=2, seed=0, transfer_ms=3.0, noise_ms=6.0, steps=10, late_rank=1, late_ms=40))
+    (s,) = [s for f in st.late_starts("j", W, {0: 10.0, 1: 10.0}, 100 * MS)
+            if not f.informational and f.kind == "late_start" for s in f.suspects]
+    assert s.rank == 1 and not s.evidence.get("paired"), s.evidence
+
+
 def test_a_late_member_of_a_pair_is_compared_with_its_partner():
     """Step 1 in a group of two: the late member and the partner that waited for it are the pair
     comparison (the same two ranks as ``individual.py``'s), never "peers": there is no majority. A
