@@ -223,7 +223,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import math
 import time
 from typing import Callable, Mapping
 
@@ -372,17 +371,18 @@ class _Group:
 
 
 def _binomial_tail(k: int, n: int, p: float) -> float:
-    """P(X >= k) for X ~ Binomial(n, p) (step 3d; n is a window's iterations, small)."""
-    return float(sum(math.comb(n, j) * p ** j * (1 - p) ** (n - j) for j in range(k, n + 1)))
+    """P(X >= k) for X ~ Binomial(n, p) (steps 3, 3d, 3f). ``bdtrc``: n may be a TP group's hundreds of
+    collectives (step 3 in a pair), where a sum of ``math.comb`` terms overflows a float."""
+    from scipy.special import bdtrc   # scipy.special is loaded already (sequential's stdtrit)
+    return float(bdtrc(k - 1, n, p)) if k > 0 else 1.0
 
 
 def _pair_beyond_chance(k: int, n: int, alpha: float) -> bool:
     """Step 3 in a pair: either member is the last entrant of each collective by chance (1/2), so being
     clearly late to k of n is named only where P(X >= k; n, 1/2) <= alpha / 2 (a healthy two-group job
     of 12 processes beside a busy one on 2 cores had a TP member clearly late, 8.6 ms, to 6 of 10:
-    P = 0.38). ``bdtrc``: n may be a TP group's hundreds of collectives."""
-    from scipy.special import bdtrc   # scipy.special is loaded already (sequential's stdtrit)
-    return float(bdtrc(k - 1, n, 0.5)) <= alpha / 2
+    P = 0.38)."""
+    return _binomial_tail(k, n, 0.5) <= alpha / 2
 
 
 def _signed_rank_tail(d: np.ndarray) -> float:
