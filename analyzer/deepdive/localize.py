@@ -20,7 +20,15 @@ Steps:
    as in all of EROICA's ranges (its spread has heavy tails; what it costs
    shows in β and μ); it still counts in Δ.
 3. Distance from expectation D_{f,w} (eq. 7): the Manhattan distance from
-   P_{f,w} to R_f, every dimension in shares of the window: μ and σ times
+   P_{f,w} to R_f, with β the steady β (its lower quartile over iterations,
+   ``patterns`` step 4) and μ the median execution (``patterns`` step 6), and
+   step 2's range from them too: the iterations and executions the scheduler
+   interrupted on a shared host do not move it, a slower device or a function
+   run more often in every iteration does. On a loaded 2-core host a 4-rank
+   dive's healthy rank had ``aten::addmm`` at β 0.074 (preempted), the faulty
+   rank, running it 2.5 times as often, 0.080: the range from β (median 0.056,
+   MAD 0.022) held both; their steady β were 0.0065 and 0.020.
+   Every dimension in shares of the window: μ and σ times
    the role's median executions per window (what that much time per
    execution costs over a typical window). So the three dimensions are
    comparable and the 1 % floor means the same thing in each: a
@@ -120,8 +128,9 @@ class LocalizeConfig:
     """Smallest rank-to-rank spread, as a share of the median (GPU-to-GPU personality, docs/noise.md)."""
     seed: int = 0
     steady: bool = True
-    """An outlier's β must be out of line in its lower-quartile iteration too (``patterns`` step 4): stalls
-    of a few iterations (a rank preempted on a shared host) are not a function's behaviour."""
+    """An outlier's β must be out of line in its lower-quartile iteration too (``patterns`` step 4), and D is
+    measured on that steady β and the median execution (step 3): stalls of a few iterations (a rank
+    preempted on a shared host) are not a function's behaviour. False: EROICA's β and μ."""
 
     def __post_init__(self) -> None:
         if self.n_sample < 1:
@@ -171,8 +180,9 @@ def _half_width(m: np.ndarray, mad: np.ndarray, cfg: LocalizeConfig) -> np.ndarr
 
 
 def _matrices(pats: Sequence[Patterns]) -> tuple[list[str], list[str], list[dict[int, str]], np.ndarray,
-                                                np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Step 1."""
+                                                np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                np.ndarray]:
+    """Step 1: β, μ, σ, n, steady β and median μ̃ (ranks, functions)."""
     index: dict[str, int] = {}
     kinds: list[str] = []
     launched: list[dict[int, str]] = []    # per function: rank row -> its launcher (they can differ)
@@ -189,11 +199,13 @@ def _matrices(pats: Sequence[Patterns]) -> tuple[list[str], list[str], list[dict
     SG = np.zeros_like(B)
     N = np.zeros_like(B)
     BM = np.zeros_like(B)
+    MT = np.zeros_like(B)
     for i, p in enumerate(pats):
         cols = np.fromiter((index[f] for f in p.functions), dtype=np.int64, count=len(p.functions))
         B[i, cols], MU[i, cols], SG[i, cols], N[i, cols] = p.beta, p.mu, p.sigma, p.count
         BM[i, cols] = p.beta if p.beta_steady is None else p.beta_steady
-    return list(index), kinds, launched, B, MU, SG, N, BM
+        MT[i, cols] = p.mu if p.mu_median is None else p.mu_median
+    return list(index), kinds, launched, B, MU, SG, N, BM, MT
 
 
 def differential_distance(B: np.ndarray, MU: np.ndarray, SG: np.ndarray, cfg: LocalizeConfig,
@@ -233,23 +245,27 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
     out: list[Outlier] = []
     for role, ranks in sorted(by_role.items()):
         pats = [patterns[r] for r in ranks]
-        funcs, kinds, launched, B, MU, SG, N, BM = _matrices(pats)
+        funcs, kinds, launched, B, MU, SG, N, BM, MT = _matrices(pats)
         if not funcs:
             continue
         R = len(ranks)
-        # 2. expected range
-        mB, madB = _mad(B)
-        present = np.where(MU > 0, MU, np.nan)
+        # 2. expected range, on the steady β and the median execution (patterns steps 4 and 6; EROICA's
+        # β and μ without the steadiness rule)
+        if not cfg.steady:
+            BM, MT = B, MU
+        mB = np.median(B, axis=0)
+        mBM, madBM = _mad(BM)
         with np.errstate(all="ignore"):
-            ref_mu = np.nan_to_num(np.nanmedian(present, axis=0), nan=0.0)
+            ref_mu = np.nan_to_num(np.nanmedian(np.where(MU > 0, MU, np.nan), axis=0), nan=0.0)
+            ref_mt = np.nan_to_num(np.nanmedian(np.where(MT > 0, MT, np.nan), axis=0), nan=0.0)
             win = np.array([p.window_s for p in pats])[:, None]
             per = np.nanmedian(np.where(N > 0, win / np.maximum(N, 1), np.nan), axis=0)
         # μ, σ in window shares: what that much per execution costs at the role's typical
         # executions per window
         scale = np.where(np.isfinite(per) & (per > 0), per, 1.0)
-        mu_r, sg_r = MU / scale, SG / scale
+        mu_r, sg_r = MT / scale, SG / scale
         mM, madM = _mad(mu_r)
-        hiB = mB + _half_width(mB, madB, cfg)
+        hiB = mBM + _half_width(mBM, madBM, cfg)
         hiM = mM + _half_width(mM, madM, cfg)
         # σ is left unbounded by default, as in every one of EROICA's ranges: a spread of
         # durations has heavy tails (one 3x call moves it), and what it costs shows in β and μ
@@ -266,8 +282,10 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
                     loB[j], hiB[j] = e.beta
                     loM[j], hiM[j] = e.mu[0] / scale[j], e.mu[1] / scale[j]
                     loS[j], hiS[j] = e.sigma[0] / scale[j], e.sigma[1] / scale[j]
-        # 3. distance from expectation (a function absent from a rank's path is at the origin)
-        D = (np.maximum(0, B - hiB) + np.maximum(0, loB - B)
+        # 3. distance from expectation (a function absent from a rank's path is at the origin), measured
+        # on the steady β and the median execution: a few iterations or executions the scheduler
+        # interrupted do not move it
+        D = (np.maximum(0, BM - hiB) + np.maximum(0, loB - BM)
              + np.maximum(0, mu_r - hiM) + np.maximum(0, loM - mu_r) * (MU > 0)
              + np.maximum(0, sg_r - hiS) + np.maximum(0, loS - sg_r) * (MU > 0))
         # 4. differential distance
@@ -276,22 +294,22 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
         # Δ moves in steps of 1/N: its spread cannot be told finer than one sampled rank
         thr = mD + cfg.k * np.maximum(madD, 1.0 / min(cfg.n_sample, R))
         # 5. abnormal, and by at least the noise floor in window shares
-        band_b = np.maximum(cfg.floor, cfg.k * cfg.rel_floor * mB)
-        band_m = np.maximum(cfg.floor, cfg.k * cfg.rel_floor * ref_mu / scale)
-        material = (np.abs(B - mB) >= band_b) | (np.abs(mu_r - ref_mu / scale) >= band_m)
+        band_b = np.maximum(cfg.floor, cfg.k * cfg.rel_floor * mBM)
+        band_m = np.maximum(cfg.floor, cfg.k * cfg.rel_floor * ref_mt / scale)
+        material = (np.abs(BM - mBM) >= band_b) | (np.abs(mu_r - ref_mt / scale) >= band_m)
         bad = (B > cfg.min_beta) & ((D > 0) | ((Dl > thr) & material))
         if cfg.steady:
             # ... in about three iterations of four too: stalls of one or two iterations move β, not that
             mBM = np.median(BM, axis=0)
             steady = np.abs(BM - mBM) >= np.maximum(cfg.floor, cfg.k * cfg.rel_floor * mBM)
             # against a given range: β out of it in that iteration too, or D from μ/σ alone
-            in_b = (B <= hiB) & (B >= loB)
+            in_b = (BM <= hiB) & (BM >= loB)
             steady[:, given] = ((BM > hiB) | (BM < loB) | ((D > 0) & in_b))[:, given]
             bad &= steady
         # 6. impact per iteration
         per_iter = np.array([p.window_s / p.iterations if p.iterations else np.nan for p in pats])
         impact = (B - mB) * per_iter[:, None]
-        slower = (B > mB) | ((MU > ref_mu) & (B >= mB))
+        slower = (BM > mBM) | ((MT > ref_mt) & (BM >= mBM))
         for j in np.flatnonzero(bad.any(axis=0)):
             rows = np.flatnonzero(bad[:, j])
             imp = impact[rows, j]

@@ -41,7 +41,13 @@ Steps:
    them across ranks apart from the path. trainscope's own threads (a
    thread is the frames under one root; ours when one of them is a
    collector frame) are left out: their parked frames differ by rank.
-6. Function identity: its name (a kernel's demangled name, an op's name, a
+6. Typical execution (an addition): μ̃, the median critical duration per
+   execution. The scheduler preempting a rank inflates the few executions it
+   interrupts (a healthy rank's ``aten::addmm`` averaged 2.0 ms per execution
+   against its peers' 0.7-1.0 ms beside a busy process); a slower device
+   moves every execution, and μ̃ with it. ``localize`` measures the distance
+   from the expected range on μ̃ and on step 4's steady β.
+7. Function identity: its name (a kernel's demangled name, an op's name, a
    Python function's ``file(line): name``). EROICA keys Python functions by
    their whole call stack; Kineto's name already carries file and line, and
    the stack is left out (a known simplification).
@@ -87,6 +93,7 @@ class Patterns:
     window_s: float
     iterations: int
     beta_steady: np.ndarray | None = None   # step 4: lower quartile over iterations of β per iteration; None: β
+    mu_median: np.ndarray | None = None     # step 6: median s per execution; None: μ
 
     def as_dict(self) -> dict[str, tuple[float, float, float]]:
         return {f: (float(b), float(m), float(s)) for f, b, m, s in zip(self.functions, self.beta, self.mu, self.sigma)}
@@ -138,6 +145,7 @@ def behaviour_patterns(cp: CriticalPath) -> Patterns:
     beta = total[keep] / window_s if window_s > 0 else np.zeros(keep.size)
     sigma, count = np.sqrt(var), n[keep]
     beta_steady = _beta_steady(cp, keep, beta)          # step 4
+    mu_median = _group_median(tr.name[on], crit_s[on], keep)    # step 6
     gaps = cp.idle_gaps() * 1e-6
     if gaps.size and window_s > 0:                      # step 3
         funcs, kinds, launched_by = funcs + (IDLE,), kinds + ("idle",), launched_by + ("",)
@@ -146,8 +154,21 @@ def behaviour_patterns(cp: CriticalPath) -> Patterns:
         sigma = np.append(sigma, gaps.std())
         count = np.append(count, gaps.size)
         beta_steady = np.append(beta_steady, beta[-1])
+        mu_median = np.append(mu_median, np.median(gaps))
     return Patterns(functions=funcs, kinds=kinds, beta=beta, mu=mu, sigma=sigma, count=count,
-                    launched_by=launched_by, window_s=window_s, iterations=cp.iterations, beta_steady=beta_steady)
+                    launched_by=launched_by, window_s=window_s, iterations=cp.iterations, beta_steady=beta_steady,
+                    mu_median=mu_median)
+
+
+def _group_median(keys: np.ndarray, values: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """Step 6: the median of ``values`` per key, for the keys in ``keep`` (sorted, each present)."""
+    if keep.size == 0:
+        return np.zeros(0)
+    o = np.lexsort((values, keys))
+    k, v = keys[o], values[o]
+    lo = np.searchsorted(k, keep, side="left")
+    n = np.searchsorted(k, keep, side="right") - lo
+    return 0.5 * (v[lo + (n - 1) // 2] + v[lo + n // 2])
 
 
 #: Step 4: the quantile over iterations of a function's share of each iteration that must be out of line:
@@ -230,6 +251,7 @@ def thread_patterns(cp: CriticalPath) -> Patterns:
     keep = np.flatnonzero(n > 0)
     mu = total[keep] / n[keep]
     beta = total[keep] / window_s
+    mu_median = _group_median(names, self_s[on], keep)
     # steadiness (step 4): each execution's self time spread over the iterations it overlaps, in
     # proportion; a thread that works in every iteration moves the lower quartile, a 20 ms wait
     # for a lock in one iteration or two does not
@@ -256,4 +278,4 @@ def thread_patterns(cp: CriticalPath) -> Patterns:
     return Patterns(functions=tuple(tr.names[f] for f in keep), kinds=(THREAD,) * keep.size, beta=beta, mu=mu,
                     sigma=np.sqrt(np.maximum(sq[keep] / n[keep] - mu ** 2, 0.0)), count=n[keep],
                     launched_by=("",) * keep.size, window_s=window_s, iterations=cp.iterations,
-                    beta_steady=beta_steady)
+                    beta_steady=beta_steady, mu_median=mu_median)

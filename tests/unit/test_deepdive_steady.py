@@ -57,3 +57,14 @@ def test_stalls_in_two_iterations_of_four_are_not_named_but_a_noisy_steady_cost_
     assert named(localize_traces(two)) == set()
     noisy = four({1: [300.0, 1600.0, 250.0, 400.0]})                           # every iteration 5-32x
     assert named(localize_traces(noisy)) == {("aten::select", 1)}
+
+
+def test_a_steady_cost_is_named_beside_a_peer_preempted_in_some_iterations(tmp_path):
+    """With 4 ranks, a faulty rank and a healthy one preempted in two iterations of six make half the role:
+    the range from β (median and MAD over the ranks) held both, and nobody was named. A 4-rank gloo dive
+    beside a busy process: the faulty rank's ``aten::addmm`` at β 0.080, a preempted healthy rank's at 0.074,
+    their steady β 0.020 and 0.0065. Step 3 measures D on the steady β and the median execution."""
+    paths = job(tmp_path, {0: [50.0, 50.0, 2500.0, 50.0, 50.0, 2500.0],       # preempted twice: 40x
+                           1: [250.0] * 6})                                     # 5x in every iteration
+    assert named(localize_traces(paths, cfg=LocalizeConfig(steady=False))) == set()   # EROICA's β and μ
+    assert named(localize_traces(paths)) == {("aten::select", 1)}
