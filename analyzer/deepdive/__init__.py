@@ -69,7 +69,8 @@ class DeepDiveResult:
 
     @property
     def healthy(self) -> bool:
-        return not self.outliers
+        """No outlier but those of ranks that waited (``localize`` step 7)."""
+        return all(o.waiting for o in self.outliers)
 
     def to_findings(self) -> list[Finding]:
         """One level-"L4" ``Finding`` per outlier function.
@@ -94,6 +95,8 @@ class DeepDiveResult:
                                     last_iteration=max(self.last_iteration, 0))
         out = []
         for o in self.outliers:
+            if o.waiting:           # ranks that waited (localize step 7): no cause of their own
+                continue
             comm = o.kind == "communication"
             sus = []
             for i, r in enumerate(o.ranks):
@@ -197,7 +200,7 @@ def _thread_outliers(threads: Mapping[int, Patterns], pats: Mapping[int, Pattern
         return []
     symptoms: dict[int, list[str]] = {}
     for o in localize(pats, roles=roles, expected=expected, cfg=dataclasses.replace(cfg, steady=False)):
-        if o.common or o.kind == "communication":
+        if o.common or o.waiting or o.kind == "communication":
             continue
         for r, slower in zip(o.ranks, o.slower):
             if slower:

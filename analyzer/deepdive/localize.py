@@ -20,14 +20,20 @@ Steps:
    as in all of EROICA's ranges (its spread has heavy tails; what it costs
    shows in β and μ); it still counts in Δ.
 3. Distance from expectation D_{f,w} (eq. 7): the Manhattan distance from
-   P_{f,w} to R_f, with β the steady β (its lower quartile over iterations,
-   ``patterns`` step 4) and μ the median execution (``patterns`` step 6), and
-   step 2's range from them too: the iterations and executions the scheduler
-   interrupted on a shared host do not move it, a slower device or a function
-   run more often in every iteration does. On a loaded 2-core host a 4-rank
-   dive's healthy rank had ``aten::addmm`` at β 0.074 (preempted), the faulty
-   rank, running it 2.5 times as often, 0.080: the range from β (median 0.056,
-   MAD 0.022) held both; their steady β were 0.0065 and 0.020.
+   P_{f,w} to R_f, with μ the median execution μ̃ (``patterns`` step 6) and β
+   the smaller of the steady β (its lower quartile over iterations,
+   ``patterns`` step 4) and the typical β̃ = n·μ̃·(μ/μ̃ over the role)/|T|
+   (the rank's executions spread like its peers' around its own median: one
+   kernel name has many shapes), and step 2's range from them too; the idle
+   pseudo-function, whose executions are gaps of any length, by its steady β. The scheduler on a shared host inflates a few iterations
+   (which the steady β leaves out) or a few executions in every iteration
+   (which β̃ leaves out); a slower device or a function run more often moves
+   both. On a loaded 2-core host a 4-rank dive's healthy rank had
+   ``aten::addmm`` at β 0.074 (preempted), the faulty rank, running it 2.5
+   times as often, 0.080: the range from β (median 0.056, MAD 0.022) held
+   both; their steady β were 0.0065 and 0.020. With the steady β alone a
+   healthy rank was named for a ``<genexpr>`` of the data loader (β 0.089,
+   peers 0.015, its executions 2 µs at the median, 13 µs on average).
    Every dimension in shares of the window: μ and σ times
    the role's median executions per window (what that much time per
    execution costs over a typical window). So the three dimensions are
@@ -73,7 +79,11 @@ Steps:
    late (the scheduler) or waited for something else; it is taken off the
    same way and never counts as the other ranks' cause (issue #22: a 6-rank
    dive of a hot loop on rank 1 also named healthy rank 2 for
-   ``<built-in function sleep>``, 2.5 ms per iteration).
+   ``<built-in function sleep>``, 2.5 ms per iteration). With no rank slower
+   in work of its own, such ranks still waited (a member longest in a
+   collective arrived first): the outlier is kept, marked ``waiting``, and
+   names nobody (beside a busy process, healthy 4-rank dives named a rank
+   for ``c10d::allreduce_`` in 5 of 7 runs, 2.5-4.5 ms per iteration).
 Assumption: ranks of one role run the same code, so a function's pattern
 differs between them only when something is wrong (§3 of the paper).
 """
@@ -167,6 +177,7 @@ class Outlier:
     common: bool                    # on more than half the role's ranks: a problem of the whole job (§4.3 type 1)
     launched_by: str = ""
     evidence: str = ""
+    waiting: bool = False           # step 7: its ranks waited in it (or slept); it names no rank as a cause
 
 
 def _mad(x: np.ndarray, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -249,23 +260,33 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
         if not funcs:
             continue
         R = len(ranks)
-        # 2. expected range, on the steady β and the median execution (patterns steps 4 and 6; EROICA's
-        # β and μ without the steadiness rule)
-        if not cfg.steady:
-            BM, MT = B, MU
-        mB = np.median(B, axis=0)
-        mBM, madBM = _mad(BM)
+        # 2. expected range, on the steady, typical β and the median execution (patterns steps 4 and 6;
+        # EROICA's β and μ without the steadiness rule)
         with np.errstate(all="ignore"):
             ref_mu = np.nan_to_num(np.nanmedian(np.where(MU > 0, MU, np.nan), axis=0), nan=0.0)
             ref_mt = np.nan_to_num(np.nanmedian(np.where(MT > 0, MT, np.nan), axis=0), nan=0.0)
             win = np.array([p.window_s for p in pats])[:, None]
+        if cfg.steady:
+            # the smaller of the steady β and the typical β̃ = n·μ̃·(μ/μ̃ of the role)/|T|: preemption
+            # inflates a few iterations (the first) or a few executions (the second); a fault moves both
+            # (the idle pseudo-function's "executions" are gaps of any length: its steady β alone)
+            shape = np.divide(ref_mu, ref_mt, out=np.ones_like(ref_mu), where=ref_mt > 0)
+            BD, MD = np.minimum(BM, N * MT * shape / np.where(win > 0, win, 1.0)), MT.copy()
+            idle = np.array([k == "idle" for k in kinds])
+            BD[:, idle], MD[:, idle] = BM[:, idle], MU[:, idle]
+            ref_md = np.where(idle, ref_mu, ref_mt)
+        else:
+            BD, MD, ref_md = B, MU, ref_mu
+        mB = np.median(B, axis=0)
+        mBD, madBD = _mad(BD)
+        with np.errstate(all="ignore"):
             per = np.nanmedian(np.where(N > 0, win / np.maximum(N, 1), np.nan), axis=0)
         # μ, σ in window shares: what that much per execution costs at the role's typical
         # executions per window
         scale = np.where(np.isfinite(per) & (per > 0), per, 1.0)
-        mu_r, sg_r = MT / scale, SG / scale
+        mu_r, sg_r = MD / scale, SG / scale
         mM, madM = _mad(mu_r)
-        hiB = mBM + _half_width(mBM, madBM, cfg)
+        hiB = mBD + _half_width(mBD, madBD, cfg)
         hiM = mM + _half_width(mM, madM, cfg)
         # σ is left unbounded by default, as in every one of EROICA's ranges: a spread of
         # durations has heavy tails (one 3x call moves it), and what it costs shows in β and μ
@@ -283,9 +304,9 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
                     loM[j], hiM[j] = e.mu[0] / scale[j], e.mu[1] / scale[j]
                     loS[j], hiS[j] = e.sigma[0] / scale[j], e.sigma[1] / scale[j]
         # 3. distance from expectation (a function absent from a rank's path is at the origin), measured
-        # on the steady β and the median execution: a few iterations or executions the scheduler
-        # interrupted do not move it
-        D = (np.maximum(0, BM - hiB) + np.maximum(0, loB - BM)
+        # on the steady, typical β and the median execution: a few iterations or executions the
+        # scheduler interrupted do not move it
+        D = (np.maximum(0, BD - hiB) + np.maximum(0, loB - BD)
              + np.maximum(0, mu_r - hiM) + np.maximum(0, loM - mu_r) * (MU > 0)
              + np.maximum(0, sg_r - hiS) + np.maximum(0, loS - sg_r) * (MU > 0))
         # 4. differential distance
@@ -294,22 +315,22 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
         # Δ moves in steps of 1/N: its spread cannot be told finer than one sampled rank
         thr = mD + cfg.k * np.maximum(madD, 1.0 / min(cfg.n_sample, R))
         # 5. abnormal, and by at least the noise floor in window shares
-        band_b = np.maximum(cfg.floor, cfg.k * cfg.rel_floor * mBM)
-        band_m = np.maximum(cfg.floor, cfg.k * cfg.rel_floor * ref_mt / scale)
-        material = (np.abs(BM - mBM) >= band_b) | (np.abs(mu_r - ref_mt / scale) >= band_m)
+        band_b = np.maximum(cfg.floor, cfg.k * cfg.rel_floor * mBD)
+        band_m = np.maximum(cfg.floor, cfg.k * cfg.rel_floor * ref_md / scale)
+        material = (np.abs(BD - mBD) >= band_b) | (np.abs(mu_r - ref_md / scale) >= band_m)
         bad = (B > cfg.min_beta) & ((D > 0) | ((Dl > thr) & material))
         if cfg.steady:
             # ... in about three iterations of four too: stalls of one or two iterations move β, not that
             mBM = np.median(BM, axis=0)
             steady = np.abs(BM - mBM) >= np.maximum(cfg.floor, cfg.k * cfg.rel_floor * mBM)
             # against a given range: β out of it in that iteration too, or D from μ/σ alone
-            in_b = (BM <= hiB) & (BM >= loB)
+            in_b = (BD <= hiB) & (BD >= loB)
             steady[:, given] = ((BM > hiB) | (BM < loB) | ((D > 0) & in_b))[:, given]
             bad &= steady
         # 6. impact per iteration
         per_iter = np.array([p.window_s / p.iterations if p.iterations else np.nan for p in pats])
         impact = (B - mB) * per_iter[:, None]
-        slower = (BM > mBM) | ((MT > ref_mt) & (BM >= mBM))
+        slower = (BD > mBD) | ((MD > ref_md) & (BD >= mBD))
         for j in np.flatnonzero(bad.any(axis=0)):
             rows = np.flatnonzero(bad[:, j])
             imp = impact[rows, j]
@@ -336,27 +357,38 @@ def _is_wait(o) -> bool:
 
 
 def _waiting_is_not_a_cause(out: list) -> list:
-    """Step 7: on communication and blocking-wait outliers, the ranks slower in nothing else, when some
-    rank is slower in a function of its own, waited: they are taken off the outlier (named in its
-    evidence), and an outlier left with no rank is dropped."""
+    """Step 7: on communication and blocking-wait outliers, the ranks slower in nothing else waited.
+
+    When some rank is slower in a function of its own, they waited for it: they are taken off the
+    outlier (named in its evidence), and an outlier left with no rank is dropped. When none is, they
+    still waited (every member leaves a collective together, so the one longest in it arrived first;
+    a longer sleep is a late wake-up): the outlier of those ranks is kept, marked ``waiting``, and
+    names nobody. A collective longer on most ranks (``common``) is the job's and stays as it is.
+    """
     causes = {r for o in out if not _is_wait(o) and not o.common
               for r, slow in zip(o.ranks, o.slower) if slow}
-    if not causes:
-        return out
     fixed = []
     for o in out:
-        waits = [r for r, s in zip(o.ranks, o.slower) if s and r not in causes] if _is_wait(o) else []
-        if waits:
-            keep = [i for i, r in enumerate(o.ranks) if r not in waits]
+        waits = ([r for r, s in zip(o.ranks, o.slower) if s and r not in causes]
+                 if _is_wait(o) and (causes or not o.common) else [])
+        if not waits:
+            fixed.append(o)
+            continue
+        who = ", ".join(map(str, waits))
+        note = (f"rank(s) {who} waited in it for rank(s) {', '.join(map(str, sorted(causes)))}" if causes else
+                f"rank(s) {who} waited in it longer than their peers, and no rank of this dive is slower in work "
+                f"of its own: the rank waited for was late for another reason (its host, a rank outside the dive)")
+        parts = [([i for i, r in enumerate(o.ranks) if r not in waits], False)]
+        if not causes:
+            parts.append(([i for i, r in enumerate(o.ranks) if r in waits], True))
+        for keep, waiting in parts:
             if not keep:
                 continue
             pick = lambda t: tuple(t[i] for i in keep)  # noqa: E731
-            o = dataclasses.replace(
+            fixed.append(dataclasses.replace(
                 o, ranks=pick(o.ranks), d=pick(o.d), delta=pick(o.delta), beta=pick(o.beta), mu=pick(o.mu),
-                sigma=pick(o.sigma), impact_s=pick(o.impact_s), slower=pick(o.slower),
-                evidence=(o.evidence + "; " if o.evidence else "")
-                + f"rank(s) {', '.join(map(str, waits))} waited in it for rank(s) {', '.join(map(str, sorted(causes)))}")
-        fixed.append(o)
+                sigma=pick(o.sigma), impact_s=pick(o.impact_s), slower=pick(o.slower), waiting=waiting,
+                evidence=(o.evidence + "; " if o.evidence else "") + note))
     return fixed
 
 

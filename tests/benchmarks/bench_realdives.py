@@ -21,7 +21,8 @@ analyses it. Scenarios, the fault on rank 2:
 
 ``--busy`` runs a CPU-hungry process (``nice 10``, one busy core) beside every
 job. ``--keep DIR`` keeps a wrong dive's traces (``DIR/<scenario>-<seed>``, to
-analyse again). Prints one row per dive (seconds are wall time here) and the totals. No
+analyse again); ``--keep-all`` keeps every dive's (``DIR/<scenario>-<seed>-ok``
+for the right ones): a corpus to judge a change of rule on without rerunning jobs. Prints one row per dive (seconds are wall time here) and the totals. No
 job is run twice.
 """
 from __future__ import annotations
@@ -64,7 +65,7 @@ def named_functions(deep: pathlib.Path, tmp: pathlib.Path) -> tuple[dict[int, li
     doc = docs[0]
     named: dict[int, list[str]] = {}
     for o in doc["outliers"]:
-        if o["common"]:
+        if o["common"] or o.get("waiting"):     # the job's, or ranks that waited (localize step 7)
             continue
         for r, slower in zip(o["ranks"], o["slower"]):
             if slower:
@@ -84,8 +85,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=1, help="runs of each job (default 1)")
     ap.add_argument("--busy", action="store_true", help="a CPU-hungry process beside every job")
     ap.add_argument("--keep", type=pathlib.Path, help="keep the traces of wrong dives in this folder")
+    ap.add_argument("--keep-all", action="store_true", help="with --keep: keep the right dives' traces too")
     ap.add_argument("--only", nargs="*", default=[], choices=list(EXPECT), help="scenarios to run")
     args = ap.parse_args(argv)
+    if args.keep_all and not args.keep:
+        ap.error("--keep-all needs --keep DIR")
+    if args.keep and args.keep.exists() and any(args.keep.iterdir()):
+        ap.error(f"{args.keep} is not empty: name a new folder (nothing is overwritten)")
     busy = None
     if args.busy:
         busy = subprocess.Popen(["nice", "-n", "10", sys.executable, "-c", "while True: pass"])
@@ -106,8 +112,8 @@ def main(argv=None) -> int:
                         complete = json.loads(p.stdout).get("complete")
                         named, suspects, outliers = named_functions(deep, tmp)
                         ok = judge(name, named)
-                        if not ok and args.keep:
-                            shutil.copytree(deep, args.keep / f"{name}-{seed}")
+                        if args.keep and (not ok or args.keep_all):
+                            shutil.copytree(deep, args.keep / f"{name}-{seed}{'-ok' if ok else ''}")
                     except (RuntimeError, OSError, ValueError, subprocess.SubprocessError) as e:
                         rows.append((name, False))
                         print(f"WRONG  {name:<9} seed {seed}  no dive: {e}"[:400], flush=True)

@@ -54,3 +54,19 @@ def test_wrong_input_is_one_line_and_exit_2(root, tmp_path, capsys):
     assert main(["query", "deep-dive", "--job", "empty", "--deep-dive-dir", str(root)]) == 2
     assert "no manifest.json" in capsys.readouterr().err
     assert main(["query", "deep-dive", "--job", "j", "--deep-dive-dir", str(tmp_path / "none")]) == 2
+
+
+def test_ranks_that_waited_are_listed_as_waiting_not_found(tmp_path):
+    """``localize`` step 7 marks an outlier of ranks that only waited (a longer all-reduce, no rank slower
+    in work of its own): the listing says they waited and that the dive found nothing out of line."""
+    from trainscope.analyzer.query import _deep_dive_entries
+    d = tmp_path / "20261207T000000-cccccc"
+    d.mkdir()
+    (d / "analysis.json").write_text(json.dumps({"suspects": [], "outliers": [
+        {"function": "c10d::allreduce_", "kind": "communication", "common": False, "ranks": [1], "slower": [True],
+         "impact_s": [0.003], "evidence": "rank(s) 1 waited in it longer than their peers", "waiting": True}]}))
+    (e,) = _deep_dive_entries([(str(d), {"dive_id": d.name, "job": "j", "complete": True})], "j", "analysis.json")
+    assert e["found"] == [] and e["waited"] == [{"function": "c10d::allreduce_", "ranks": [1]}]
+    text = render_deep_dives([e])
+    assert "waited: rank(s) 1 longer in c10d::allreduce_ (waiting, not a cause)" in text
+    assert "found: no function out of line on any rank (healthy)" in text
