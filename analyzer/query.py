@@ -564,8 +564,8 @@ def _deep_dive_entries(entries: list, job: str, ANALYSIS: str) -> list[dict]:
             for o in ana.get("outliers") or ():
                 who = [r for r, s in zip(o["ranks"], o["slower"]) if s] if not o.get("common") else []
                 imp = [x for x, s in zip(o["impact_s"], o["slower"]) if s and x is not None]
-                if o.get("waiting"):            # ranks that waited in it (localize step 7): no cause
-                    waited.append({"function": o["function"], "ranks": o["ranks"]})
+                if o.get("not_cause"):          # ranks that waited or were absorbed (localize steps 7-8)
+                    waited.append({"function": o["function"], "ranks": o["ranks"], "why": o["not_cause"]})
                     continue
                 found.append({"function": o["function"], "kind": o["kind"], "ranks": who, "common": o.get("common"),
                               "impact_s": max(imp) if imp else None, "evidence": o.get("evidence", "")})
@@ -612,7 +612,9 @@ def render_deep_dives(dives: list[dict]) -> str:
             cost = f", {f['impact_s'] * 1e3:.3g} ms/iteration" if f["impact_s"] else ""
             lines.append(f"  found: {f['function']} ({f['kind']}) on {who}{cost}")
         for w in d.get("waited", [])[:5]:
-            lines.append(f"  waited: rank(s) {_listed(w['ranks'])} longer in {w['function']} (waiting, not a cause)")
+            how = ("longer in" if w["why"] == "waited" else "slower in") + f" {w['function']}"
+            lines.append(f"  not a cause: rank(s) {_listed(w['ranks'])} {how} ({w['why']}: "
+                         + ("it waited for others" if w["why"] == "waited" else "it made nobody wait") + ")")
         if d["state"] == "analysed" and not d["found"]:
             lines.append("  found: no function out of line on any rank (healthy)")
             for r, top in list(d["top"].items())[:4]:

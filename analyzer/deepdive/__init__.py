@@ -69,8 +69,8 @@ class DeepDiveResult:
 
     @property
     def healthy(self) -> bool:
-        """No outlier but those of ranks that waited (``localize`` step 7)."""
-        return all(o.waiting for o in self.outliers)
+        """No outlier but those that name no cause (ranks that waited or were absorbed: ``localize`` 7-8)."""
+        return all(o.not_cause for o in self.outliers)
 
     def to_findings(self) -> list[Finding]:
         """One level-"L4" ``Finding`` per outlier function.
@@ -95,7 +95,7 @@ class DeepDiveResult:
                                     last_iteration=max(self.last_iteration, 0))
         out = []
         for o in self.outliers:
-            if o.waiting:           # ranks that waited (localize step 7): no cause of their own
+            if o.not_cause:         # ranks that waited or were absorbed (localize steps 7-8): no cause
                 continue
             comm = o.kind == "communication"
             sus = []
@@ -200,7 +200,7 @@ def _thread_outliers(threads: Mapping[int, Patterns], pats: Mapping[int, Pattern
         return []
     symptoms: dict[int, list[str]] = {}
     for o in localize(pats, roles=roles, expected=expected, cfg=dataclasses.replace(cfg, steady=False)):
-        if o.common or o.waiting or o.kind == "communication":
+        if o.common or o.not_cause or o.kind == "communication":
             continue
         for r, slower in zip(o.ranks, o.slower):
             if slower:

@@ -268,7 +268,7 @@ def analyze_dive(directory: str, *, cfg: LocalizeConfig = LocalizeConfig(),
     except BadInput as e:
         doc["error"] = str(e)
         return doc, None
-    named = sorted({r for o in res.outliers if not (o.common or o.waiting) for r, s in zip(o.ranks, o.slower) if s})
+    named = sorted({r for o in res.outliers if not (o.common or o.not_cause) for r, s in zip(o.ranks, o.slower) if s})
     doc.update({
         "analysis_s": round(res.analysis_s, 3), "first_iteration": res.first_iteration,
         "last_iteration": res.last_iteration, "warnings": list(res.warnings), "suspects": named,
@@ -280,7 +280,7 @@ def analyze_dive(directory: str, *, cfg: LocalizeConfig = LocalizeConfig(),
                       "ranks": list(o.ranks), "slower": list(o.slower), "beta": list(o.beta),
                       "mu_s": list(o.mu), "impact_s": list(o.impact_s), "D": list(o.d), "Delta": list(o.delta),
                       "expected_beta": o.expected[0], "expected_mu_s": o.expected[1],
-                      "launched_by": o.launched_by, "evidence": o.evidence, "waiting": o.waiting}
+                      "launched_by": o.launched_by, "evidence": o.evidence, "not_cause": o.not_cause}
                      for o in res.outliers],
     })
     # the Perfetto view: the suspect (the first named, else the slowest rank) and a healthy peer of its role

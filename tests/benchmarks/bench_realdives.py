@@ -65,7 +65,7 @@ def named_functions(deep: pathlib.Path, tmp: pathlib.Path) -> tuple[dict[int, li
     doc = docs[0]
     named: dict[int, list[str]] = {}
     for o in doc["outliers"]:
-        if o["common"] or o.get("waiting"):     # the job's, or ranks that waited (localize step 7)
+        if o["common"] or o.get("not_cause"):   # the job's, or no cause (localize steps 7-8)
             continue
         for r, slower in zip(o["ranks"], o["slower"]):
             if slower:

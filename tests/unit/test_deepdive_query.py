@@ -64,9 +64,9 @@ def test_ranks_that_waited_are_listed_as_waiting_not_found(tmp_path):
     d.mkdir()
     (d / "analysis.json").write_text(json.dumps({"suspects": [], "outliers": [
         {"function": "c10d::allreduce_", "kind": "communication", "common": False, "ranks": [1], "slower": [True],
-         "impact_s": [0.003], "evidence": "rank(s) 1 waited in it longer than their peers", "waiting": True}]}))
+         "impact_s": [0.003], "evidence": "rank(s) 1 waited in it longer than their peers", "not_cause": "waited"}]}))
     (e,) = _deep_dive_entries([(str(d), {"dive_id": d.name, "job": "j", "complete": True})], "j", "analysis.json")
-    assert e["found"] == [] and e["waited"] == [{"function": "c10d::allreduce_", "ranks": [1]}]
+    assert e["found"] == [] and e["waited"] == [{"function": "c10d::allreduce_", "ranks": [1], "why": "waited"}]
     text = render_deep_dives([e])
-    assert "waited: rank(s) 1 longer in c10d::allreduce_ (waiting, not a cause)" in text
+    assert "not a cause: rank(s) 1 longer in c10d::allreduce_ (waited: it waited for others)" in text
     assert "found: no function out of line on any rank (healthy)" in text

@@ -172,7 +172,7 @@ def test_a_collective_longer_on_a_rank_waiting_for_a_slower_rank_is_not_a_cause(
     assert _waiting_is_not_a_cause([hot, o("c10d::allreduce_", "communication", [0], [True])]) == [hot]
     # no rank slower in anything else: they waited all the same, for a rank late for another reason
     (alone,) = _waiting_is_not_a_cause([wait])
-    assert alone.waiting and alone.ranks == (0, 2) and "no rank of this dive is slower" in alone.evidence
+    assert alone.not_cause == "waited" and alone.ranks == (0, 2) and "no rank of this dive is slower" in alone.evidence
     # a collective longer on most ranks is the job's (EROICA's type 1), not waiting
     common = dataclasses.replace(wait, common=True)
     assert _waiting_is_not_a_cause([common]) == [common]
@@ -197,11 +197,38 @@ def test_a_rank_longer_in_sleep_woke_up_late_and_is_not_named_beside_the_hot_loo
     assert out == [hot]
     # without a rank slower in work of its own, the sleep and the collective are reported as waiting
     out = _waiting_is_not_a_cause([sleep, allreduce])
-    assert [(x.function, x.ranks, x.waiting) for x in out] == [(sleep.function, (2,), True),
-                                                               (allreduce.function, (0,), True)]
+    assert [(x.function, x.ranks, x.not_cause) for x in out] == [(sleep.function, (2,), "waited"),
+                                                                 (allreduce.function, (0,), "waited")]
     # c10d's Work.wait under a gloo all-reduce, as Kineto names it (a 4-rank slower-matmul dive named
     # healthy rank 1 for it beside rank 2's aten::addmm): a wait, not work
     work_wait = o("<built-in method wait of pybind11_builtins.pybind11_detail_function_record_v1_system_"
                   "libstdcpp_gxx_abi_1xxx_use_cxx11_abi_1 object at 0x7f>", "python", [1])
     addmm = o("aten::addmm", "cpu", [2])
     assert _waiting_is_not_a_cause([addmm, work_wait]) == [addmm]
+
+
+def test_a_slower_rank_that_made_nobody_wait_is_absorbed_beside_one_that_did():
+    """localize step 8: beside a busy process, a 4-rank dive of a hot loop on rank 2 (23 ms per iteration,
+    24 ms less waiting at the collectives than the median rank) also named healthy rank 0 for
+    ``aten::gelu`` (0.8 ms), which waited as long as its peers: it cost the job nothing."""
+    from trainscope.analyzer.deepdive.localize import Outlier, _absorbed
+
+    def o(func, kind, ranks, impact):
+        n = len(ranks)
+        return Outlier(function=func, kind=kind, role="job", ranks=tuple(ranks), d=(0.1,) * n, delta=(0.5,) * n,
+                       beta=(0.2,) * n, mu=(0.01,) * n, sigma=(0.0,) * n, impact_s=tuple(impact),
+                       slower=(True,) * n, expected=(0.1, 0.01, 0.0), delta_threshold=0.2, common=False)
+
+    hot = o("train_faults.py(15): hot_loop", "python", [2], [0.0234])
+    gelu = o("aten::gelu", "cpu", [0], [0.0008])
+    waits = {0: ("job", 0.0573), 1: ("job", 0.0575), 2: ("job", 0.0336), 3: ("job", 0.0578)}
+    out = _absorbed([hot, gelu], waits)
+    assert out[0] == hot
+    assert out[1].not_cause == "absorbed" and out[1].ranks == (0,) and "for rank(s) 2" in out[1].evidence
+    # rank 0 late too (it waited 5 ms less than the median): both are causes
+    assert _absorbed([hot, gelu], {**waits, 0: ("job", 0.0525)}) == [hot, gelu]
+    # nobody late (a small fault lost in the waits' noise): nothing is taken away
+    flat = {r: ("job", 0.0573) for r in range(4)}
+    assert _absorbed([hot, gelu], flat) == [hot, gelu]
+    # another role's late rank absorbs nobody here
+    assert _absorbed([hot, gelu], {**waits, 2: ("stage1", 0.0336)}) == [hot, gelu]
