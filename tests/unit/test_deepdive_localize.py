@@ -20,7 +20,6 @@ import pytest
 from trainscope.analyzer.deepdive import localize_columns, localize_traces
 from trainscope.analyzer.deepdive.trace import KERNEL, MEMCPY, MEMSET, PYTHON, TraceColumns, read_trace
 from trainscope.analyzer.merge import merge
-from trainscope.proto.v1 import records_pb2
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "kineto"
 BASE = SHARED / "job2-rank0-nccl.json.gz"

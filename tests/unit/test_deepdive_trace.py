@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from trainscope.analyzer.deepdive import TraceError, read_trace
-from trainscope.analyzer.deepdive.critical_path import COMPUTE, HOST, IDLE, MEMORY, critical_path
+from trainscope.analyzer.deepdive.critical_path import COMPUTE, HOST, IDLE, critical_path
 from trainscope.analyzer.deepdive.patterns import behaviour_patterns
 from trainscope.analyzer.deepdive.trace import KERNEL, RUNTIME
 
