@@ -27,7 +27,7 @@ import numpy as np
 
 from trainscope.analyzer.deepdive.critical_path import LEVEL_NAMES, CriticalPath, critical_path
 from trainscope.analyzer.deepdive.localize import (
-    PAPER_RANGES, ExpectedRange, LocalizeConfig, Outlier, localize,
+    PAPER_RANGES, ExpectedRange, LocalizeConfig, Outlier, absorbed, arrival_waits, localize,
 )
 from trainscope.analyzer.deepdive.patterns import Patterns, behaviour_patterns, thread_patterns
 from trainscope.analyzer.deepdive.trace import TraceColumns, TraceError, read_trace
@@ -163,8 +163,9 @@ def localize_columns(traces: Mapping[int, TraceColumns], *, job_id: str = "",
     if len({len(s) for s in steps.values()}) > 1:
         warnings.append("the traces cover different numbers of iterations: "
                         + ", ".join(f"rank {r}: {len(s)}" for r, s in sorted(steps.items())[:8]))
-    outliers = localize(pats, roles=roles, expected=expected, cfg=cfg)
+    outliers = localize(pats, roles=roles, expected=expected, cfg=cfg, absorb=False)
     outliers += _thread_outliers(threads, pats, roles=roles, expected=expected, cfg=cfg)
+    outliers = absorbed(outliers, arrival_waits(pats, roles))          # localize step 8
     ids = [i for s in steps.values() for i in s if i >= 0]
     return DeepDiveResult(job_id=job_id, ranks=tuple(summaries), outliers=tuple(outliers),
                           params=dataclasses.asdict(cfg), analysis_s=time.perf_counter() - t,
@@ -199,7 +200,8 @@ def _thread_outliers(threads: Mapping[int, Patterns], pats: Mapping[int, Pattern
     if not candidates:
         return []
     symptoms: dict[int, list[str]] = {}
-    for o in localize(pats, roles=roles, expected=expected, cfg=dataclasses.replace(cfg, steady=False)):
+    for o in localize(pats, roles=roles, expected=expected, cfg=dataclasses.replace(cfg, steady=False),
+                      absorb=False):
         if o.common or o.not_cause or o.kind == "communication":
             continue
         for r, slower in zip(o.ranks, o.slower):

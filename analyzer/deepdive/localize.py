@@ -89,7 +89,8 @@ Steps:
    collectives less than its role's median by at least half its own cost,
    another named rank of its role that does not was slower at no cost to the
    job (it waited for the first): its outliers are marked ``absorbed`` and
-   name nobody (``_absorbed``).
+   name nobody (``absorbed``; after the threads' outliers are in, so a rank
+   named for a thread counts as named).
 Assumption: ranks of one role run the same code, so a function's pattern
 differs between them only when something is wrong (§3 of the paper).
 """
@@ -253,14 +254,13 @@ def differential_distance(B: np.ndarray, MU: np.ndarray, SG: np.ndarray, cfg: Lo
 
 def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | None = None,
              expected: Mapping[str, ExpectedRange] | None = None,
-             cfg: LocalizeConfig = LocalizeConfig()) -> list[Outlier]:
+             cfg: LocalizeConfig = LocalizeConfig(), absorb: bool = True) -> list[Outlier]:
     """Steps 1-6 for every role; outliers sorted by their largest impact (then D, Δ)."""
     by_role: dict[str, list[int]] = {}
     for r in sorted(patterns):
         by_role.setdefault((roles or {}).get(r, "job"), []).append(r)
     rng = np.random.default_rng(cfg.seed)
     out: list[Outlier] = []
-    arrival: dict[int, tuple[str, float]] = {}      # rank -> (role, s per iteration waiting), step 8
     for role, ranks in sorted(by_role.items()):
         pats = [patterns[r] for r in ranks]
         funcs, kinds, launched, B, MU, SG, N, BM, MT = _matrices(pats)
@@ -336,11 +336,6 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
             bad &= steady
         # 6. impact per iteration
         per_iter = np.array([p.window_s / p.iterations if p.iterations else np.nan for p in pats])
-        # step 8's measure: each rank's time per iteration in collectives and blocking waits
-        waits = np.array([k == "communication" or (k in ("python", "cpu") and bool(WAITING.search(f)))
-                          for f, k in zip(funcs, kinds)])
-        wait_s = (B[:, waits].sum(axis=1) * per_iter) if waits.any() else np.full(R, np.nan)
-        arrival.update({r: (role, float(w)) for r, w in zip(ranks, wait_s)})
         impact = (B - mB) * per_iter[:, None]
         slower = (BD > mBD) | ((MD > ref_md) & (BD >= mBD))
         for j in np.flatnonzero(bad.any(axis=0)):
@@ -351,7 +346,9 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
                                 impact, slower, (float(mB[j]), float(ref_mu[j]), float(np.median(SG[:, j]))),
                                 float(thr[j]), R, launched[j], expected is not None and (
                                     funcs[j] in expected or kinds[j] in expected)))
-    out = _absorbed(_waiting_is_not_a_cause(out), arrival)
+    out = _waiting_is_not_a_cause(out)
+    if absorb:          # step 8 (``localize_columns`` runs it itself, once the threads' outliers are in)
+        out = absorbed(out, arrival_waits(patterns, roles))
     out.sort(key=lambda o: (-max((x for x in o.impact_s if x is not None), default=0.0), -max(o.d), -max(o.delta)))
     return out
 
@@ -411,7 +408,19 @@ def _subset(o: Outlier, keep: list[int], note: str, not_cause: str) -> Outlier:
 ABSORBED_SHARE = 0.5
 
 
-def _absorbed(out: list, arrival: Mapping[int, tuple[str, float]]) -> list:
+def arrival_waits(patterns: Mapping[int, Patterns], roles: Mapping[int, str] | None = None
+                  ) -> dict[int, tuple[str, float]]:
+    """Step 8's measure: rank -> (role, s per iteration on its path in collectives and blocking waits);
+    NaN without iteration marks."""
+    out = {}
+    for r, p in patterns.items():
+        w = sum(float(b) for f, k, b in zip(p.functions, p.kinds, p.beta)
+                if k == "communication" or (k in ("python", "cpu") and WAITING.search(f)))
+        out[r] = ((roles or {}).get(r, "job"), w * p.window_s / p.iterations if p.iterations else math.nan)
+    return out
+
+
+def absorbed(out: list, arrival: Mapping[int, tuple[str, float]]) -> list:
     """Step 8: a slower rank that made nobody wait is not a cause while another one did.
 
     In a synchronous job every rank waits at the collectives for the last to arrive; a rank whose own
@@ -427,10 +436,13 @@ def _absorbed(out: list, arrival: Mapping[int, tuple[str, float]]) -> list:
     faults of comparable cost each make the unnamed ranks wait, and stay named.
     """
     cost: dict[int, float] = {}
+    named: set[int] = set()             # any cause named (a thread's outlier carries no cost of its own)
     for o in out:
         if o.not_cause or o.common or _is_wait(o):
             continue
         for r, s, x in zip(o.ranks, o.slower, o.impact_s):
+            if s:
+                named.add(r)
             if s and x is not None and x > 0:
                 cost[r] = cost.get(r, 0.0) + x
     # the reference: the role's ranks named for nothing (all of the role's when every rank is named)
@@ -439,7 +451,7 @@ def _absorbed(out: list, arrival: Mapping[int, tuple[str, float]]) -> list:
     for r, (role, w) in arrival.items():
         if np.isfinite(w):
             by_role.setdefault(role, []).append(w)
-            if r not in cost:
+            if r not in named:
                 unnamed.setdefault(role, []).append(w)
     ref = {role: float(np.median(unnamed.get(role) or ws)) for role, ws in by_role.items()}
     late = {r: ref[arrival[r][0]] - arrival[r][1] for r in cost if r in arrival and arrival[r][0] in ref}

@@ -59,10 +59,14 @@ def test_one_dive_names_each_fault_on_its_rank_and_no_healthy_rank(dive, tmp_pat
     (doc,) = DeepDiveFollower(str(deep), store, FollowerConfig(verdict_wait_s=0)).scan()
     assert doc["ranks_analysed"] == list(range(WORLD)), doc
     print("\n" + "\n".join(f"outlier {o['kind']} {o['function'][:70]} ranks {o['ranks']} slower {o['slower']} "
-                            f"impact {o['impact_s']} called from {o['launched_by'][:50]!r}" for o in doc["outliers"]))
+                            f"impact {o['impact_s']} called from {o['launched_by'][:50]!r} "
+                            f"{o['not_cause'] or ''}" for o in doc["outliers"]))
     named: dict[int, list[dict]] = {}
     for o in doc["outliers"]:
         assert not o["common"], o
+        if o["not_cause"]:          # ranks that waited, or slower at no cost to the job (localize steps 7-8)
+            assert not set(o["ranks"]) & set(FAULTS) or o["not_cause"] == "waited", o
+            continue
         for r, slower in zip(o["ranks"], o["slower"]):
             if slower:
                 named.setdefault(r, []).append(o)
@@ -84,10 +88,12 @@ def test_one_dive_names_each_fault_on_its_rank_and_no_healthy_rank(dive, tmp_pat
     # a loaded host, so whether one of them is steady enough to be named beside the thread varies with the load:
     # the fault's own function is the thread's; any path symptom named is on rank 3 (the set of ranks above)
     print(f"rank 3 path symptoms named beside the thread: {[o['function'] for o in named[3] if o['kind'] != 'thread']}")
-    # rank 4: elementwise ops called from the unfused forward
+    # rank 4: elementwise ops of the unfused forward, called from it or from the autograd engine running
+    # their backward (which of the two holds most of an op's critical time varies with the load)
     unfused_fwd = f"train_faults.py({line_of('def forward', after='class Unfused')}): forward"
     ops = [o for o in named[4] if o["function"] in ("aten::mul", "aten::add", "aten::tanh", "aten::pow")]
-    assert ops and any(o["launched_by"] == unfused_fwd for o in ops), named[4]
+    assert ops and any(o["launched_by"] == unfused_fwd or o["launched_by"].endswith(": _engine_run_backward")
+                       for o in ops), named[4]
     # stored as L4 diagnoses naming the four faulty ranks only
     diags = list(store.diagnoses("faults", level="L4"))
     assert {s.rank for d in diags for s in d.suspects} == set(FAULTS)

@@ -211,7 +211,7 @@ def test_a_slower_rank_that_made_nobody_wait_is_absorbed_beside_one_that_did():
     """localize step 8: beside a busy process, a 4-rank dive of a hot loop on rank 2 (23 ms per iteration,
     24 ms less waiting at the collectives than the median rank) also named healthy rank 0 for
     ``aten::gelu`` (0.8 ms), which waited as long as its peers: it cost the job nothing."""
-    from trainscope.analyzer.deepdive.localize import Outlier, _absorbed
+    from trainscope.analyzer.deepdive.localize import Outlier, absorbed as _absorbed
 
     def o(func, kind, ranks, impact):
         n = len(ranks)
