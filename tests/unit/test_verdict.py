@@ -277,6 +277,31 @@ def test_job_verdict_merges_windows():
     assert merge_windows([]) is None
 
 
+def test_job_verdict_makes_a_late_starter_the_waiter_of_the_culprit_it_waited_for_in_another_window():
+    """merge_windows step 2b. A real two-group job on an idle host, rank 1 sharing a core with three busy
+    processes: its DP peer 3 was a late starter to its TP all-reduce in window 5 (its wait for rank 1 under
+    the level's bar there) and rank 1's measured waiter in window 6; rank 1 was the late starter in windows
+    6 and 7. The job's verdict named rank 3 first. A rank with culprit evidence of its own keeps it."""
+    def window(i, suspects):
+        v = records_pb2.Verdict(job_id="j", state="degraded", step_s=0.035)
+        v.window.index = i
+        for rank, role, waited_for, levels in suspects:
+            s = v.ranks.add(rank=rank, role=role, waited_for=waited_for, impact_s=0.003, score=0.003,
+                            why=f"rank {rank}: 3 ms/iteration (8.6% of the step)")
+            s.evidence.update({"culprit_levels": levels})
+        return v
+    late = ["collectives"]
+    vs = [window(5, [(3, "culprit", -1, late)]),
+          window(6, [(1, "culprit", -1, late), (3, "waiter", 1, [])]),
+          window(7, [(1, "culprit", -1, late), (0, "waiter", 1, [])])]
+    job = merge_windows(vs)
+    assert [(s.rank, s.role) for s in job.ranks] == [(1, "culprit"), (3, "waiter")]
+    assert job.ranks[1].waited_for == 1
+    # slower in work of its own (an L2 phase) in its window: a culprit of its own, not rank 1's waiter
+    vs[0] = window(5, [(3, "culprit", -1, ["L2"])])
+    assert dict((s.rank, s.role) for s in merge_windows(vs).ranks) == {1: "culprit", 3: "culprit"}
+
+
 def test_job_verdict_states_the_cost_with_the_jobs_figures():
     """The job's summary once said 25.2 % (the last window's cost over its step) where its table
     and JSON said 25.0 % (median cost over the job's step): one figure now, wherever printed."""
