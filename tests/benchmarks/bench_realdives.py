@@ -1,6 +1,7 @@
 """Deep dives on real PyTorch jobs: a healthy job and one fault each; is only the faulty rank's function named?
 
-    python tests/benchmarks/bench_realdives.py [--seeds 3] [--busy] [--only hot_loop gc] [--keep DIR]
+    python tests/benchmarks/bench_realdives.py [--seeds 3] [--busy] [--only hot_loop gc] [--keep DIR [--keep-all]]
+    python tests/benchmarks/bench_realdives.py --rejudge DIR [DIR ...]
 
 Each job is ``tests/support/deepdive_job.py``'s small gloo job (4 ranks, CPU)
 under ``trainscope run`` with a real processor; ``trainscope profile`` asks
@@ -22,7 +23,9 @@ analyses it. Scenarios, the fault on rank 2:
 ``--busy`` runs a CPU-hungry process (``nice 10``, one busy core) beside every
 job. ``--keep DIR`` keeps a wrong dive's traces (``DIR/<scenario>-<seed>``, to
 analyse again); ``--keep-all`` keeps every dive's (``DIR/<scenario>-<seed>-ok``
-for the right ones): a corpus to judge a change of rule on without rerunning jobs. Prints one row per dive (seconds are wall time here) and the totals. No
+for the right ones): a corpus to judge a change of rule on without rerunning jobs;
+``--rejudge DIR...`` judges every kept dive there again with the rules as they
+are now, in seconds (the folder's name says the scenario, not the verdict). Prints one row per dive (seconds are wall time here) and the totals. No
 job is run twice.
 """
 from __future__ import annotations
@@ -80,6 +83,46 @@ def judge(name: str, named: dict[int, list[str]]) -> bool:
     return set(named) == {RANK} and any(want(f) for f in named[RANK])
 
 
+def rejudge(roots: list[pathlib.Path]) -> int:
+    """``--rejudge``: the kept dives (``<scenario>-<seed>[-ok]/dive/<id>/rank-<N>.json``) judged again."""
+    from trainscope.analyzer.deepdive import localize_traces, trace_paths
+    from trainscope.analyzer.deepdive.trace import TraceError
+    rows = []
+    for root in roots:
+        if not root.is_dir():
+            print(f"bench_realdives.py: {root} is not a folder: pass a --keep folder", file=sys.stderr)
+            return 2
+        for d in sorted(root.iterdir()):
+            name = next((n for n in EXPECT if d.name.startswith(n + "-")), None)
+            dives = sorted((d / "dive").glob("*/")) if name else []
+            if len(dives) != 1:
+                continue
+            try:
+                res = localize_traces(trace_paths(dives[0]))
+            except TraceError as e:
+                print(f"WRONG  {d}: {e}"[:300], flush=True)
+                rows.append((name, False))
+                continue
+            named: dict[int, list[str]] = {}
+            for o in res.outliers:
+                if not (o.common or o.not_cause):
+                    for r, slower in zip(o.ranks, o.slower):
+                        if slower:
+                            named.setdefault(int(r), []).append(o.function)
+            ok = judge(name, named)
+            rows.append((name, ok))
+            shown = "; ".join(f"rank {r}: {', '.join(sorted(set(fs)))[:100]}" for r, fs in sorted(named.items()))
+            print(f"{'ok' if ok else 'WRONG':>5}  {root.name}/{d.name:<18} named [{shown or 'nobody'}]", flush=True)
+    if not rows:
+        print("bench_realdives.py: no kept dive in those folders (made by --keep DIR --keep-all)", file=sys.stderr)
+        return 2
+    faulty = [ok for n, ok in rows if n != "healthy"]
+    clean = [ok for n, ok in rows if n == "healthy"]
+    print(f"re-judged: faulty dives right {sum(faulty)}/{len(faulty)}; healthy dives naming nobody "
+          f"{sum(clean)}/{len(clean)}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=1, help="runs of each job (default 1)")
@@ -87,7 +130,11 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", type=pathlib.Path, help="keep the traces of wrong dives in this folder")
     ap.add_argument("--keep-all", action="store_true", help="with --keep: keep the right dives' traces too")
     ap.add_argument("--only", nargs="*", default=[], choices=list(EXPECT), help="scenarios to run")
+    ap.add_argument("--rejudge", nargs="+", type=pathlib.Path, metavar="DIR",
+                    help="judge the dives kept in these folders again with the current rules (runs no job)")
     args = ap.parse_args(argv)
+    if args.rejudge:
+        return rejudge(args.rejudge)
     if args.keep_all and not args.keep:
         ap.error("--keep-all needs --keep DIR")
     if args.keep and args.keep.exists() and any(args.keep.iterdir()):
