@@ -559,13 +559,13 @@ def _deep_dive_entries(entries: list, job: str, ANALYSIS: str) -> list[dict]:
         except (OSError, ValueError):
             ana = None
         ranks = man.get("ranks") or {}
-        found, waited = [], []
+        found, not_cause = [], []
         if ana and not ana.get("error"):
             for o in ana.get("outliers") or ():
                 who = [r for r, s in zip(o["ranks"], o["slower"]) if s] if not o.get("common") else []
                 imp = [x for x, s in zip(o["impact_s"], o["slower"]) if s and x is not None]
                 if o.get("not_cause"):          # ranks that waited or were absorbed (localize steps 7-8)
-                    waited.append({"function": o["function"], "ranks": o["ranks"], "why": o["not_cause"]})
+                    not_cause.append({"function": o["function"], "ranks": o["ranks"], "why": o["not_cause"]})
                     continue
                 found.append({"function": o["function"], "kind": o["kind"], "ranks": who, "common": o.get("common"),
                               "impact_s": max(imp) if imp else None, "evidence": o.get("evidence", "")})
@@ -583,7 +583,7 @@ def _deep_dive_entries(entries: list, job: str, ANALYSIS: str) -> list[dict]:
                           "object": v.get("object") or ((((man.get("objects") or {}).get(r) or {}).get("trace")
                                                          or {}).get("url"))}
                       for r, v in sorted(ranks.items(), key=lambda kv: int(kv[0]))},
-            "found": found, "waited": waited, "suspects": (ana or {}).get("suspects", []),
+            "found": found, "not_a_cause": not_cause, "suspects": (ana or {}).get("suspects", []),
             "top": {r: [t["function"] for t in v.get("top", [])[:3]] for r, v in ((ana or {}).get("ranks") or {}).items()},
             "perfetto": (ana or {}).get("perfetto", {}), "verdict": (ana or {}).get("verdict"),
             "_sort": int(man.get("requested_unix_ns") or 0)})
@@ -611,7 +611,7 @@ def render_deep_dives(dives: list[dict]) -> str:
             who = "every rank (common)" if f["common"] else "rank(s) " + _listed(f["ranks"])
             cost = f", {f['impact_s'] * 1e3:.3g} ms/iteration" if f["impact_s"] else ""
             lines.append(f"  found: {f['function']} ({f['kind']}) on {who}{cost}")
-        for w in d.get("waited", [])[:5]:
+        for w in d.get("not_a_cause", [])[:5]:
             how = ("longer in" if w["why"] == "waited" else "slower in") + f" {w['function']}"
             lines.append(f"  not a cause: rank(s) {_listed(w['ranks'])} {how} ({w['why']}: "
                          + ("it waited for others" if w["why"] == "waited" else "it made nobody wait") + ")")

@@ -25,10 +25,10 @@ Steps:
    ``patterns`` step 4) and the typical β̃ = n·μ̃·(μ/μ̃ over the role)/|T|
    (the rank's executions spread like its peers' around its own median: one
    kernel name has many shapes), and step 2's range from them too; the idle
-   pseudo-function, whose executions are gaps of any length, by its steady β. The scheduler on a shared host inflates a few iterations
-   (which the steady β leaves out) or a few executions in every iteration
-   (which β̃ leaves out); a slower device or a function run more often moves
-   both. On a loaded 2-core host a 4-rank dive's healthy rank had
+   pseudo-function, whose executions are gaps of any length, by its steady
+   β. The scheduler on a shared host inflates a few iterations (which the
+   steady β leaves out) or a few executions in every iteration (which β̃
+   leaves out); a slower device or a function run more often moves both. On a loaded 2-core host a 4-rank dive's healthy rank had
    ``aten::addmm`` at β 0.074 (preempted), the faulty rank, running it 2.5
    times as often, 0.080: the range from β (median 0.056, MAD 0.022) held
    both; their steady β were 0.0065 and 0.020. With the steady β alone a
@@ -81,8 +81,8 @@ Steps:
    dive of a hot loop on rank 1 also named healthy rank 2 for
    ``<built-in function sleep>``, 2.5 ms per iteration). With no rank slower
    in work of its own, such ranks still waited (a member longest in a
-   collective arrived first): the outlier is kept, marked ``not_cause`` "waited", and
-   names nobody (beside a busy process, healthy 4-rank dives named a rank
+   collective arrived first): the outlier is kept, marked ``not_cause``
+   "waited", and names nobody (beside a busy process, healthy 4-rank dives named a rank
    for ``c10d::allreduce_`` in 5 of 7 runs, 2.5-4.5 ms per iteration).
 8. A slower rank that made nobody wait is not a cause (an addition, Mycroft
    §5's late start seen from the dive): when a named rank waits at the
@@ -97,6 +97,7 @@ differs between them only when something is wrong (§3 of the paper).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Mapping, Sequence
@@ -192,6 +193,12 @@ def _mad(x: np.ndarray, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return m, np.median(np.abs(x - np.expand_dims(m, axis)), axis=axis)
 
 
+def _present_median(M: np.ndarray) -> np.ndarray:
+    """Per function (column), the median over the ranks where it is present (> 0); 0 where none."""
+    with np.errstate(all="ignore"):
+        return np.nan_to_num(np.nanmedian(np.where(M > 0, M, np.nan), axis=0), nan=0.0)
+
+
 def _half_width(m: np.ndarray, mad: np.ndarray, cfg: LocalizeConfig) -> np.ndarray:
     """Step 2: max(floor, k·s), s = max(1.4826·MAD, rel_floor·|median|)."""
     return np.maximum(cfg.floor, cfg.k * np.maximum(1.4826 * mad, cfg.rel_floor * np.abs(m)))
@@ -269,10 +276,8 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
         R = len(ranks)
         # 2. expected range, on the steady, typical β and the median execution (patterns steps 4 and 6;
         # EROICA's β and μ without the steadiness rule)
-        with np.errstate(all="ignore"):
-            ref_mu = np.nan_to_num(np.nanmedian(np.where(MU > 0, MU, np.nan), axis=0), nan=0.0)
-            ref_mt = np.nan_to_num(np.nanmedian(np.where(MT > 0, MT, np.nan), axis=0), nan=0.0)
-            win = np.array([p.window_s for p in pats])[:, None]
+        ref_mu, ref_mt = _present_median(MU), _present_median(MT)     # over the ranks it reached the path on
+        win = np.array([p.window_s for p in pats])[:, None]
         if cfg.steady:
             # the smaller of the steady β and the typical β̃ = n·μ̃·(μ/μ̃ of the role)/|T|: preemption
             # inflates a few iterations (the first) or a few executions (the second); a fault moves both
@@ -361,8 +366,15 @@ WAITING = re.compile(r"built-in function sleep|\btime\.sleep\b|\bselect\b|\bpoll
                      r"queue\.py.*\bget\b|\bQueue\.get\b", re.IGNORECASE)
 
 
+@functools.lru_cache(maxsize=65536)
+def _waits(function: str, kind: str) -> bool:
+    """Steps 7-8: a collective, or a host function that blocks (``WAITING``). Cached: step 8 asks it of
+    every function of every rank, and a job's ranks share their function names."""
+    return kind == "communication" or (kind in ("python", "cpu") and bool(WAITING.search(function)))
+
+
 def _is_wait(o) -> bool:
-    return o.kind == "communication" or (o.kind in ("python", "cpu") and bool(WAITING.search(o.function)))
+    return _waits(o.function, o.kind)
 
 
 def _waiting_is_not_a_cause(out: list) -> list:
@@ -387,12 +399,11 @@ def _waiting_is_not_a_cause(out: list) -> list:
         note = (f"rank(s) {who} waited in it for rank(s) {', '.join(map(str, sorted(causes)))}" if causes else
                 f"rank(s) {who} waited in it longer than their peers, and no rank of this dive is slower in work "
                 f"of its own: the rank waited for was late for another reason (its host, a rank outside the dive)")
-        parts = [([i for i, r in enumerate(o.ranks) if r not in waits], False)]
-        if not causes:
-            parts.append(([i for i, r in enumerate(o.ranks) if r in waits], True))
-        for keep, waiting in parts:
-            if keep:
-                fixed.append(_subset(o, keep, note, "waited" if waiting else o.not_cause))
+        rest = [i for i, r in enumerate(o.ranks) if r not in waits]
+        if rest:
+            fixed.append(_subset(o, rest, note, o.not_cause))
+        if not causes:          # no cause in the dive: the ranks that waited stay, naming nobody
+            fixed.append(_subset(o, [i for i, r in enumerate(o.ranks) if r in waits], note, "waited"))
     return fixed
 
 
@@ -401,7 +412,7 @@ def _subset(o: Outlier, keep: list[int], note: str, not_cause: str) -> Outlier:
     return dataclasses.replace(
         o, ranks=pick(o.ranks), d=pick(o.d), delta=pick(o.delta), beta=pick(o.beta), mu=pick(o.mu),
         sigma=pick(o.sigma), impact_s=pick(o.impact_s), slower=pick(o.slower), not_cause=not_cause,
-        evidence=(o.evidence + "; " if o.evidence else "") + note)
+        evidence="; ".join(x for x in (o.evidence, note) if x))
 
 
 #: Step 8: a cause's lateness at the collectives must account for at least this share of its own cost.
@@ -414,8 +425,7 @@ def arrival_waits(patterns: Mapping[int, Patterns], roles: Mapping[int, str] | N
     NaN without iteration marks."""
     out = {}
     for r, p in patterns.items():
-        w = sum(float(b) for f, k, b in zip(p.functions, p.kinds, p.beta)
-                if k == "communication" or (k in ("python", "cpu") and WAITING.search(f)))
+        w = sum(float(b) for f, k, b in zip(p.functions, p.kinds, p.beta) if _waits(f, k))
         out[r] = ((roles or {}).get(r, "job"), w * p.window_s / p.iterations if p.iterations else math.nan)
     return out
 

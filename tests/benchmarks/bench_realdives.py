@@ -31,6 +31,7 @@ job is run twice.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -66,14 +67,28 @@ def named_functions(deep: pathlib.Path, tmp: pathlib.Path) -> tuple[dict[int, li
     if len(docs) != 1:
         raise RuntimeError(f"{len(docs)} analysed dives, expected 1")
     doc = docs[0]
+    return named_of(doc["outliers"]), list(doc["suspects"]), doc["outliers"]
+
+
+def named_of(outliers: list[dict]) -> dict[int, list[str]]:
+    """{rank: functions it is named for}: slower, on an outlier neither the job's (``common``) nor naming
+    no cause (``not_cause``: ranks that waited or were absorbed, localize steps 7-8)."""
     named: dict[int, list[str]] = {}
-    for o in doc["outliers"]:
-        if o["common"] or o.get("not_cause"):   # the job's, or no cause (localize steps 7-8)
+    for o in outliers:
+        if o["common"] or o.get("not_cause"):
             continue
         for r, slower in zip(o["ranks"], o["slower"]):
             if slower:
                 named.setdefault(int(r), []).append(o["function"])
-    return named, list(doc["suspects"]), doc["outliers"]
+    return named
+
+
+def totals(rows: list[tuple[str, bool]]) -> str:
+    """The faulty and healthy counts of (scenario, right) rows."""
+    faulty = [ok for n, ok in rows if n != "healthy"]
+    clean = [ok for n, ok in rows if n == "healthy"]
+    return (f"faulty dives right (the rank's function, nobody else named) {sum(faulty)}/{len(faulty)}; "
+            f"healthy dives naming nobody {sum(clean)}/{len(clean)}")
 
 
 def judge(name: str, named: dict[int, list[str]]) -> bool:
@@ -103,12 +118,7 @@ def rejudge(roots: list[pathlib.Path]) -> int:
                 print(f"WRONG  {d}: {e}"[:300], flush=True)
                 rows.append((name, False))
                 continue
-            named: dict[int, list[str]] = {}
-            for o in res.outliers:
-                if not (o.common or o.not_cause):
-                    for r, slower in zip(o.ranks, o.slower):
-                        if slower:
-                            named.setdefault(int(r), []).append(o.function)
+            named = named_of([dataclasses.asdict(o) for o in res.outliers])
             ok = judge(name, named)
             rows.append((name, ok))
             shown = "; ".join(f"rank {r}: {', '.join(sorted(set(fs)))[:100]}" for r, fs in sorted(named.items()))
@@ -116,10 +126,7 @@ def rejudge(roots: list[pathlib.Path]) -> int:
     if not rows:
         print("bench_realdives.py: no kept dive in those folders (made by --keep DIR --keep-all)", file=sys.stderr)
         return 2
-    faulty = [ok for n, ok in rows if n != "healthy"]
-    clean = [ok for n, ok in rows if n == "healthy"]
-    print(f"re-judged: faulty dives right {sum(faulty)}/{len(faulty)}; healthy dives naming nobody "
-          f"{sum(clean)}/{len(clean)}")
+    print("re-judged: " + totals(rows))
     return 0
 
 
@@ -176,10 +183,7 @@ def main(argv=None) -> int:
     finally:
         if busy is not None:
             busy.kill()
-    faulty = [ok for n, ok in rows if n != "healthy"]
-    clean = [ok for n, ok in rows if n == "healthy"]
-    print(f"{'beside a busy process' if args.busy else 'idle machine'}: faulty dives right (the rank's function, "
-          f"nobody else named) {sum(faulty)}/{len(faulty)}; healthy dives naming nobody {sum(clean)}/{len(clean)}")
+    print(f"{'beside a busy process' if args.busy else 'idle machine'}: " + totals(rows))
     return 0
 
 

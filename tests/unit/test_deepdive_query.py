@@ -66,7 +66,7 @@ def test_ranks_that_waited_are_listed_as_waiting_not_found(tmp_path):
         {"function": "c10d::allreduce_", "kind": "communication", "common": False, "ranks": [1], "slower": [True],
          "impact_s": [0.003], "evidence": "rank(s) 1 waited in it longer than their peers", "not_cause": "waited"}]}))
     (e,) = _deep_dive_entries([(str(d), {"dive_id": d.name, "job": "j", "complete": True})], "j", "analysis.json")
-    assert e["found"] == [] and e["waited"] == [{"function": "c10d::allreduce_", "ranks": [1], "why": "waited"}]
+    assert e["found"] == [] and e["not_a_cause"] == [{"function": "c10d::allreduce_", "ranks": [1], "why": "waited"}]
     text = render_deep_dives([e])
     assert "not a cause: rank(s) 1 longer in c10d::allreduce_ (waited: it waited for others)" in text
     assert "found: no function out of line on any rank (healthy)" in text
