@@ -85,12 +85,14 @@ Steps:
    "waited", and names nobody (beside a busy process, healthy 4-rank dives named a rank
    for ``c10d::allreduce_`` in 5 of 7 runs, 2.5-4.5 ms per iteration).
 8. A slower rank that made nobody wait is not a cause (an addition, Mycroft
-   §5's late start seen from the dive): when a named rank waits at the
-   collectives less than its role's median by at least half its own cost,
-   another named rank of its role that does not was slower at no cost to the
-   job (it waited for the first): its outliers are marked ``absorbed`` and
+   §5's late start seen from the dive): a named rank is late when it waits
+   for its peers (``patterns`` step 7, per iteration) less than the role's
+   unnamed ranks by at least half its own cost, beyond its arrival's noise;
+   beside a late rank, another named rank of its role whose cost is within
+   that noise, or that clearly waited as long as the unnamed ranks, was
+   slower at no cost to the job: its outliers are marked ``absorbed`` and
    name nobody (``absorbed``; after the threads' outliers are in, so a rank
-   named for a thread counts as named).
+   named for a thread counts as named, and is never judged).
 Assumption: ranks of one role run the same code, so a function's pattern
 differs between them only when something is wrong (§3 of the paper).
 """
@@ -104,7 +106,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from trainscope.analyzer.deepdive.patterns import Patterns
+from trainscope.analyzer.deepdive.patterns import Patterns, waits_for_peers
 from trainscope.proto.errors import ConfigError
 
 INF = math.inf
@@ -361,7 +363,8 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
 #: Step 7: host functions that block (the thread sleeps or waits for something else, it does no work).
 #: ``<built-in method wait of ...>``: a C++ object's blocking wait (c10d's ``Work.wait`` under every gloo/NCCL
 #: collective: a healthy rank of a slower-matmul dive was named for it, 0.33 of the window against 0.23).
-WAITING = re.compile(r"built-in function sleep|\btime\.sleep\b|\bselect\b|\bpoll\b|\bepoll|built-in method wait\b|"
+#: ``select``/``poll`` after ``::`` are tensor ops (``aten::select`` indexes a tensor), not the system calls.
+WAITING = re.compile(r"built-in function sleep|\btime\.sleep\b|(?<!::)\bselect\b|(?<!::)\bpoll\b|\bepoll|built-in method wait\b|"
                      r"\b(Event|Condition|Semaphore|Barrier)\.wait\b|threading\.py(\(\d+\))?: wait\b|"
                      r"queue\.py.*\bget\b|\bQueue\.get\b", re.IGNORECASE)
 
@@ -420,54 +423,87 @@ ABSORBED_SHARE = 0.5
 
 
 def arrival_waits(patterns: Mapping[int, Patterns], roles: Mapping[int, str] | None = None
-                  ) -> dict[int, tuple[str, float]]:
-    """Step 8's measure: rank -> (role, s per iteration on its path in collectives and blocking waits);
-    NaN without iteration marks."""
+                  ) -> dict[int, tuple[str, np.ndarray]]:
+    """Step 8's measure: rank -> (role, s waiting for peers on its path in each iteration, ``patterns`` step 7).
+    Without per-iteration figures (no iteration marks), one value: the window's mean per iteration (NaN
+    without marks at all)."""
     out = {}
     for r, p in patterns.items():
-        w = sum(float(b) for f, k, b in zip(p.functions, p.kinds, p.beta) if _waits(f, k))
-        out[r] = ((roles or {}).get(r, "job"), w * p.window_s / p.iterations if p.iterations else math.nan)
+        if p.peer_waits is not None and p.peer_waits.size:
+            w = np.asarray(p.peer_waits, dtype=float)
+        else:
+            w = sum(float(b) for f, k, b in zip(p.functions, p.kinds, p.beta) if waits_for_peers(f, k))
+            w = np.array([w * p.window_s / p.iterations if p.iterations else math.nan])
+        out[r] = ((roles or {}).get(r, "job"), w)
     return out
 
 
-def absorbed(out: list, arrival: Mapping[int, tuple[str, float]]) -> list:
+def absorbed(out: list, arrival: Mapping[int, tuple[str, np.ndarray]]) -> list:
     """Step 8: a slower rank that made nobody wait is not a cause while another one did.
 
     In a synchronous job every rank waits at the collectives for the last to arrive; a rank whose own
     work costs it x more per iteration arrives about x later, and waits about x less than the ranks of
-    its role named for nothing (their median; the whole role's when every rank is named). When a named
-    rank did (it waits at least ``ABSORBED_SHARE`` of its cost less), the other named ranks of its role
-    that did not (they waited about as long as the unnamed ranks, for it) were slower at no cost to
-    the job: their outliers are kept, marked ``absorbed``, and name no rank. Beside a busy process,
-    4-rank dives of a hot loop or GC on rank 2 (23-31 ms per iteration, 24 ms less waiting) also named
-    healthy ranks for ``aten::gelu`` or ``aten::addmm`` (0.8-6.4 ms, waiting 0.4 ms less or 2-5 ms
-    longer). With one named rank, or none late, nothing changes: a small fault's lateness is lost in
-    the waits' noise (a slower matmul, 2 ms per iteration, waiting about as long as its peers). Several
-    faults of comparable cost each make the unnamed ranks wait, and stay named.
+    its role named for nothing.
+
+    1. Cost x: a named rank's impact per iteration summed over its outliers (not the waits', not a
+       common one's). A rank named for another thread (``_thread_outliers``: its cost is the
+       contention's, spread over the path and unknown) is never judged here.
+    2. Lateness, per iteration i: d_i = ref_i − w_i, w the rank's time waiting for peers (``patterns``
+       step 7), ref_i the median of the role's ranks named for nothing (all of the role's when every
+       rank is named); late = mean d, its standard error s = sd(d)/√n (0 with one figure).
+    3. A rank is *late* (a cause the job waited for) when x ≥ s (its cost can be told from its
+       arrival's noise) and late ≥ ``ABSORBED_SHARE``·x > 0.
+    4. When some rank of a role is late, that role's other named ranks whose cost is within their
+       arrival's noise (x < s), or that clearly waited about as long as the unnamed ranks
+       (late + s < ``ABSORBED_SHARE``·x), were slower at no cost to the job: their outliers are kept,
+       marked ``absorbed``, and name no rank. A rank in between (late short of the share, but not
+       clearly) stays named. With no late rank, nothing changes: a small fault's lateness is lost in
+       the waits' noise (a slower matmul, 2 ms per iteration, waiting about as long as its peers).
+       Several faults of comparable cost each make the unnamed ranks wait, and stay named.
+
+    Beside a busy process, 4-rank dives of a hot loop or GC on rank 2 (23-31 ms per iteration, 24 ms
+    less waiting) also named healthy ranks for ``aten::gelu`` or ``aten::addmm`` (0.8-6.4 ms, waiting
+    0.4 ms less or 2-5 ms longer); a 6-rank dive with four faults (25-90 ms per iteration each) named
+    a healthy rank for 1.5 ms of ``aten::gelu`` whose arrival, against the one unnamed rank left, moved
+    by 22 ms per iteration (late 20 ms on average: step 3's share alone called it a cause).
     """
     cost: dict[int, float] = {}
     named: set[int] = set()             # any cause named (a thread's outlier carries no cost of its own)
+    threads: set[int] = set()
     for o in out:
         if o.not_cause or o.common or _is_wait(o):
             continue
         for r, s, x in zip(o.ranks, o.slower, o.impact_s):
             if s:
                 named.add(r)
+                if o.kind == "thread":
+                    threads.add(r)
             if s and x is not None and x > 0:
                 cost[r] = cost.get(r, 0.0) + x
-    # the reference: the role's ranks named for nothing (all of the role's when every rank is named)
-    by_role: dict[str, list[float]] = {}
-    unnamed: dict[str, list[float]] = {}
+    # 2. the reference per iteration: the role's ranks named for nothing (all of the role's when every rank
+    # is named); ranks whose figures do not line up with the role's (another number of iterations) are left out
+    by_role: dict[str, dict[int, np.ndarray]] = {}
     for r, (role, w) in arrival.items():
-        if np.isfinite(w):
-            by_role.setdefault(role, []).append(w)
-            if r not in named:
-                unnamed.setdefault(role, []).append(w)
-    ref = {role: float(np.median(unnamed.get(role) or ws)) for role, ws in by_role.items()}
-    late = {r: ref[arrival[r][0]] - arrival[r][1] for r in cost if r in arrival and arrival[r][0] in ref}
-    culprits = {r for r, d in late.items() if d > 0 and d >= ABSORBED_SHARE * cost[r]}
-    absorbed = {r for r, d in late.items() if r not in culprits
-                and any(arrival[c][0] == arrival[r][0] for c in culprits)}
+        if np.all(np.isfinite(w)):
+            by_role.setdefault(role, {})[r] = w
+    ref: dict[str, np.ndarray] = {}
+    for role, ws in by_role.items():
+        n = max({len(w) for w in ws.values()}, key=[len(w) for w in ws.values()].count)
+        pool = [w for r, w in ws.items() if len(w) == n and r not in named] or \
+               [w for w in ws.values() if len(w) == n]
+        ref[role] = np.median(np.array(pool), axis=0)
+    judged: dict[int, tuple[float, float]] = {}         # rank -> (late, s)
+    for r, x in cost.items():
+        role, w = arrival.get(r, ("", np.array([math.nan])))
+        if r in threads or role not in ref or len(w) != len(ref[role]) or not np.all(np.isfinite(w)):
+            continue
+        d = ref[role] - w
+        judged[r] = (float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size)) if d.size > 1 else 0.0)
+    # 3. late ranks; 4. the others of their role, unjudgeable or clearly not late
+    late = {r for r, (m, se) in judged.items() if cost[r] >= se and m > 0 and m >= ABSORBED_SHARE * cost[r]}
+    late_roles = {arrival[r][0] for r in late}
+    absorbed = {r for r, (m, se) in judged.items() if r not in late and arrival[r][0] in late_roles
+                and (cost[r] < se or m + se < ABSORBED_SHARE * cost[r])}
     if not absorbed:
         return out
     fixed = []
@@ -478,8 +514,9 @@ def absorbed(out: list, arrival: Mapping[int, tuple[str, float]]) -> list:
             continue
         rest = [i for i in range(len(o.ranks)) if i not in hit]
         who = ", ".join(str(o.ranks[i]) for i in hit)
-        note = (f"rank(s) {who} slower in it at no cost to the job: waited at the collectives as long as their "
-                f"peers, for rank(s) {', '.join(map(str, sorted(culprits)))}")
+        note = (f"rank(s) {who} slower in it at no cost to the job: their arrival at the collectives was no later "
+                f"than their peers' beyond its noise, while rank(s) {', '.join(map(str, sorted(late)))} made "
+                f"the others wait")
         if rest:
             fixed.append(_subset(o, rest, "", o.not_cause))
         fixed.append(_subset(o, hit, note, "absorbed"))

@@ -47,7 +47,13 @@ Steps:
    against its peers' 0.7-1.0 ms beside a busy process); a slower device
    moves every execution, and μ̃ with it. ``localize`` measures the distance
    from the expected range on μ̃ and on step 4's steady β.
-7. Function identity: its name (a kernel's demangled name, an op's name, a
+7. Waiting for peers (an addition, for ``localize`` step 8): per iteration,
+   the critical time in collectives and c10d's ``Work.wait``
+   (``peer_waits``): how long the rank waited for the last of its peers to
+   arrive. Not a ``time.sleep`` or a data loader's queue: a rank whose own
+   thread held the GIL woke up late from its sleep (12 ms per iteration in a
+   6-rank dive beside a busy process), which is its own slowness.
+8. Function identity: its name (a kernel's demangled name, an op's name, a
    Python function's ``file(line): name``). EROICA keys Python functions by
    their whole call stack; Kineto's name already carries file and line, and
    the stack is left out (a known simplification).
@@ -94,6 +100,7 @@ class Patterns:
     iterations: int
     beta_steady: np.ndarray | None = None   # step 4: lower quartile over iterations of β per iteration; None: β
     mu_median: np.ndarray | None = None     # step 6: median s per execution; None: μ
+    peer_waits: np.ndarray | None = None    # step 7: s per iteration waiting for peers; None: no iteration marks
 
     def as_dict(self) -> dict[str, tuple[float, float, float]]:
         return {f: (float(b), float(m), float(s)) for f, b, m, s in zip(self.functions, self.beta, self.mu, self.sigma)}
@@ -144,7 +151,9 @@ def behaviour_patterns(cp: CriticalPath) -> Patterns:
     funcs = tuple(tr.names[f] for f in keep)
     beta = total[keep] / window_s if window_s > 0 else np.zeros(keep.size)
     sigma, count = np.sqrt(var), n[keep]
-    beta_steady = _beta_steady(cp, keep, beta)          # step 4
+    per = _per_iteration(cp)
+    beta_steady = _beta_steady(per, keep, beta)          # step 4
+    peer_waits = _peer_waits(per, keep, funcs, kinds)   # step 7
     mu_median = _group_median(tr.name[on], crit_s[on], keep)    # step 6
     gaps = cp.idle_gaps() * 1e-6
     if gaps.size and window_s > 0:                      # step 3
@@ -157,7 +166,7 @@ def behaviour_patterns(cp: CriticalPath) -> Patterns:
         mu_median = np.append(mu_median, np.median(gaps))
     return Patterns(functions=funcs, kinds=kinds, beta=beta, mu=mu, sigma=sigma, count=count,
                     launched_by=launched_by, window_s=window_s, iterations=cp.iterations, beta_steady=beta_steady,
-                    mu_median=mu_median)
+                    mu_median=mu_median, peer_waits=peer_waits)
 
 
 def _group_median(keys: np.ndarray, values: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -177,12 +186,13 @@ def _group_median(keys: np.ndarray, values: np.ndarray, keep: np.ndarray) -> np.
 STEADY_QUANTILE = 0.25
 
 
-def _beta_steady(cp: CriticalPath, keep: np.ndarray, beta: np.ndarray) -> np.ndarray:
-    """Step 4: per function (``keep``), the lower quartile over iterations of its share of each iteration."""
+def _per_iteration(cp: CriticalPath) -> tuple[np.ndarray, np.ndarray] | None:
+    """Steps 4 and 7: the critical time (µs) of every name in every ``ProfilerStep`` (names, iterations), by
+    the executions that start in it, and the steps' lengths (µs); None with fewer than two iteration marks."""
     tr = cp.trace
     steps = tr.steps
-    if steps.shape[0] < 3:
-        return beta.copy()
+    if steps.shape[0] < 2:
+        return None
     on = np.flatnonzero(cp.critical > 0)
     it = np.searchsorted(steps[:, 0], tr.ts[on], side="right") - 1
     inside = (it >= 0) & (tr.ts[on] < steps[np.maximum(it, 0), 1])
@@ -190,10 +200,34 @@ def _beta_steady(cp: CriticalPath, keep: np.ndarray, beta: np.ndarray) -> np.nda
     n_it, nn = steps.shape[0], len(tr.names)
     per = np.bincount(tr.name[on].astype(np.int64) * n_it + it, weights=cp.critical[on],
                       minlength=nn * n_it).reshape(nn, n_it)
-    length = np.maximum(steps[:, 1] - steps[:, 0], 1e-9)
-    return np.quantile(per[keep] / length[None, :], STEADY_QUANTILE, axis=1)
+    return per, np.maximum(steps[:, 1] - steps[:, 0], 1e-9)
 
 
+def _beta_steady(per: tuple[np.ndarray, np.ndarray] | None, keep: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    """Step 4: per function (``keep``), the lower quartile over iterations of its share of each iteration."""
+    if per is None or per[1].size < 3:
+        return beta.copy()
+    return np.quantile(per[0][keep] / per[1][None, :], STEADY_QUANTILE, axis=1)
+
+
+#: Step 7: c10d's ``Work.wait`` (``<built-in method wait of ...>``), under every gloo/NCCL collective a
+#: Python training loop runs: with the communication kind, where a rank waits for its peers.
+PEER_WAIT = re.compile(r"built-in method wait\b")
+
+
+def waits_for_peers(function: str, kind: str) -> bool:
+    """Step 7: time in ``function`` is time waiting for other ranks (a collective or its ``Work.wait``); a
+    ``time.sleep`` or a data loader's queue is not (a rank longer in it is slower itself, or woke late)."""
+    return kind == "communication" or bool(PEER_WAIT.search(function))
+
+
+def _peer_waits(per: tuple[np.ndarray, np.ndarray] | None, keep: np.ndarray, funcs: tuple[str, ...],
+                kinds: tuple[str, ...]) -> np.ndarray | None:
+    """Step 7: s per iteration on the path waiting for peers; None with fewer than two iteration marks."""
+    if per is None:
+        return None
+    wait = np.fromiter((waits_for_peers(f, k) for f, k in zip(funcs, kinds)), dtype=bool, count=len(funcs))
+    return per[0][keep[wait]].sum(axis=0) * 1e-6
 
 
 def thread_patterns(cp: CriticalPath) -> Patterns:
