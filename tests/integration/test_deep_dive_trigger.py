@@ -13,7 +13,8 @@ and no other rank, the trigger's counter (``fired``, ``sent``).
 
 The verdict and stall triggers are switched off on the daemon's triggers (``TriggerConfig``): L1 names
 the late rank about as early as the degradation fires, and this test is about the degradation
-trigger. The job ~30 s on this shared 2-core host.
+trigger. The job runs until its dive is complete (~25 s on this shared 2-core host, dives at iterations
+171-191 beside a busy process).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -38,11 +40,16 @@ pytestmark = pytest.mark.integration
 WORLD = 4
 SLOW_RANK = 1
 SLOW_FROM = 60
-STEPS = 220
+#: The job runs until the test's stop file exists (the dive is complete, or ``DIVE_DEADLINE_S`` passed), not a
+#: fixed number of steps: the trigger fires a time after the slowdown (windows close, the analyzer polls, the
+#: dive starts ``lead_s`` ahead), and a fixed 220-step job ended before its dive on a faster host (the dive
+#: "complete": false). This bounds it if nobody stops it.
+MAX_STEPS = 3000
+DIVE_DEADLINE_S = 120
 
 #: A small gloo job whose rank SLOW_RANK starts a Python hot loop at iteration SLOW_FROM; nothing here knows trainscope.
 TRAIN_SCRIPT = """
-import sys, time
+import os, sys, time
 import torch, torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -56,25 +63,30 @@ def hot_loop(n):
 
 
 def main():
-    steps, slow_rank, slow_from = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    steps, slow_rank, slow_from, stop = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(100 + rank)
-    loader = DataLoader(TensorDataset(torch.randn(steps * 32, 64, generator=g),
-                                      torch.randn(steps * 32, 8, generator=g)), batch_size=32)
-    for step, (x, y) in enumerate(loader):
+    loader = DataLoader(TensorDataset(torch.randn(64 * 32, 64, generator=g),
+                                      torch.randn(64 * 32, 8, generator=g)), batch_size=32)
+    batches = (b for _ in range(steps) for b in loader)
+    for step in range(steps):
+        x, y = next(batches)
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
         time.sleep(0.02)
         if rank == slow_rank and step >= slow_from:
             hot_loop(150_000)
         loss.backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        # the stop file's flag rides on the gradients' all-reduce: every rank stops after the same step
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()] + [torch.tensor([float(os.path.exists(stop))])])
         dist.all_reduce(flat)
         opt.step()
+        if flat[-1] > 0:
+            break
     dist.barrier()
     dist.destroy_process_group()
 
@@ -87,6 +99,17 @@ atexit.register(lambda: (sys.stdout.flush(), sys.stderr.flush(), os._exit(0)))
 """
 
 
+def _dive_complete(jobdir: Path) -> bool:
+    """A dive of the job whose manifest says complete (every rank's traces written)."""
+    for m in jobdir.glob("*/manifest.json") if jobdir.is_dir() else ():
+        try:
+            if json.loads(m.read_text()).get("complete"):
+                return True
+        except (OSError, ValueError):      # being written
+            continue
+    return False
+
+
 def run_once(tmp: Path):
     from trainscope.analyzer.triggers import TriggerConfig
     from trainscope.deploy.analyzer_daemon import AnalyzerDaemon, AnalyzerDaemonConfig
@@ -96,6 +119,7 @@ def run_once(tmp: Path):
     train.write_text(TRAIN_SCRIPT)
     deep = tmp / "deep"
     store = tmp / "store.sqlite"
+    stop_file = tmp / "stop"
     proc = start_processor(window=WindowConfig(iterations=10, lateness_s=1), store_path=str(store),
                            control=ControlConfig(directory=str(deep), lead_s=1.5, cooldown_s=600))
     daemon = AnalyzerDaemon(AnalyzerDaemonConfig(store_path=str(store), spool_dir=str(tmp / "spool"),
@@ -111,10 +135,14 @@ def run_once(tmp: Path):
     job = subprocess.Popen(
         [sys.executable, "-m", "trainscope.deploy.cli", "run", "--processor", proc.address, "--no-processor",
          "--no-stacks", "--run-dir", str(tmp / "run"), "--job-id", "slows", "--",
-         *forkrun.command(train, str(STEPS), str(SLOW_RANK), str(SLOW_FROM), world=WORLD)],
+         *forkrun.command(train, str(MAX_STEPS), str(SLOW_RANK), str(SLOW_FROM), str(stop_file), world=WORLD)],
         env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        out, _ = job.communicate(timeout=150)
+        deadline = time.monotonic() + DIVE_DEADLINE_S
+        while job.poll() is None and time.monotonic() < deadline and not _dive_complete(deep / "slows"):
+            time.sleep(0.2)
+        stop_file.touch()      # the dive is in (or the deadline passed): the job ends after its next step
+        out, _ = job.communicate(timeout=120)
         proc.control.wait_summaries(10)
     finally:
         if job.poll() is None:
@@ -151,7 +179,7 @@ def test_a_mid_run_slowdown_triggers_a_dive_that_names_the_rank(slowed, tmp_path
     man = json.loads((dives[0] / "manifest.json").read_text())
     assert man["trigger"] == "degradation" and man["complete"] and not man["partial"], man
     print(f"dive {man['dive_id']}: iterations {man['start_iteration']}-{man['start_iteration'] + 4} "
-          f"(slowdown from {SLOW_FROM}, job {STEPS} iterations)")
+          f"(slowdown from {SLOW_FROM})")
     assert man["start_iteration"] > SLOW_FROM and man["iterations"] == 5, man
     assert {r["outcome"] for r in man["ranks"].values()} == {"done"} and len(man["ranks"]) == WORLD, man
     assert len({(r["first_iteration"], r["last_iteration"]) for r in man["ranks"].values()}) == 1   # the same iterations

@@ -230,6 +230,7 @@ TRAIN = textwrap.dedent("""\
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
+            time.sleep(0.005)  # a step of milliseconds, as a training step is (see the test)
     print("trained")
     """)
 
@@ -247,7 +248,9 @@ def test_run_a_torchrun_job(tmp_path):
     (tmp_path / "train.py").write_text(TRAIN)
     # the user's environment asks for a CPU-operator window every 0.5 s from the first step (default: every
     # 30 s, 5 s after it), so the collector runs torch's profiler inside this short job: none of its lines
-    # may reach the job's stderr
+    # may reach the job's stderr. Each step sleeps 5 ms: without it a step took 0.3-0.8 ms, and beside a busy
+    # process the processor's 64 open windows per rank (10 iterations each: 0.2 s of this job) were force-closed
+    # before a window's operators arrived, which it drops as late (tens of thousands; ranks with no records)
     res = run_readme("trainscope run -- torchrun --nproc-per-node 4 train.py", tmp_path, tmp_path, timeout=400,
                      env={"TRAINSCOPE_CPU_OPS": "period_s=0.5,window_s=0.05,first_after_s=0"})
     ok(res)
