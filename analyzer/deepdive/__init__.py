@@ -165,7 +165,7 @@ def localize_columns(traces: Mapping[int, TraceColumns], *, job_id: str = "",
                         + ", ".join(f"rank {r}: {len(s)}" for r, s in sorted(steps.items())[:8]))
     outliers = localize(pats, roles=roles, expected=expected, cfg=cfg, absorb=False)
     outliers += _thread_outliers(threads, pats, roles=roles, expected=expected, cfg=cfg)
-    outliers = absorbed(outliers, arrival_waits(pats, roles))          # localize step 8
+    outliers = absorbed(outliers, arrival_waits(pats, roles), cfg.floor)          # localize step 8
     ids = [i for s in steps.values() for i in s if i >= 0]
     return DeepDiveResult(job_id=job_id, ranks=tuple(summaries), outliers=tuple(outliers),
                           params=dataclasses.asdict(cfg), analysis_s=time.perf_counter() - t,

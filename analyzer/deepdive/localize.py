@@ -355,7 +355,7 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
                                     funcs[j] in expected or kinds[j] in expected)))
     out = _waiting_is_not_a_cause(out)
     if absorb:          # step 8 (``localize_columns`` runs it itself, once the threads' outliers are in)
-        out = absorbed(out, arrival_waits(patterns, roles))
+        out = absorbed(out, arrival_waits(patterns, roles), cfg.floor)
     out.sort(key=lambda o: (-max((x for x in o.impact_s if x is not None), default=0.0), -max(o.d), -max(o.delta)))
     return out
 
@@ -423,22 +423,23 @@ ABSORBED_SHARE = 0.5
 
 
 def arrival_waits(patterns: Mapping[int, Patterns], roles: Mapping[int, str] | None = None
-                  ) -> dict[int, tuple[str, np.ndarray]]:
-    """Step 8's measure: rank -> (role, s waiting for peers on its path in each iteration, ``patterns`` step 7).
-    Without per-iteration figures (no iteration marks), one value: the window's mean per iteration (NaN
-    without marks at all)."""
+                  ) -> dict[int, tuple[str, np.ndarray, float]]:
+    """Step 8's measure: rank -> (role, s waiting for peers on its path in each iteration (``patterns`` step
+    7), its mean iteration in s). Without per-iteration figures, one value: the window's mean per
+    iteration; NaN without iteration marks."""
     out = {}
     for r, p in patterns.items():
+        it = p.window_s / p.iterations if p.iterations else math.nan
         if p.peer_waits is not None and p.peer_waits.size:
             w = np.asarray(p.peer_waits, dtype=float)
         else:
-            w = sum(float(b) for f, k, b in zip(p.functions, p.kinds, p.beta) if waits_for_peers(f, k))
-            w = np.array([w * p.window_s / p.iterations if p.iterations else math.nan])
-        out[r] = ((roles or {}).get(r, "job"), w)
+            w = np.array([it * sum(float(b) for f, k, b in zip(p.functions, p.kinds, p.beta)
+                                   if waits_for_peers(f, k))])
+        out[r] = ((roles or {}).get(r, "job"), w, it)
     return out
 
 
-def absorbed(out: list, arrival: Mapping[int, tuple[str, np.ndarray]]) -> list:
+def absorbed(out: list, arrival: Mapping[int, tuple[str, np.ndarray, float]], floor: float = 0.01) -> list:
     """Step 8: a slower rank that made nobody wait is not a cause while another one did.
 
     In a synchronous job every rank waits at the collectives for the last to arrive; a rank whose own
@@ -454,12 +455,14 @@ def absorbed(out: list, arrival: Mapping[int, tuple[str, np.ndarray]]) -> list:
     3. A rank is *late* (a cause the job waited for) when x ≥ s (its cost can be told from its
        arrival's noise) and late ≥ ``ABSORBED_SHARE``·x > 0.
     4. When some rank of a role is late, that role's other named ranks whose cost is within their
-       arrival's noise (x < s), or that clearly waited about as long as the unnamed ranks
-       (late + s < ``ABSORBED_SHARE``·x), were slower at no cost to the job: their outliers are kept,
-       marked ``absorbed``, and name no rank. A rank in between (late short of the share, but not
-       clearly) stays named. With no late rank, nothing changes: a small fault's lateness is lost in
-       the waits' noise (a slower matmul, 2 ms per iteration, waiting about as long as its peers).
-       Several faults of comparable cost each make the unnamed ranks wait, and stay named.
+       arrival's noise (x < s), or that waited about as long as the unnamed ranks (late within 2 s of
+       0 or under ``floor`` of its mean iteration, and late + s < ``ABSORBED_SHARE``·x), were slower at no cost to the job: their outliers are
+       kept, marked ``absorbed``, and name no rank. A rank in between stays named: late short of the
+       share but not clearly, or clearly late by less than the share (on an oversubscribed host a
+       rank's own CPU time slows the unnamed ranks too: a slow collate of 37 ms per iteration was late
+       by 13 ± 3 ms). With no late rank, nothing changes: a small fault's lateness is lost in the
+       waits' noise (a slower matmul, 2 ms per iteration, waiting about as long as its peers). Several
+       faults of comparable cost each make the unnamed ranks wait, and stay named.
 
     Beside a busy process, 4-rank dives of a hot loop or GC on rank 2 (23-31 ms per iteration, 24 ms
     less waiting) also named healthy ranks for ``aten::gelu`` or ``aten::addmm`` (0.8-6.4 ms, waiting
@@ -483,7 +486,7 @@ def absorbed(out: list, arrival: Mapping[int, tuple[str, np.ndarray]]) -> list:
     # 2. the reference per iteration: the role's ranks named for nothing (all of the role's when every rank
     # is named); ranks whose figures do not line up with the role's (another number of iterations) are left out
     by_role: dict[str, dict[int, np.ndarray]] = {}
-    for r, (role, w) in arrival.items():
+    for r, (role, w, _) in arrival.items():
         if np.all(np.isfinite(w)):
             by_role.setdefault(role, {})[r] = w
     ref: dict[str, np.ndarray] = {}
@@ -494,7 +497,7 @@ def absorbed(out: list, arrival: Mapping[int, tuple[str, np.ndarray]]) -> list:
         ref[role] = np.median(np.array(pool), axis=0)
     judged: dict[int, tuple[float, float]] = {}         # rank -> (late, s)
     for r, x in cost.items():
-        role, w = arrival.get(r, ("", np.array([math.nan])))
+        role, w, _ = arrival.get(r, ("", np.array([math.nan]), math.nan))
         if r in threads or role not in ref or len(w) != len(ref[role]) or not np.all(np.isfinite(w)):
             continue
         d = ref[role] - w
@@ -502,8 +505,10 @@ def absorbed(out: list, arrival: Mapping[int, tuple[str, np.ndarray]]) -> list:
     # 3. late ranks; 4. the others of their role, unjudgeable or clearly not late
     late = {r for r, (m, se) in judged.items() if cost[r] >= se and m > 0 and m >= ABSORBED_SHARE * cost[r]}
     late_roles = {arrival[r][0] for r in late}
+    waited = {r for r, (m, se) in judged.items()       # made the others wait: clearly, and by 1 % of a step
+              if m - 2 * se > 0 and not m < floor * arrival[r][2]}
     absorbed = {r for r, (m, se) in judged.items() if r not in late and arrival[r][0] in late_roles
-                and (cost[r] < se or m + se < ABSORBED_SHARE * cost[r])}
+                and (cost[r] < se or (r not in waited and m + se < ABSORBED_SHARE * cost[r]))}
     if not absorbed:
         return out
     fixed = []
