@@ -503,7 +503,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainscope.collector.exporter_config import ExporterConfig
     from trainscope.collector.exporter_socket import reachable
 
-    ap = argparse.ArgumentParser(prog="trainscope-stacks", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="trainscope-stacks", description=__doc__.split("\n\n")[0],
+                                 allow_abbrev=False)
     ap.add_argument("--run-dir", required=True, help="directory where ranks announce themselves")
     d = StackSamplerConfig()
     ap.add_argument("--processor", default=env.text(env.PROCESSOR) or ExporterConfig().target)

@@ -162,8 +162,11 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _defaults_in_help(parser: argparse.ArgumentParser) -> None:
-    """Every parser and sub-parser shows each flag's default in ``--help``."""
+    """Every parser and sub-parser shows each flag's default in ``--help`` and takes no abbreviated flag:
+    ``--kafka-sasl-password SECRET`` was taken for ``--kafka-sasl-password-file`` and ``--token SECRET`` for
+    ``--token-file``, the secret left in ``ps`` (issue #24); a flag is spelt whole or refused."""
     parser.formatter_class = _DefaultsFormatter
+    parser.allow_abbrev = False
     for action in parser._actions:
         if action.option_strings and not action.help and action.nargs != 0:
             action.help = "(default: none)" if action.default is None else "(default: %(default)s)"

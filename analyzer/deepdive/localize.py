@@ -62,7 +62,11 @@ Steps:
    ``aten::select`` or ``stack`` costing 4 ms per iteration, all of it one
    preempted iteration, and a 6-rank one beside a busy process named healthy
    ranks for ``aten::cat``/``aten::copy_`` preempted in two iterations of
-   four; a hot loop costs in every iteration.
+   four; a hot loop costs in every iteration. "That far" is
+   max(``floor``, k·``rel_floor``·β·(1 − β)): a relative spread r of a
+   function's time moves its share of the step by r·β·(1 − β), so near the
+   whole step a slower function gains little share (a recorded CPU job's
+   helper at 0.80 on its peers, 0.87 on the rank doing five times its work).
 6. Impact, s per iteration: (β_w − median β) × the rank's mean iteration
    time (the extra critical-path time the function costs the rank per step),
    when the traces have iteration marks.
@@ -336,7 +340,10 @@ def localize(patterns: Mapping[int, Patterns], *, roles: Mapping[int, str] | Non
         if cfg.steady:
             # ... in about three iterations of four too: stalls of one or two iterations move β, not that
             mBM = np.median(BM, axis=0)
-            steady = np.abs(BM - mBM) >= np.maximum(cfg.floor, cfg.k * cfg.rel_floor * mBM)
+            # a relative spread r of a function's time moves its share β of the step by r·β·(1 − β) (the rest of
+            # the step stays): near the whole step a 5x slower function gains little share (0.80 -> 0.87 in a
+            # recorded CPU job whose peers' helper was preempted), and k·r·β would have hidden it
+            steady = np.abs(BM - mBM) >= np.maximum(cfg.floor, cfg.k * cfg.rel_floor * mBM * (1 - mBM))
             # against a given range: β out of it in that iteration too, or D from μ/σ alone
             in_b = (BD <= hiB) & (BD >= loB)
             steady[:, given] = ((BM > hiB) | (BM < loB) | ((D > 0) & in_b))[:, given]

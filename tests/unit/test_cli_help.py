@@ -179,3 +179,14 @@ def test_file_paths_named_in_backticks_exist(doc):
         if not any((base / t).exists() for base in tops):
             missing.append(t)
     assert not missing, f"{doc.name}: names files that are not in the repo: {missing}"
+
+
+def test_no_parser_takes_an_abbreviated_flag():
+    """Issue #24 item 3: ``--token SECRET`` was taken for ``--token-file`` and ``--kafka-sasl-password SECRET`` for
+    ``--kafka-sasl-password-file``, the secret left in ``ps``. Every parser refuses a flag not spelt whole."""
+    assert all(not parser.allow_abbrev for _, parser in _parsers(build_parser()))
+    for argv in (["processor", "--token", "s3cret"], ["processor", "--kafka-sasl-password", "s3cret"],
+                 ["analyzer", "--kafka-sasl-password", "s3cret"]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(argv)
+        assert e.value.code == 2, argv

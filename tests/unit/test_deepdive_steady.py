@@ -104,3 +104,15 @@ def test_one_preempted_execution_in_every_iteration_is_not_named_but_every_execu
     assert named(localize_traces(preempted)) == set()
     slower = run({0: [[170.0] * 10 for _ in range(6)]})                     # every execution 8.5x
     assert named(localize_traces(slower)) == {("aten::select", 0)}
+
+
+def test_a_function_near_the_whole_step_slower_in_every_iteration_is_named(tmp_path):
+    """Step 5's steadiness band is the spread of a share: a relative spread r of a function's time moves its
+    share β of the step by r·β·(1 − β). A recorded CPU job's helper at β 0.80 on its peers (preempted) and
+    0.87 on the rank doing five times the work was out of a band of k·r·β (0.08), and nobody was named
+    (a CI run under load). Here: peers' function 2.4 ms of a 3.4 ms step (β 0.71, the old band 0.071), rank 1's
+    3.0 ms in every iteration (β 0.75); a healthy job with 1 % of jitter names nobody."""
+    slow = job(tmp_path, {0: [2400.0] * 6, 1: [3000.0] * 6, 2: [2400.0] * 6, 3: [2400.0] * 6})
+    assert named(localize_traces(slow)) == {("aten::select", 1)}
+    jitter = job(tmp_path, {r: [2400.0 * (1 + 0.01 * ((i * 7 + r * 3) % 3 - 1)) for i in range(6)] for r in range(4)})
+    assert named(localize_traces(jitter)) == set()
